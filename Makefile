@@ -1,0 +1,39 @@
+# duet: the two entry points a newcomer needs, plus helpers.
+#   make up    fetch the model if missing, build release, run duet
+#   make test  install what the suite needs, fetch the model, run every test
+
+SHELL := /bin/bash
+MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
+PROMPT ?= Explain in one sentence why the sky is blue.
+CARGO ?= cargo
+
+.PHONY: up test model deps build lint fmt bench-engine clean-results
+
+up: model
+	$(CARGO) build --release -p duet
+	@echo
+	@echo "duet is built: ./target/release/duet --help"
+	@echo "one-shot generation:  ./target/release/duet run --chat --prompt 'your question'"
+	@echo "running: duet run --chat --prompt '$(PROMPT)'"
+	@echo
+	./target/release/duet run --model $(MODEL) --chat --prompt "$(PROMPT)"
+
+test: deps model
+	$(CARGO) test --workspace --no-fail-fast
+
+model:
+	./scripts/fetch-model.sh
+
+deps:
+	./scripts/install-test-deps.sh
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+# Engine throughput beside llama.cpp on the same GGUF and threads (not CI).
+bench-engine: model
+	./scripts/bench-engine.sh

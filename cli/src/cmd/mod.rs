@@ -1,0 +1,3 @@
+pub mod bench;
+pub mod model_args;
+pub mod run;

@@ -1,0 +1,45 @@
+//! Flags shared by every command that loads the model.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use duet_engine::{LoadOptions, Model, WeightMode};
+
+/// Where `make up` puts the default model.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// GGUF model file (llama architecture).
+    #[arg(long, env = "DUET_MODEL", default_value = DEFAULT_MODEL)]
+    pub model: PathBuf,
+    /// Compute threads.
+    #[arg(long, env = "DUET_THREADS", default_value_t = 1)]
+    pub threads: usize,
+    /// Weight form: `quantized` (least memory), `dense` (f32 GEMM), or
+    /// `hybrid` (quantized for small batches, dense for prompts).
+    #[arg(long, env = "DUET_WEIGHTS", default_value = "hybrid")]
+    pub weights: WeightMode,
+}
+
+impl ModelArgs {
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.threads == 0 {
+            anyhow::bail!("--threads must be at least 1");
+        }
+        Ok(())
+    }
+
+    pub fn load(&self) -> anyhow::Result<Model> {
+        self.validate()?;
+        Model::load(
+            &self.model,
+            LoadOptions {
+                threads: self.threads,
+                weight_mode: self.weights,
+            },
+        )
+        .with_context(|| format!("loading {}", self.model.display()))
+    }
+}

@@ -1,0 +1,120 @@
+//! `duet run`: one-shot generation in-process.
+
+use std::io::Write;
+
+use anyhow::Context;
+use clap::Args;
+use duet_engine::{generate, ChatMessage, GenerationParams, KvCache, KvDtype, SamplingParams};
+
+use super::model_args::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt (raw text, or the user message with --chat).
+    #[arg(long)]
+    pub prompt: String,
+    /// Render the prompt as one user message with the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
+    pub top_k: i64,
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
+    pub repetition_penalty: f32,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop string (repeatable); not included in the output.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Prefill chunk size in tokens (0 = whole prompt in one forward).
+    #[arg(long, default_value_t = 0)]
+    pub prefill_chunk: usize,
+    /// KV cache element type.
+    #[arg(long, env = "DUET_KV_DTYPE", default_value = "f32")]
+    pub kv_dtype: KvDtype,
+    /// Print one JSON object (prompt_ids, ids, text, timings) instead of streaming.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: RunArgs) -> anyhow::Result<()> {
+    if a.prompt.trim().is_empty() {
+        anyhow::bail!("--prompt is empty");
+    }
+    let params = GenerationParams {
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repetition_penalty: a.repetition_penalty,
+            seed: a.seed,
+        },
+        max_tokens: a.max_tokens,
+        stop: a.stop.clone(),
+        stop_token_ids: Vec::new(),
+    };
+    // Reject bad parameters before spending time on loading.
+    params.sampling.validate()?;
+    let model = a.model.load()?;
+    params.validate(model.config.context_length)?;
+    let (text, parse_special) = match a.chat {
+        true => {
+            let tpl = model
+                .chat_template
+                .as_ref()
+                .context("--chat: the model has no chat template")?;
+            (
+                tpl.render(&[ChatMessage::new("user", &a.prompt)], true)?,
+                true,
+            )
+        }
+        false => (a.prompt.clone(), false),
+    };
+    let prompt = model.tokenizer.encode(&text, parse_special)?;
+    let layout = model.kv_layout(16, a.kv_dtype);
+    let blocks = (prompt.len() + a.max_tokens).div_ceil(layout.block_size);
+    let mut cache = KvCache::new(layout, blocks);
+    let stdout = std::io::stdout();
+    let json = a.json;
+    let out = generate(
+        &model,
+        &mut cache,
+        0,
+        &prompt,
+        params,
+        a.prefill_chunk,
+        &mut |s| {
+            if !json {
+                let mut o = stdout.lock();
+                let _ = o.write_all(s.text.as_bytes());
+                let _ = o.flush();
+            }
+        },
+    )?;
+    if json {
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        println!();
+        eprintln!(
+            "[{} prompt tokens, {} generated, finish: {}, prefill {:.1} ms, decode {:.2} ms/token]",
+            out.prompt_ids.len(),
+            out.ids.len(),
+            out.finish_reason.as_str(),
+            out.timings.prefill_ms,
+            out.timings.decode_ms_per_token
+        );
+    }
+    Ok(())
+}

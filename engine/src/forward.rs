@@ -1,0 +1,396 @@
+//! duet's forward pass over the paged KV cache.
+//!
+//! One call runs any mix of sequences: a prefill chunk is a run of rows of one
+//! sequence, a decode step is one row per sequence. The dense parts
+//! (projections, MLP) run over all rows of the batch at once; attention runs
+//! per (row, head) over that row's own sequence blocks, so sequences at
+//! different positions share one forward.
+
+use half::f16;
+use rayon::prelude::*;
+
+use crate::error::{EngineError, Result};
+use crate::kernels;
+use crate::kv::cache::Storage;
+use crate::kv::{BlockId, KvCache, KvKind, SeqId};
+use crate::model::Model;
+
+/// A run of new tokens for one sequence.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    /// Whether to compute the logits of the chunk's last token (the last
+    /// chunk of a prefill, every decode step).
+    pub logits: bool,
+}
+
+impl<'a> SeqChunk<'a> {
+    pub fn new(seq: SeqId, tokens: &'a [u32]) -> Self {
+        Self {
+            seq,
+            tokens,
+            logits: true,
+        }
+    }
+}
+
+struct Row {
+    chunk: usize,
+    pos: usize,
+    block: BlockId,
+    slot: usize,
+}
+
+trait KvElem: Copy + Send + Sync {
+    const ROUND_OPERANDS: bool = false;
+    fn dot(q: &[f32], k: &[Self], buf: &mut [f32]) -> f32;
+    fn axpy(o: &mut [f32], w: f32, v: &[Self], buf: &mut [f32]);
+    fn to_f32(src: &[Self], dst: &mut [f32]);
+}
+
+impl KvElem for f32 {
+    #[inline]
+    fn dot(q: &[f32], k: &[Self], _: &mut [f32]) -> f32 {
+        kernels::dot(q, k)
+    }
+    #[inline]
+    fn axpy(o: &mut [f32], w: f32, v: &[Self], _: &mut [f32]) {
+        kernels::axpy(o, w, v)
+    }
+    #[inline]
+    fn to_f32(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
+    }
+}
+
+impl KvElem for f16 {
+    // With f16 storage, attention follows llama.cpp's f16 KV path: the query
+    // and the softmax weights are rounded to f16 too before their products.
+    const ROUND_OPERANDS: bool = true;
+    #[inline]
+    fn dot(q: &[f32], k: &[Self], buf: &mut [f32]) -> f32 {
+        for (d, s) in buf.iter_mut().zip(k) {
+            *d = s.to_f32();
+        }
+        kernels::dot(q, buf)
+    }
+    #[inline]
+    fn axpy(o: &mut [f32], w: f32, v: &[Self], buf: &mut [f32]) {
+        for (d, s) in buf.iter_mut().zip(v) {
+            *d = s.to_f32();
+        }
+        kernels::axpy(o, w, buf)
+    }
+    #[inline]
+    fn to_f32(src: &[Self], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.to_f32();
+        }
+    }
+}
+
+/// Softmax-weighted sum of V rows the way llama.cpp's CPU flash attention
+/// does it over an f16 cache: one pass with a running maximum, the output
+/// accumulated in f16, normalised at the end.
+fn online_softmax_f16(scores: &[f32], out: &mut [f32], mut v_row: impl FnMut(usize) -> Vec<f32>) {
+    let mut acc = vec![f16::ZERO; out.len()];
+    let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
+    for (t, &s) in scores.iter().enumerate() {
+        let (mut ms, mut vs) = (1f32, 1f32);
+        if s > m {
+            ms = (m - s).exp();
+            m = s;
+            for a in acc.iter_mut() {
+                *a = f16::from_f32(a.to_f32() * ms);
+            }
+        } else {
+            vs = (s - m).exp();
+        }
+        let v = v_row(t);
+        for (a, x) in acc.iter_mut().zip(&v) {
+            *a = f16::from_f32(x.mul_add(vs, a.to_f32()));
+        }
+        sum = sum * ms + vs;
+    }
+    let inv = 1.0 / sum;
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = a.to_f32() * inv;
+    }
+}
+
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    for (xr, or) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
+        let ss = kernels::dot(xr, xr) / w.len() as f32;
+        let scale = 1.0 / (ss + eps).sqrt();
+        for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
+            *o = v * scale * g;
+        }
+    }
+}
+
+/// Rotate adjacent pairs (GGUF llama's layout) of every head in `x`.
+fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+    for head in x.chunks_exact_mut(head_dim) {
+        for (i, pair) in head.chunks_exact_mut(2).enumerate() {
+            let (a, b) = (pair[0], pair[1]);
+            pair[0] = a * cos[i] - b * sin[i];
+            pair[1] = a * sin[i] + b * cos[i];
+        }
+    }
+}
+
+impl Model {
+    /// Run new tokens of several sequences through the model, writing their
+    /// KV into `cache`. Returns, per chunk, the logits of its last token
+    /// (empty when the chunk asked for none). `on_layer(l, cache)` runs after
+    /// layer `l`'s KV is in the cache: a prefill worker streams it from there
+    /// while the next layer computes.
+    pub fn forward_with(
+        &self,
+        cache: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        on_layer: &mut (dyn FnMut(usize, &KvCache) + Send),
+    ) -> Result<Vec<Vec<f32>>> {
+        let c = &self.config;
+        let layout = cache.layout().clone();
+        if (layout.n_layers, layout.n_kv_heads, layout.head_dim)
+            != (c.n_layers, c.n_kv_heads, c.head_dim)
+        {
+            return Err(EngineError::LayoutMismatch(format!(
+                "cache holds {}x{}x{}, model needs {}x{}x{}",
+                layout.n_layers,
+                layout.n_kv_heads,
+                layout.head_dim,
+                c.n_layers,
+                c.n_kv_heads,
+                c.head_dim
+            )));
+        }
+        for ch in batch {
+            if ch.tokens.is_empty() {
+                return Err(EngineError::invalid("tokens", "empty chunk"));
+            }
+            if let Some(&bad) = ch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(EngineError::invalid(
+                    "tokens",
+                    format!("token id {bad} outside the vocabulary of {}", c.vocab_size),
+                ));
+            }
+            let len = cache.sequence_len(ch.seq)?;
+            if len + ch.tokens.len() > c.context_length {
+                return Err(EngineError::invalid(
+                    "tokens",
+                    format!(
+                        "{} tokens exceed the context length {}",
+                        len + ch.tokens.len(),
+                        c.context_length
+                    ),
+                ));
+            }
+        }
+        // Reserve all blocks before computing anything.
+        let mut starts = Vec::with_capacity(batch.len());
+        for ch in batch {
+            starts.push(cache.prepare_append(ch.seq, ch.tokens.len())?);
+        }
+        let bs = layout.block_size;
+        let tables: Vec<Vec<BlockId>> = batch
+            .iter()
+            .map(|ch| cache.sequence_blocks(ch.seq).map(|b| b.to_vec()))
+            .collect::<Result<_>>()?;
+        let mut rows = Vec::new();
+        let mut tokens = Vec::new();
+        for (i, ch) in batch.iter().enumerate() {
+            for (j, &t) in ch.tokens.iter().enumerate() {
+                let pos = starts[i] + j;
+                rows.push(Row {
+                    chunk: i,
+                    pos,
+                    block: tables[i][pos / bs],
+                    slot: pos % bs,
+                });
+                tokens.push(t);
+            }
+        }
+        let logits = self
+            .pool
+            .install(|| self.run_layers(cache, batch, &rows, &tokens, &tables, on_layer))?;
+        for ch in batch {
+            cache.commit_append(ch.seq, ch.tokens.len())?;
+        }
+        Ok(logits)
+    }
+
+    /// [`Self::forward_with`] without a per-layer hook.
+    pub fn forward(&self, cache: &mut KvCache, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.forward_with(cache, batch, &mut |_, _| {})
+    }
+
+    fn run_layers(
+        &self,
+        cache: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        rows: &[Row],
+        tokens: &[u32],
+        tables: &[Vec<BlockId>],
+        on_layer: &mut (dyn FnMut(usize, &KvCache) + Send),
+    ) -> Result<Vec<Vec<f32>>> {
+        let c = &self.config;
+        let (d, hd, n) = (c.hidden, c.head_dim, rows.len());
+        let (q_dim, kv_dim) = (c.n_heads * hd, c.n_kv_heads * hd);
+        let mut x = vec![0f32; n * d];
+        for (xr, &t) in x.chunks_exact_mut(d).zip(tokens) {
+            self.embed.dequant_row(t as usize, xr);
+        }
+        // RoPE tables per row.
+        let half = hd / 2;
+        let mut cos = vec![0f32; n * half];
+        let mut sin = vec![0f32; n * half];
+        for (r, row) in rows.iter().enumerate() {
+            for i in 0..half {
+                let inv = (c.rope_theta as f64).powf(-2.0 * i as f64 / hd as f64);
+                let a = row.pos as f64 * inv;
+                cos[r * half + i] = a.cos() as f32;
+                sin[r * half + i] = a.sin() as f32;
+            }
+        }
+        let mut xn = vec![0f32; n * d];
+        for (l, layer) in self.layers.iter().enumerate() {
+            rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut xn);
+            let mut qkv = layer.wqkv.forward(&xn, n)?;
+            let stride = q_dim + 2 * kv_dim;
+            for (r, row) in qkv.chunks_exact_mut(stride).enumerate() {
+                let (cs, sn) = (
+                    &cos[r * half..(r + 1) * half],
+                    &sin[r * half..(r + 1) * half],
+                );
+                let (q, kv) = row.split_at_mut(q_dim);
+                rope(q, hd, cs, sn);
+                rope(&mut kv[..kv_dim], hd, cs, sn);
+            }
+            for (row, r) in qkv.chunks_exact(stride).zip(rows) {
+                let (k, v) = (&row[q_dim..q_dim + kv_dim], &row[q_dim + kv_dim..]);
+                cache.write_token(r.block, r.slot, l, k, v);
+            }
+            let attn = self.attention(cache, l, &qkv, stride, rows, tables);
+            let o = layer.wo.forward(&attn, n)?;
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+            on_layer(l, cache);
+            rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut xn);
+            let gu = layer.w_gate_up.forward(&xn, n)?;
+            let f = c.ffn_hidden;
+            let mut h = vec![0f32; n * f];
+            for (hr, gur) in h.chunks_exact_mut(f).zip(gu.chunks_exact(2 * f)) {
+                let (g, u) = gur.split_at(f);
+                for ((o, &gv), &uv) in hr.iter_mut().zip(g).zip(u) {
+                    *o = gv / (1.0 + (-gv).exp()) * uv;
+                }
+            }
+            let down = layer.w_down.forward(&h, n)?;
+            for (a, b) in x.iter_mut().zip(&down) {
+                *a += b;
+            }
+        }
+        // Logits only for the last row of the chunks that want them.
+        let mut want = Vec::new();
+        let mut end = 0;
+        for (i, ch) in batch.iter().enumerate() {
+            end += ch.tokens.len();
+            if ch.logits {
+                want.push((i, end - 1));
+            }
+        }
+        let mut out = vec![Vec::new(); batch.len()];
+        if want.is_empty() {
+            return Ok(out);
+        }
+        let mut sel = Vec::with_capacity(want.len() * d);
+        for &(_, r) in &want {
+            sel.extend_from_slice(&x[r * d..(r + 1) * d]);
+        }
+        let mut seln = vec![0f32; sel.len()];
+        rms_norm(&sel, &self.out_norm, c.rms_eps, &mut seln);
+        let logits = self.output.forward(&seln, want.len())?;
+        for (&(i, _), lg) in want.iter().zip(logits.chunks_exact(c.vocab_size)) {
+            out[i] = lg.to_vec();
+        }
+        Ok(out)
+    }
+
+    fn attention(
+        &self,
+        cache: &KvCache,
+        layer: usize,
+        qkv: &[f32],
+        stride: usize,
+        rows: &[Row],
+        tables: &[Vec<BlockId>],
+    ) -> Vec<f32> {
+        match cache.storage() {
+            Storage::F32(data) => self.attention_t(cache, data, layer, qkv, stride, rows, tables),
+            Storage::F16(data) => self.attention_t(cache, data, layer, qkv, stride, rows, tables),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_t<T: KvElem>(
+        &self,
+        cache: &KvCache,
+        data: &[T],
+        layer: usize,
+        qkv: &[f32],
+        stride: usize,
+        rows: &[Row],
+        tables: &[Vec<BlockId>],
+    ) -> Vec<f32> {
+        let c = &self.config;
+        let (hd, nh, group) = (c.head_dim, c.n_heads, c.group_size());
+        let bs = cache.block_size();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut out = vec![0f32; rows.len() * nh * hd];
+        out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+            let (r, h) = (idx / nh, idx % nh);
+            let row = &rows[r];
+            let g = h / group;
+            let mut q = qkv[r * stride + h * hd..r * stride + (h + 1) * hd].to_vec();
+            if T::ROUND_OPERANDS {
+                q.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32());
+            }
+            let q = &q[..];
+            let table = &tables[row.chunk];
+            let n = row.pos + 1;
+            let mut scores = Vec::with_capacity(n);
+            let mut kbuf = vec![0f32; hd];
+            for t in 0..n {
+                let off =
+                    cache.region_offset(table[t / bs], layer, KvKind::K) + (g * bs + t % bs) * hd;
+                scores.push(T::dot(q, &data[off..off + hd], &mut kbuf) * scale);
+            }
+            if T::ROUND_OPERANDS {
+                online_softmax_f16(&scores, o, |t| {
+                    let off = cache.region_offset(table[t / bs], layer, KvKind::V)
+                        + (g * bs + t % bs) * hd;
+                    T::to_f32(&data[off..off + hd], &mut kbuf);
+                    kbuf.clone()
+                });
+                return;
+            }
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let inv = 1.0 / sum;
+            for (t, &p) in scores.iter().enumerate() {
+                let off =
+                    cache.region_offset(table[t / bs], layer, KvKind::V) + (g * bs + t % bs) * hd;
+                T::axpy(o, p * inv, &data[off..off + hd], &mut kbuf);
+            }
+        });
+        out
+    }
+}

@@ -1,0 +1,305 @@
+//! CPU kernels over GGML block formats, in safe Rust written so that LLVM
+//! vectorises them (the workspace builds for x86-64-v3: AVX2 + FMA + F16C).
+//!
+//! Invariants:
+//! - every weight row is a whole number of 32-element blocks;
+//! - a row's dot product is computed in the same order whatever the batch
+//!   size, so a sequence decoded in a batch gets bit-identical logits to the
+//!   same sequence decoded alone (the fused path is used up to
+//!   [`FUSED_MAX_ROWS`] activation rows).
+
+use half::f16;
+
+/// Elements per quantization block for every format we handle natively.
+pub const QK: usize = 32;
+
+/// Activation rows up to which the fused dequantize-and-dot kernel is used;
+/// above it the weights are expanded to f32 and multiplied with a GEMM.
+pub const FUSED_MAX_ROWS: usize = 8;
+
+/// Weight block formats with native kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockFormat {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+}
+
+impl BlockFormat {
+    /// Whether llama.cpp multiplies this format with 8-bit activations.
+    pub fn quantizes_activations(self) -> bool {
+        matches!(
+            self,
+            BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q8_0
+        )
+    }
+
+    /// Bytes per block of [`QK`] elements.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            BlockFormat::F32 => 4 * QK,
+            BlockFormat::F16 => 2 * QK,
+            BlockFormat::Q4_0 => 2 + QK / 2,
+            BlockFormat::Q4_1 => 4 + QK / 2,
+            BlockFormat::Q8_0 => 2 + QK,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BlockFormat::F32 => "f32",
+            BlockFormat::F16 => "f16",
+            BlockFormat::Q4_0 => "q4_0",
+            BlockFormat::Q4_1 => "q4_1",
+            BlockFormat::Q8_0 => "q8_0",
+        }
+    }
+}
+
+#[inline(always)]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// A block format's dequantisation, monomorphised into the kernels.
+trait Block {
+    const BYTES: usize;
+    fn dequant(b: &[u8], out: &mut [f32; QK]);
+}
+
+struct BF32;
+struct BF16;
+struct BQ4_0;
+struct BQ4_1;
+struct BQ8_0;
+
+impl Block for BF32 {
+    const BYTES: usize = 4 * QK;
+    #[inline(always)]
+    fn dequant(b: &[u8], out: &mut [f32; QK]) {
+        for (o, c) in out.iter_mut().zip(b.chunks_exact(4)) {
+            *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+    }
+}
+
+impl Block for BF16 {
+    const BYTES: usize = 2 * QK;
+    #[inline(always)]
+    fn dequant(b: &[u8], out: &mut [f32; QK]) {
+        for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
+            *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+        }
+    }
+}
+
+impl Block for BQ4_0 {
+    const BYTES: usize = 2 + QK / 2;
+    #[inline(always)]
+    fn dequant(b: &[u8], out: &mut [f32; QK]) {
+        let d = f16_at(b, 0);
+        let qs = &b[2..2 + QK / 2];
+        for i in 0..QK / 2 {
+            out[i] = ((qs[i] & 0x0f) as i32 - 8) as f32 * d;
+            out[i + QK / 2] = ((qs[i] >> 4) as i32 - 8) as f32 * d;
+        }
+    }
+}
+
+impl Block for BQ4_1 {
+    const BYTES: usize = 4 + QK / 2;
+    #[inline(always)]
+    fn dequant(b: &[u8], out: &mut [f32; QK]) {
+        let d = f16_at(b, 0);
+        let m = f16_at(b, 2);
+        let qs = &b[4..4 + QK / 2];
+        for i in 0..QK / 2 {
+            out[i] = ((qs[i] & 0x0f) as f32).mul_add(d, m);
+            out[i + QK / 2] = ((qs[i] >> 4) as f32).mul_add(d, m);
+        }
+    }
+}
+
+impl Block for BQ8_0 {
+    const BYTES: usize = 2 + QK;
+    #[inline(always)]
+    fn dequant(b: &[u8], out: &mut [f32; QK]) {
+        let d = f16_at(b, 0);
+        for (o, &q) in out.iter_mut().zip(&b[2..2 + QK]) {
+            *o = (q as i8) as f32 * d;
+        }
+    }
+}
+
+/// Dequantise one row (`row.len()` is a whole number of blocks) into `out`.
+pub fn dequant_row(fmt: BlockFormat, row: &[u8], out: &mut [f32]) {
+    match fmt {
+        BlockFormat::F32 => dequant_row_t::<BF32>(row, out),
+        BlockFormat::F16 => dequant_row_t::<BF16>(row, out),
+        BlockFormat::Q4_0 => dequant_row_t::<BQ4_0>(row, out),
+        BlockFormat::Q4_1 => dequant_row_t::<BQ4_1>(row, out),
+        BlockFormat::Q8_0 => dequant_row_t::<BQ8_0>(row, out),
+    }
+}
+
+fn dequant_row_t<B: Block>(row: &[u8], out: &mut [f32]) {
+    let mut buf = [0f32; QK];
+    for (blk, o) in row.chunks_exact(B::BYTES).zip(out.chunks_exact_mut(QK)) {
+        B::dequant(blk, &mut buf);
+        o.copy_from_slice(&buf);
+    }
+}
+
+/// Dot products of one weight row with up to [`FUSED_MAX_ROWS`] activation
+/// rows (`xs[r]` has the row's element count); results go to `out[r]`.
+pub fn dot_rows(fmt: BlockFormat, wrow: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+    match fmt {
+        BlockFormat::F32 => dot_rows_t::<BF32>(wrow, xs, out),
+        BlockFormat::F16 => dot_rows_t::<BF16>(wrow, xs, out),
+        BlockFormat::Q4_0 => dot_rows_t::<BQ4_0>(wrow, xs, out),
+        BlockFormat::Q4_1 => dot_rows_t::<BQ4_1>(wrow, xs, out),
+        BlockFormat::Q8_0 => dot_rows_t::<BQ8_0>(wrow, xs, out),
+    }
+}
+
+fn dot_rows_t<B: Block>(wrow: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+    // Tiles of 4 rows keep the accumulators (4 x 32 lanes) in registers.
+    let mut r0 = 0;
+    while r0 < xs.len() {
+        let n = (xs.len() - r0).min(4);
+        match n {
+            4 => dot_tile::<B, 4>(wrow, &xs[r0..r0 + 4], &mut out[r0..r0 + 4]),
+            3 => dot_tile::<B, 3>(wrow, &xs[r0..r0 + 3], &mut out[r0..r0 + 3]),
+            2 => dot_tile::<B, 2>(wrow, &xs[r0..r0 + 2], &mut out[r0..r0 + 2]),
+            _ => dot_tile::<B, 1>(wrow, &xs[r0..r0 + 1], &mut out[r0..r0 + 1]),
+        }
+        r0 += n;
+    }
+}
+
+#[inline(always)]
+fn dot_tile<B: Block, const R: usize>(wrow: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+    let mut acc = [[0f32; QK]; R];
+    let mut w = [0f32; QK];
+    for (b, blk) in wrow.chunks_exact(B::BYTES).enumerate() {
+        B::dequant(blk, &mut w);
+        for r in 0..R {
+            let x = &xs[r][b * QK..(b + 1) * QK];
+            let a = &mut acc[r];
+            for j in 0..QK {
+                a[j] = w[j].mul_add(x[j], a[j]);
+            }
+        }
+    }
+    for r in 0..R {
+        out[r] = hsum(&acc[r]);
+    }
+}
+
+/// Horizontal sum of 32 lanes in a fixed order.
+#[inline(always)]
+fn hsum(a: &[f32; QK]) -> f32 {
+    let mut s = [0f32; 8];
+    for c in a.chunks_exact(8) {
+        for l in 0..8 {
+            s[l] += c[l];
+        }
+    }
+    ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]))
+}
+
+/// Round activations to the grid llama.cpp's CPU path multiplies quantized
+/// weights with: per 32 values, `q = round(x / d)` with `d = max|x| / 127`
+/// stored as f16 (its Q8_0 / Q8_1 activation blocks). Doing the same keeps
+/// duet's logits within rounding of llama.cpp's, so greedy decoding agrees.
+pub fn round_to_q8_grid(x: &mut [f32]) {
+    for blk in x.chunks_exact_mut(QK) {
+        let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let d16 = f16::from_f32(d).to_f32();
+        for v in blk.iter_mut() {
+            *v = (*v * id).round() * d16;
+        }
+    }
+}
+
+/// Dot product of two f32 slices of equal length, vectorised.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let ca = a.chunks_exact(16);
+    let cb = b.chunks_exact(16);
+    let (ta, tb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..16 {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ta.iter().zip(tb) {
+        s = x.mul_add(*y, s);
+    }
+    s
+}
+
+/// `acc += w * x` elementwise.
+#[inline]
+pub fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
+    for (a, v) in acc.iter_mut().zip(x) {
+        *a = w.mul_add(*v, *a);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q4_1_block(d: f32, m: f32, qs: [u8; 16]) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        b.extend_from_slice(&f16::from_f32(m).to_le_bytes());
+        b.extend_from_slice(&qs);
+        b
+    }
+
+    #[test]
+    fn q4_1_dequant_matches_definition() {
+        let qs: [u8; 16] = std::array::from_fn(|i| (i as u8) | ((15 - i as u8) << 4));
+        let b = q4_1_block(0.5, -1.0, qs);
+        let mut out = [0f32; QK];
+        dequant_row(BlockFormat::Q4_1, &b, &mut out);
+        for i in 0..16 {
+            assert_eq!(out[i], i as f32 * 0.5 - 1.0);
+            assert_eq!(out[i + 16], (15 - i) as f32 * 0.5 - 1.0);
+        }
+    }
+
+    #[test]
+    fn fused_dot_equals_dequant_then_dot_for_any_tile() {
+        let qs: [u8; 16] = std::array::from_fn(|i| (i as u8 * 7) ^ 0x5a);
+        let mut row = q4_1_block(0.25, 0.125, qs);
+        row.extend(q4_1_block(-0.5, 2.0, [0x3c; 16]));
+        let mut w = vec![0f32; 64];
+        dequant_row(BlockFormat::Q4_1, &row, &mut w);
+        let xs: Vec<Vec<f32>> = (0..7)
+            .map(|r| {
+                (0..64)
+                    .map(|i| ((i * 31 + r * 17) % 23) as f32 * 0.1 - 1.0)
+                    .collect()
+            })
+            .collect();
+        let refs: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();
+        let mut all = vec![0f32; 7];
+        dot_rows(BlockFormat::Q4_1, &row, &refs, &mut all);
+        for r in 0..7 {
+            let mut one = [0f32];
+            dot_rows(BlockFormat::Q4_1, &row, &refs[r..r + 1], &mut one);
+            assert_eq!(one[0], all[r], "row {r} differs between tile sizes");
+            let naive: f32 = w.iter().zip(&xs[r]).map(|(a, b)| a * b).sum();
+            assert!((naive - one[0]).abs() < 1e-3, "{naive} vs {}", one[0]);
+        }
+    }
+}

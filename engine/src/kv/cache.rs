@@ -1,0 +1,528 @@
+//! The paged KV cache: one pool of fixed-size blocks shared by all sequences,
+//! per-sequence block tables, and export / import of a sequence's KV in a
+//! described layout (what kv-transfer moves between workers).
+//!
+//! Storage order: `[block][layer][K|V][kv_head][slot][head_dim]`, so the K (or
+//! V) of one layer of one block is one contiguous *region*. A layer's export
+//! frame is the K regions of the sequence's blocks in table order, then the V
+//! regions in the same order.
+//!
+//! Invariants: a sequence of `len` tokens owns exactly `ceil(len / block_size)`
+//! blocks (plus those reserved ahead of a write); a block shared by several
+//! sequences is copied before any of them writes into it (copy-on-write).
+
+use std::collections::HashMap;
+
+use half::f16;
+use serde::{Deserialize, Serialize};
+
+use super::allocator::{BlockAllocator, BlockId};
+use crate::error::{EngineError, Result};
+
+pub type SeqId = u64;
+
+/// Element type of the stored KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum KvDtype {
+    #[default]
+    F32,
+    F16,
+}
+
+impl KvDtype {
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(KvDtype::F32),
+            "f16" => Ok(KvDtype::F16),
+            other => Err(format!("unknown KV dtype `{other}` (f32, f16)")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvKind {
+    K = 0,
+    V = 1,
+}
+
+/// Everything needed to interpret exported KV bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvLayout {
+    /// Hex digest identifying the model (architecture, dims, tokenizer, weights).
+    pub fingerprint: String,
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub dtype: KvDtype,
+}
+
+impl KvLayout {
+    /// Elements in one (block, layer, K-or-V) region.
+    pub fn region_elems(&self) -> usize {
+        self.n_kv_heads * self.block_size * self.head_dim
+    }
+
+    pub fn region_bytes(&self) -> usize {
+        self.region_elems() * self.dtype.size()
+    }
+
+    /// Bytes of KV per token, all layers, K and V.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.size()
+    }
+
+    /// Whether KV in `other`'s layout can be imported into this one (the
+    /// dtype may differ: import converts).
+    pub fn check_compatible(&self, other: &KvLayout) -> Result<()> {
+        let mut diffs = Vec::new();
+        if self.fingerprint != other.fingerprint {
+            diffs.push(format!(
+                "model fingerprint {} vs {}",
+                self.fingerprint, other.fingerprint
+            ));
+        }
+        for (name, a, b) in [
+            ("layers", self.n_layers, other.n_layers),
+            ("kv heads", self.n_kv_heads, other.n_kv_heads),
+            ("head dim", self.head_dim, other.head_dim),
+            ("block size", self.block_size, other.block_size),
+        ] {
+            if a != b {
+                diffs.push(format!("{name} {a} vs {b}"));
+            }
+        }
+        match diffs.is_empty() {
+            true => Ok(()),
+            false => Err(EngineError::LayoutMismatch(diffs.join(", "))),
+        }
+    }
+}
+
+/// A sequence's KV, detached from any cache: one frame per layer.
+#[derive(Debug, Clone)]
+pub struct KvExport {
+    pub layout: KvLayout,
+    pub tokens: usize,
+    /// `layers[l]` = K regions of every block, then V regions, in `layout.dtype`.
+    pub layers: Vec<Vec<u8>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct KvCacheConfig {
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub dtype: KvDtype,
+}
+
+impl KvCacheConfig {
+    /// As many blocks as fit in `budget_bytes`.
+    pub fn from_budget(
+        budget_bytes: usize,
+        block_size: usize,
+        dtype: KvDtype,
+        geometry: (usize, usize, usize),
+    ) -> Self {
+        let (layers, kv_heads, head_dim) = geometry;
+        let block_bytes = 2 * layers * kv_heads * head_dim * block_size * dtype.size();
+        Self {
+            block_size,
+            num_blocks: budget_bytes / block_bytes.max(1),
+            dtype,
+        }
+    }
+}
+
+pub(crate) enum Storage {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+#[derive(Debug, Clone, Default)]
+struct Sequence {
+    blocks: Vec<BlockId>,
+    len: usize,
+}
+
+pub struct KvCache {
+    layout: KvLayout,
+    storage: Storage,
+    alloc: BlockAllocator,
+    seqs: HashMap<SeqId, Sequence>,
+}
+
+impl KvCache {
+    pub fn new(layout: KvLayout, num_blocks: usize) -> Self {
+        let n = num_blocks * layout.n_layers * 2 * layout.region_elems();
+        // Zeroed allocations are lazy: pages become resident when written.
+        let storage = match layout.dtype {
+            KvDtype::F32 => Storage::F32(vec![0f32; n]),
+            KvDtype::F16 => Storage::F16(vec![f16::ZERO; n]),
+        };
+        Self {
+            layout,
+            storage,
+            alloc: BlockAllocator::new(num_blocks),
+            seqs: HashMap::new(),
+        }
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.layout.block_size
+    }
+
+    pub fn total_blocks(&self) -> usize {
+        self.alloc.total_blocks()
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.alloc.free_blocks()
+    }
+
+    pub fn used_blocks(&self) -> usize {
+        self.alloc.used_blocks()
+    }
+
+    pub fn allocator(&self) -> &BlockAllocator {
+        &self.alloc
+    }
+
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.layout.block_size)
+    }
+
+    pub fn num_sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    pub fn contains(&self, id: SeqId) -> bool {
+        self.seqs.contains_key(&id)
+    }
+
+    pub fn sequence_len(&self, id: SeqId) -> Result<usize> {
+        Ok(self.seq(id)?.len)
+    }
+
+    pub fn sequence_blocks(&self, id: SeqId) -> Result<&[BlockId]> {
+        Ok(&self.seq(id)?.blocks)
+    }
+
+    fn seq(&self, id: SeqId) -> Result<&Sequence> {
+        self.seqs.get(&id).ok_or(EngineError::UnknownSequence(id))
+    }
+
+    pub fn add_sequence(&mut self, id: SeqId) -> Result<()> {
+        if self.seqs.contains_key(&id) {
+            return Err(EngineError::invalid(
+                "sequence",
+                format!("sequence {id} exists"),
+            ));
+        }
+        self.seqs.insert(id, Sequence::default());
+        Ok(())
+    }
+
+    /// Release every block of a sequence. Unknown ids are a no-op, so a
+    /// release after a failure is always safe.
+    pub fn free_sequence(&mut self, id: SeqId) {
+        if let Some(s) = self.seqs.remove(&id) {
+            for b in s.blocks {
+                self.alloc.release(b);
+            }
+        }
+    }
+
+    /// A new sequence sharing every block of `src` (reference counts).
+    pub fn fork(&mut self, src: SeqId, dst: SeqId) -> Result<()> {
+        if self.seqs.contains_key(&dst) {
+            return Err(EngineError::invalid(
+                "sequence",
+                format!("sequence {dst} exists"),
+            ));
+        }
+        let s = self.seq(src)?.clone();
+        for &b in &s.blocks {
+            self.alloc.retain(b);
+        }
+        self.seqs.insert(dst, s);
+        Ok(())
+    }
+
+    /// Make room for `n` more tokens: allocates blocks (all or none) and
+    /// copies a shared partially-filled last block before it is written.
+    /// Returns the position of the first new token.
+    pub fn prepare_append(&mut self, id: SeqId, n: usize) -> Result<usize> {
+        let bs = self.layout.block_size;
+        let s = self.seq(id)?;
+        let (len, have) = (s.len, s.blocks.len());
+        let need = self.blocks_for(len + n).saturating_sub(have);
+        let cow = len % bs != 0 && n > 0 && {
+            let last = s.blocks[len / bs];
+            self.alloc.refcount(last) > 1
+        };
+        let fresh = self.alloc.allocate(need + usize::from(cow))?;
+        let mut fresh = fresh.into_iter();
+        if cow {
+            if let Some(copy) = fresh.next() {
+                let idx = len / bs;
+                let old = self.seqs[&id].blocks[idx];
+                self.copy_block(old, copy);
+                self.alloc.release(old);
+                if let Some(s) = self.seqs.get_mut(&id) {
+                    s.blocks[idx] = copy;
+                }
+            }
+        }
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.blocks.extend(fresh);
+        }
+        Ok(len)
+    }
+
+    /// Record that `n` tokens prepared with [`Self::prepare_append`] now hold KV.
+    pub fn commit_append(&mut self, id: SeqId, n: usize) -> Result<()> {
+        let bs = self.layout.block_size;
+        let s = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        if (s.len + n).div_ceil(bs) > s.blocks.len() {
+            return Err(EngineError::invalid(
+                "tokens",
+                "commit beyond reserved blocks",
+            ));
+        }
+        s.len += n;
+        Ok(())
+    }
+
+    /// Drop tokens past `len` (keeps the blocks that still hold tokens).
+    pub fn truncate(&mut self, id: SeqId, len: usize) -> Result<()> {
+        let keep = self.blocks_for(len);
+        let s = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        if len > s.len {
+            return Err(EngineError::invalid("len", "truncate beyond the sequence"));
+        }
+        s.len = len;
+        let dropped: Vec<BlockId> = s.blocks.drain(keep.min(s.blocks.len())..).collect();
+        for b in dropped {
+            self.alloc.release(b);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn region_offset(&self, block: BlockId, layer: usize, kind: KvKind) -> usize {
+        ((block as usize * self.layout.n_layers + layer) * 2 + kind as usize)
+            * self.layout.region_elems()
+    }
+
+    pub(crate) fn storage(&self) -> &Storage {
+        &self.storage
+    }
+
+    fn copy_block(&mut self, from: BlockId, to: BlockId) {
+        let n = self.layout.n_layers * 2 * self.layout.region_elems();
+        let (a, b) = (
+            self.region_offset(from, 0, KvKind::K),
+            self.region_offset(to, 0, KvKind::K),
+        );
+        match &mut self.storage {
+            Storage::F32(v) => v.copy_within(a..a + n, b),
+            Storage::F16(v) => v.copy_within(a..a + n, b),
+        }
+    }
+
+    /// Write one token's K and V (`[kv_head][head_dim]` each) for one layer.
+    pub(crate) fn write_token(
+        &mut self,
+        block: BlockId,
+        slot: usize,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+    ) {
+        let (bs, hd) = (self.layout.block_size, self.layout.head_dim);
+        let ko = self.region_offset(block, layer, KvKind::K);
+        let vo = self.region_offset(block, layer, KvKind::V);
+        for h in 0..self.layout.n_kv_heads {
+            let at = (h * bs + slot) * hd;
+            let (ks, vs) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
+            match &mut self.storage {
+                Storage::F32(d) => {
+                    d[ko + at..ko + at + hd].copy_from_slice(ks);
+                    d[vo + at..vo + at + hd].copy_from_slice(vs);
+                }
+                Storage::F16(d) => {
+                    for i in 0..hd {
+                        d[ko + at + i] = f16::from_f32(ks[i]);
+                        d[vo + at + i] = f16::from_f32(vs[i]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The bytes of one region, for a zero-copy sender.
+    pub fn region_bytes(&self, block: BlockId, layer: usize, kind: KvKind) -> &[u8] {
+        let o = self.region_offset(block, layer, kind);
+        let n = self.layout.region_elems();
+        match &self.storage {
+            Storage::F32(d) => bytemuck::cast_slice(&d[o..o + n]),
+            Storage::F16(d) => bytemuck::cast_slice(&d[o..o + n]),
+        }
+    }
+
+    /// The bytes of one region, for a receiver that writes in place.
+    pub fn region_bytes_mut(&mut self, block: BlockId, layer: usize, kind: KvKind) -> &mut [u8] {
+        let o = self.region_offset(block, layer, kind);
+        let n = self.layout.region_elems();
+        match &mut self.storage {
+            Storage::F32(d) => bytemuck::cast_slice_mut(&mut d[o..o + n]),
+            Storage::F16(d) => bytemuck::cast_slice_mut(&mut d[o..o + n]),
+        }
+    }
+
+    /// One layer's frame for a sequence: K regions, then V regions.
+    pub fn export_layer(&self, id: SeqId, layer: usize) -> Result<Vec<u8>> {
+        let s = self.seq(id)?;
+        if layer >= self.layout.n_layers {
+            return Err(EngineError::invalid(
+                "layer",
+                format!("{layer} out of range"),
+            ));
+        }
+        let mut out = Vec::with_capacity(2 * s.blocks.len() * self.layout.region_bytes());
+        for kind in [KvKind::K, KvKind::V] {
+            for &b in &s.blocks {
+                out.extend_from_slice(self.region_bytes(b, layer, kind));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The whole sequence's KV, detached.
+    pub fn export(&self, id: SeqId) -> Result<KvExport> {
+        let tokens = self.seq(id)?.len;
+        let layers = (0..self.layout.n_layers)
+            .map(|l| self.export_layer(id, l))
+            .collect::<Result<_>>()?;
+        Ok(KvExport {
+            layout: self.layout.clone(),
+            tokens,
+            layers,
+        })
+    }
+
+    /// Reserve blocks for a sequence whose KV will arrive from elsewhere.
+    /// The sequence exists with length 0 until [`Self::commit_append`].
+    pub fn reserve_sequence(&mut self, id: SeqId, tokens: usize) -> Result<Vec<BlockId>> {
+        self.add_sequence(id)?;
+        if let Err(e) = self.prepare_append(id, tokens) {
+            self.seqs.remove(&id);
+            return Err(e);
+        }
+        Ok(self.seq(id)?.blocks.clone())
+    }
+
+    /// Write one imported layer frame (in `src.dtype`) into a reserved sequence.
+    pub fn import_layer(
+        &mut self,
+        id: SeqId,
+        layer: usize,
+        src: &KvLayout,
+        frame: &[u8],
+    ) -> Result<()> {
+        self.layout.check_compatible(src)?;
+        let blocks = self.seq(id)?.blocks.clone();
+        let rb_src = src.region_bytes();
+        if layer >= self.layout.n_layers {
+            return Err(EngineError::invalid(
+                "layer",
+                format!("{layer} out of range"),
+            ));
+        }
+        if frame.len() != 2 * blocks.len() * rb_src {
+            return Err(EngineError::invalid(
+                "frame",
+                format!(
+                    "{} bytes for {} blocks of {} bytes (K and V)",
+                    frame.len(),
+                    blocks.len(),
+                    rb_src
+                ),
+            ));
+        }
+        for (i, chunk) in frame.chunks_exact(rb_src).enumerate() {
+            let kind = if i < blocks.len() {
+                KvKind::K
+            } else {
+                KvKind::V
+            };
+            let b = blocks[i % blocks.len()];
+            let o = self.region_offset(b, layer, kind);
+            let n = self.layout.region_elems();
+            write_converted(&mut self.storage, o, n, chunk, src.dtype);
+        }
+        Ok(())
+    }
+
+    /// Import a whole exported sequence as a new sequence `id`.
+    pub fn import(&mut self, id: SeqId, ex: &KvExport) -> Result<()> {
+        self.layout.check_compatible(&ex.layout)?;
+        if ex.layers.len() != self.layout.n_layers {
+            return Err(EngineError::invalid(
+                "layers",
+                "wrong number of layer frames",
+            ));
+        }
+        self.reserve_sequence(id, ex.tokens)?;
+        let res = (|| {
+            for (l, frame) in ex.layers.iter().enumerate() {
+                self.import_layer(id, l, &ex.layout, frame)?;
+            }
+            self.commit_append(id, ex.tokens)
+        })();
+        if res.is_err() {
+            self.free_sequence(id);
+        }
+        res
+    }
+}
+
+fn write_converted(storage: &mut Storage, o: usize, n: usize, src: &[u8], dtype: KvDtype) {
+    match (storage, dtype) {
+        (Storage::F32(d), KvDtype::F32) => {
+            bytemuck::cast_slice_mut::<f32, u8>(&mut d[o..o + n]).copy_from_slice(src)
+        }
+        (Storage::F16(d), KvDtype::F16) => {
+            bytemuck::cast_slice_mut::<f16, u8>(&mut d[o..o + n]).copy_from_slice(src)
+        }
+        (Storage::F32(d), KvDtype::F16) => {
+            for (x, c) in d[o..o + n].iter_mut().zip(src.chunks_exact(2)) {
+                *x = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        (Storage::F16(d), KvDtype::F32) => {
+            for (x, c) in d[o..o + n].iter_mut().zip(src.chunks_exact(4)) {
+                *x = f16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+            }
+        }
+    }
+}

@@ -1,0 +1,35 @@
+//! duet's model engine, shared by the prefill and decode workers.
+//!
+//! - [`Model`]: a llama-architecture GGUF loaded into duet's own weight
+//!   structures, with its tokenizer and chat template;
+//! - [`KvCache`]: a paged KV cache whose blocks can be exported to and
+//!   imported from another process (what disaggregation moves);
+//! - [`Model::forward`]: one forward over any mix of prefill chunks and decode
+//!   steps of different sequences;
+//! - [`Generation`]: sampling and stop conditions of one sequence.
+
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod forward;
+pub mod generate;
+mod gguf_check;
+pub mod kernels;
+pub mod kv;
+pub mod linear;
+pub mod model;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::ModelConfig;
+pub use error::{EngineError, ErrorClass, Result};
+pub use forward::SeqChunk;
+pub use generate::{
+    generate, FinishReason, Generation, GenerationOutput, GenerationParams, TokenStep,
+};
+pub use kv::{KvCache, KvCacheConfig, KvDtype, KvExport, KvKind, KvLayout, SeqId};
+pub use linear::WeightMode;
+pub use model::{LoadOptions, Model};
+pub use sampling::{Sampler, SamplingParams};
+pub use tokenizer::{Detokenizer, Tokenizer};

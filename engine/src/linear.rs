@@ -1,0 +1,221 @@
+//! A linear layer `y = x W^T` whose weights are kept in the form each phase
+//! wants (see [`WeightMode`]): quantized blocks with a fused
+//! dequantize-and-dot kernel for the few rows of a decode step, dense f32 with
+//! a GEMM for the many rows of a prefill.
+
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{EngineError, Result};
+use crate::kernels::{self, BlockFormat, FUSED_MAX_ROWS, QK};
+
+/// Which forms of the weights a model keeps in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum WeightMode {
+    /// Quantized only: fused kernel for small batches, weights expanded one
+    /// matrix at a time for large ones. Least memory; the decode worker's form.
+    Quantized,
+    /// Dense f32 only: GEMM for every batch. The prefill worker's form.
+    Dense,
+    /// Both: quantized for small batches, dense for large ones. Fastest for a
+    /// process that does both phases, at the cost of the f32 copy.
+    #[default]
+    Hybrid,
+}
+
+impl std::str::FromStr for WeightMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "quantized" => Ok(WeightMode::Quantized),
+            "dense" => Ok(WeightMode::Dense),
+            "hybrid" => Ok(WeightMode::Hybrid),
+            other => Err(format!(
+                "unknown weight mode `{other}` (quantized, dense, hybrid)"
+            )),
+        }
+    }
+}
+
+/// Quantized (or raw f16/f32) weight rows.
+pub struct QWeight {
+    pub format: BlockFormat,
+    pub data: Vec<u8>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl QWeight {
+    pub fn new(format: BlockFormat, data: Vec<u8>, rows: usize, cols: usize) -> Result<Self> {
+        if cols % QK != 0 {
+            return Err(EngineError::Unsupported(format!(
+                "weight with {cols} columns (not a multiple of {QK})"
+            )));
+        }
+        let want = rows * cols / QK * format.block_bytes();
+        if data.len() != want {
+            return Err(EngineError::Format(format!(
+                "weight data is {} bytes, {rows}x{cols} {} needs {want}",
+                data.len(),
+                format.name()
+            )));
+        }
+        Ok(Self {
+            format,
+            data,
+            rows,
+            cols,
+        })
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.cols / QK * self.format.block_bytes()
+    }
+
+    pub fn row(&self, r: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.data[r * rb..(r + 1) * rb]
+    }
+
+    pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
+        kernels::dequant_row(self.format, self.row(r), out);
+    }
+
+    /// The whole matrix as f32, row-major `[rows, cols]`.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        out.par_chunks_mut(self.cols)
+            .enumerate()
+            .for_each(|(r, o)| self.dequant_row(r, o));
+        out
+    }
+
+    /// Stack several matrices with equal format and columns into one, so
+    /// that e.g. Q, K and V are one matmul.
+    pub fn concat(parts: Vec<QWeight>) -> Result<QWeight> {
+        let first = parts
+            .first()
+            .ok_or_else(|| EngineError::Format("empty concat".into()))?;
+        let (format, cols) = (first.format, first.cols);
+        let mut rows = 0;
+        let mut data = Vec::new();
+        for p in parts {
+            if p.format != format || p.cols != cols {
+                return Err(EngineError::Format("cannot stack unlike weights".into()));
+            }
+            rows += p.rows;
+            data.extend_from_slice(&p.data);
+        }
+        QWeight::new(format, data, rows, cols)
+    }
+}
+
+pub struct Linear {
+    quantized: Option<QWeight>,
+    /// Round activations to llama.cpp's 8-bit grid before multiplying.
+    round_activations: bool,
+    /// Dense `[out, in]` weights.
+    dense: Option<Tensor>,
+    pub out_dim: usize,
+    pub in_dim: usize,
+}
+
+impl Linear {
+    pub fn new(q: QWeight, mode: WeightMode) -> Result<Self> {
+        let (out_dim, in_dim) = (q.rows, q.cols);
+        let round_activations = q.format.quantizes_activations();
+        let dense = match mode {
+            WeightMode::Quantized => None,
+            WeightMode::Dense | WeightMode::Hybrid => Some(Tensor::from_vec(
+                q.dequantize(),
+                (out_dim, in_dim),
+                &Device::Cpu,
+            )?),
+        };
+        let quantized = match mode {
+            WeightMode::Dense => None,
+            WeightMode::Quantized | WeightMode::Hybrid => Some(q),
+        };
+        Ok(Self {
+            quantized,
+            round_activations,
+            dense,
+            out_dim,
+            in_dim,
+        })
+    }
+
+    /// Bytes this layer keeps resident.
+    pub fn resident_bytes(&self) -> usize {
+        self.quantized.as_ref().map_or(0, |q| q.data.len())
+            + self
+                .dense
+                .as_ref()
+                .map_or(0, |_| self.out_dim * self.in_dim * 4)
+    }
+
+    /// Bytes read from the weights by one forward over a small batch.
+    pub fn bytes_per_step(&self) -> usize {
+        match &self.quantized {
+            Some(q) => q.data.len(),
+            None => self.out_dim * self.in_dim * 4,
+        }
+    }
+
+    /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
+    pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        debug_assert_eq!(x.len(), rows * self.in_dim);
+        let rounded;
+        let x = match self.round_activations {
+            true => {
+                let mut r = x.to_vec();
+                kernels::round_to_q8_grid(&mut r);
+                rounded = r;
+                &rounded[..]
+            }
+            false => x,
+        };
+        match (&self.quantized, &self.dense) {
+            (Some(q), _) if rows <= FUSED_MAX_ROWS => Ok(self.fused(q, x, rows)),
+            (_, Some(w)) => gemm(x, rows, w, self.in_dim, self.out_dim),
+            (Some(q), None) => {
+                let w =
+                    Tensor::from_vec(q.dequantize(), (self.out_dim, self.in_dim), &Device::Cpu)?;
+                gemm(x, rows, &w, self.in_dim, self.out_dim)
+            }
+            (None, None) => Err(EngineError::Format("linear layer without weights".into())),
+        }
+    }
+
+    fn fused(&self, q: &QWeight, x: &[f32], rows: usize) -> Vec<f32> {
+        let xs: Vec<&[f32]> = x.chunks_exact(self.in_dim).collect();
+        // Column-major result: each task owns a run of output features.
+        const OUT_PER_TASK: usize = 32;
+        let mut t = vec![0f32; self.out_dim * rows];
+        t.par_chunks_mut(OUT_PER_TASK * rows)
+            .enumerate()
+            .for_each(|(task, chunk)| {
+                let o0 = task * OUT_PER_TASK;
+                for (i, out) in chunk.chunks_exact_mut(rows).enumerate() {
+                    kernels::dot_rows(q.format, q.row(o0 + i), &xs, out);
+                }
+            });
+        if rows == 1 {
+            return t;
+        }
+        let mut y = vec![0f32; rows * self.out_dim];
+        for o in 0..self.out_dim {
+            for r in 0..rows {
+                y[r * self.out_dim + o] = t[o * rows + r];
+            }
+        }
+        y
+    }
+}
+
+fn gemm(x: &[f32], rows: usize, w: &Tensor, in_dim: usize, out_dim: usize) -> Result<Vec<f32>> {
+    let xt = Tensor::from_slice(x, (rows, in_dim), &Device::Cpu)?;
+    let y = xt.matmul(&w.t()?)?;
+    debug_assert_eq!(y.dims(), &[rows, out_dim]);
+    Ok(y.flatten_all()?.to_vec1::<f32>()?)
+}

@@ -1,0 +1,310 @@
+//! Loading a llama-architecture GGUF into duet's own weight structures.
+
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Device;
+use sha2::{Digest, Sha256};
+
+use crate::chat::ChatTemplate;
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::gguf_check;
+use crate::kernels::BlockFormat;
+use crate::kv::{KvDtype, KvLayout};
+use crate::linear::{Linear, QWeight, WeightMode};
+use crate::tokenizer::Tokenizer;
+
+/// How to load a model.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    /// Compute threads of this model's pool (>= 1).
+    pub threads: usize,
+    pub weight_mode: WeightMode,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            threads: 1,
+            weight_mode: WeightMode::Hybrid,
+        }
+    }
+}
+
+pub(crate) struct Layer {
+    pub attn_norm: Vec<f32>,
+    /// Q, K and V stacked: one matmul.
+    pub wqkv: Linear,
+    pub wo: Linear,
+    pub ffn_norm: Vec<f32>,
+    /// Gate and up stacked: one matmul.
+    pub w_gate_up: Linear,
+    pub w_down: Linear,
+}
+
+/// A loaded model: weights, tokenizer, chat template and a compute pool.
+/// Immutable after loading, so one model serves many caches and threads.
+pub struct Model {
+    pub config: ModelConfig,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    pub(crate) embed: QWeight,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) out_norm: Vec<f32>,
+    pub(crate) output: Linear,
+    pub(crate) pool: rayon::ThreadPool,
+    fingerprint: String,
+    options: LoadOptions,
+    path: PathBuf,
+}
+
+const HEADER_PREFIX_BYTES: u64 = 256 << 20;
+
+fn block_format(dt: GgmlDType) -> Option<BlockFormat> {
+    Some(match dt {
+        GgmlDType::F32 => BlockFormat::F32,
+        GgmlDType::F16 => BlockFormat::F16,
+        GgmlDType::Q4_0 => BlockFormat::Q4_0,
+        GgmlDType::Q4_1 => BlockFormat::Q4_1,
+        GgmlDType::Q8_0 => BlockFormat::Q8_0,
+        _ => return None,
+    })
+}
+
+struct Loader<'a> {
+    content: &'a Content,
+    file: File,
+    hasher: Sha256,
+}
+
+impl Loader<'_> {
+    fn qtensor(&mut self, name: &str) -> Result<QTensor> {
+        if !self.content.tensor_infos.contains_key(name) {
+            return Err(EngineError::Format(format!("missing tensor `{name}`")));
+        }
+        let t = self.content.tensor(&mut self.file, name, &Device::Cpu)?;
+        self.hasher.update(name.as_bytes());
+        self.hasher.update(t.data()?.as_ref());
+        Ok(t)
+    }
+
+    fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let t = self.qtensor(name)?;
+        let v = t
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        if v.len() != len {
+            return Err(EngineError::Format(format!(
+                "tensor `{name}` has {} elements, expected {len}",
+                v.len()
+            )));
+        }
+        Ok(v)
+    }
+
+    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<QWeight> {
+        let t = self.qtensor(name)?;
+        let dims = t.shape().dims().to_vec();
+        if dims != [rows, cols] {
+            return Err(EngineError::Format(format!(
+                "tensor `{name}` has shape {dims:?}, expected [{rows}, {cols}]"
+            )));
+        }
+        match block_format(t.dtype()) {
+            Some(fmt) => QWeight::new(fmt, t.data()?.into_owned(), rows, cols),
+            // Formats without a native kernel (k-quants...) are expanded to f32.
+            None => {
+                let v = t
+                    .dequantize(&Device::Cpu)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                QWeight::new(
+                    BlockFormat::F32,
+                    bytemuck::cast_slice(&v).to_vec(),
+                    rows,
+                    cols,
+                )
+            }
+        }
+    }
+}
+
+impl Model {
+    pub fn load(path: impl AsRef<Path>, options: LoadOptions) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let io = |source| EngineError::Io {
+            path: path.clone(),
+            source,
+        };
+        if options.threads == 0 {
+            return Err(EngineError::invalid("threads", "must be at least 1"));
+        }
+        let mut file = File::open(&path).map_err(io)?;
+        let file_len = file.metadata().map_err(io)?.len();
+        let mut head = Vec::new();
+        (&mut file)
+            .take(HEADER_PREFIX_BYTES.min(file_len))
+            .read_to_end(&mut head)
+            .map_err(io)?;
+        gguf_check::check_header(&head, file_len)?;
+        drop(head);
+        let mut file = File::open(&path).map_err(io)?;
+        let content = Content::read(&mut file)?;
+        let config = ModelConfig::from_gguf(&content)?;
+        let tokenizer = Tokenizer::from_gguf(&content)?;
+        let token_text = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.token_bytes(i))
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .unwrap_or_default()
+        };
+        let bos = match &content.metadata.get("tokenizer.ggml.bos_token_id") {
+            Some(candle_core::quantized::gguf_file::Value::U32(b)) => token_text(Some(*b)),
+            _ => String::new(),
+        };
+        let chat_template =
+            ChatTemplate::from_gguf(&content, bos, token_text(tokenizer.eos_token_id()))?;
+
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(options.threads)
+            .thread_name(|i| format!("duet-engine-{i}"))
+            .build()
+            .map_err(|e| EngineError::invalid("threads", e.to_string()))?;
+
+        let c = &config;
+        let mut ld = Loader {
+            content: &content,
+            file,
+            hasher: Sha256::new(),
+        };
+        let mode = options.weight_mode;
+        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let (layers, embed, out_norm, output) = pool.install(|| -> Result<_> {
+            let mut layers = Vec::with_capacity(c.n_layers);
+            for i in 0..c.n_layers {
+                let p = |s: &str| format!("blk.{i}.{s}.weight");
+                let wq = ld.matrix(&p("attn_q"), q_dim, c.hidden)?;
+                let wk = ld.matrix(&p("attn_k"), kv_dim, c.hidden)?;
+                let wv = ld.matrix(&p("attn_v"), kv_dim, c.hidden)?;
+                let wqkv = Linear::new(stack(vec![wq, wk, wv])?, mode)?;
+                let gate = ld.matrix(&p("ffn_gate"), c.ffn_hidden, c.hidden)?;
+                let up = ld.matrix(&p("ffn_up"), c.ffn_hidden, c.hidden)?;
+                layers.push(Layer {
+                    attn_norm: ld.vector(&p("attn_norm"), c.hidden)?,
+                    wqkv,
+                    wo: Linear::new(ld.matrix(&p("attn_output"), c.hidden, q_dim)?, mode)?,
+                    ffn_norm: ld.vector(&p("ffn_norm"), c.hidden)?,
+                    w_gate_up: Linear::new(stack(vec![gate, up])?, mode)?,
+                    w_down: Linear::new(ld.matrix(&p("ffn_down"), c.hidden, c.ffn_hidden)?, mode)?,
+                });
+            }
+            let embed = ld.matrix("token_embd.weight", c.vocab_size, c.hidden)?;
+            let out_norm = ld.vector("output_norm.weight", c.hidden)?;
+            // Tied embeddings: without `output.weight` the embedding matrix
+            // doubles as the output projection.
+            let output = match content.tensor_infos.contains_key("output.weight") {
+                true => ld.matrix("output.weight", c.vocab_size, c.hidden)?,
+                false => QWeight::new(embed.format, embed.data.clone(), embed.rows, embed.cols)?,
+            };
+            Ok((layers, embed, out_norm, Linear::new(output, mode)?))
+        })?;
+
+        let mut h = ld.hasher;
+        h.update(serde_json::to_vec(&config).unwrap_or_default());
+        tokenizer.digest_into(&mut h);
+        let fingerprint = hex::encode(&h.finalize()[..16]);
+        Ok(Self {
+            config,
+            tokenizer,
+            chat_template,
+            embed,
+            layers,
+            out_norm,
+            output,
+            pool,
+            fingerprint,
+            options,
+            path,
+        })
+    }
+
+    /// Identity of architecture, dims, tokenizer and weights (hex).
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    pub fn options(&self) -> LoadOptions {
+        self.options
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The KV layout this model produces with the given block size and dtype.
+    pub fn kv_layout(&self, block_size: usize, dtype: KvDtype) -> KvLayout {
+        KvLayout {
+            fingerprint: self.fingerprint.clone(),
+            n_layers: self.config.n_layers,
+            n_kv_heads: self.config.n_kv_heads,
+            head_dim: self.config.head_dim,
+            block_size,
+            dtype,
+        }
+    }
+
+    /// Bytes the weights occupy in memory.
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.wqkv.resident_bytes()
+                    + l.wo.resident_bytes()
+                    + l.w_gate_up.resident_bytes()
+                    + l.w_down.resident_bytes()
+            })
+            .sum();
+        layers + self.embed.data.len() + self.output.resident_bytes()
+    }
+
+    /// Weight bytes one decode step reads (the bandwidth model's numerator).
+    pub fn weight_bytes_per_step(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.wqkv.bytes_per_step()
+                    + l.wo.bytes_per_step()
+                    + l.w_gate_up.bytes_per_step()
+                    + l.w_down.bytes_per_step()
+            })
+            .sum();
+        layers + self.output.bytes_per_step()
+    }
+}
+
+fn stack(parts: Vec<QWeight>) -> Result<QWeight> {
+    // Unlike formats cannot share a matmul: expand them all to f32.
+    let same = parts.windows(2).all(|w| w[0].format == w[1].format);
+    if same {
+        return QWeight::concat(parts);
+    }
+    let expanded = parts
+        .into_iter()
+        .map(|p| {
+            let v = p.dequantize();
+            QWeight::new(
+                BlockFormat::F32,
+                bytemuck::cast_slice(&v).to_vec(),
+                p.rows,
+                p.cols,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    QWeight::concat(expanded)
+}

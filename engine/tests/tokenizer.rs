@@ -1,0 +1,87 @@
+//! The tokenizer built from GGUF metadata matches llama.cpp exactly.
+
+mod common;
+
+use duet_engine::Detokenizer;
+
+#[test]
+fn every_reference_string_tokenizes_like_llama_cpp_and_round_trips() {
+    let tk = &common::model(1).tokenizer;
+    let mut failures = Vec::new();
+    let lines = common::reference("smollm2-tokenizer.jsonl");
+    assert!(lines.len() >= 40, "reference file is incomplete");
+    for line in &lines {
+        let text = line["text"].as_str().expect("text");
+        let special = line["parse_special"].as_bool().expect("parse_special");
+        let want = common::ids(&line["ids"]);
+        let got = tk.encode(text, special).expect("encode");
+        if got != want {
+            failures.push(format!(
+                "{text:?} special={special}: got {got:?}, want {want:?}"
+            ));
+            continue;
+        }
+        let roundtrip = line["roundtrip"].as_str().expect("roundtrip");
+        let decoded = tk.decode(&got);
+        if decoded != roundtrip {
+            failures.push(format!("{text:?}: decoded {decoded:?}, want {roundtrip:?}"));
+        }
+        // Incremental decoding yields the same text, in whole characters.
+        let mut d = Detokenizer::new();
+        let mut inc = String::new();
+        for &id in &got {
+            inc.push_str(&d.push(tk, id));
+        }
+        inc.push_str(&d.flush());
+        if inc != decoded {
+            failures.push(format!("{text:?}: incremental {inc:?} != {decoded:?}"));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn detokenizer_never_emits_half_a_character() {
+    let tk = &common::model(1).tokenizer;
+    // Emoji and CJK split into several byte-level tokens.
+    let text = "🚀🔥 大语言模型 café";
+    let ids = tk.encode(text, false).expect("encode");
+    let mut d = Detokenizer::new();
+    let mut out = String::new();
+    for id in ids {
+        let piece = d.push(tk, id);
+        assert!(!piece.contains('\u{FFFD}'), "replacement char in {piece:?}");
+        out.push_str(&piece);
+    }
+    out.push_str(&d.flush());
+    assert_eq!(out, text);
+}
+
+#[test]
+fn chat_template_renders_like_llama_cpp() {
+    let m = common::model(1);
+    let tpl = m
+        .chat_template
+        .as_ref()
+        .expect("the model has a chat template");
+    for line in common::reference("smollm2-q4_1-greedy.jsonl") {
+        if line["kind"] != "chat" {
+            continue;
+        }
+        let user = line["prompt"].as_str().expect("prompt");
+        let rendered = tpl
+            .render(&[duet_engine::ChatMessage::new("user", user)], true)
+            .expect("render");
+        assert_eq!(
+            rendered,
+            line["rendered_prompt"].as_str().expect("rendered")
+        );
+        let ids = m.tokenizer.encode(&rendered, true).expect("encode");
+        assert_eq!(ids, common::ids(&line["prompt_ids"]), "{}", line["id"]);
+    }
+}
