@@ -90,35 +90,6 @@ impl KvElem for f16 {
     }
 }
 
-/// Softmax-weighted sum of V rows the way llama.cpp's CPU flash attention
-/// does it over an f16 cache: one pass with a running maximum, the output
-/// accumulated in f16, normalised at the end.
-fn online_softmax_f16(scores: &[f32], out: &mut [f32], mut v_row: impl FnMut(usize) -> Vec<f32>) {
-    let mut acc = vec![f16::ZERO; out.len()];
-    let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
-    for (t, &s) in scores.iter().enumerate() {
-        let (mut ms, mut vs) = (1f32, 1f32);
-        if s > m {
-            ms = (m - s).exp();
-            m = s;
-            for a in acc.iter_mut() {
-                *a = f16::from_f32(a.to_f32() * ms);
-            }
-        } else {
-            vs = (s - m).exp();
-        }
-        let v = v_row(t);
-        for (a, x) in acc.iter_mut().zip(&v) {
-            *a = f16::from_f32(x.mul_add(vs, a.to_f32()));
-        }
-        sum = sum * ms + vs;
-    }
-    let inv = 1.0 / sum;
-    for (o, a) in out.iter_mut().zip(&acc) {
-        *o = a.to_f32() * inv;
-    }
-}
-
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for (xr, or) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
         let ss = kernels::dot(xr, xr) / w.len() as f32;
@@ -369,15 +340,6 @@ impl Model {
                     cache.region_offset(table[t / bs], layer, KvKind::K) + (g * bs + t % bs) * hd;
                 scores.push(T::dot(q, &data[off..off + hd], &mut kbuf) * scale);
             }
-            if T::ROUND_OPERANDS {
-                online_softmax_f16(&scores, o, |t| {
-                    let off = cache.region_offset(table[t / bs], layer, KvKind::V)
-                        + (g * bs + t % bs) * hd;
-                    T::to_f32(&data[off..off + hd], &mut kbuf);
-                    kbuf.clone()
-                });
-                return;
-            }
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0f32;
             for s in scores.iter_mut() {
@@ -386,9 +348,13 @@ impl Model {
             }
             let inv = 1.0 / sum;
             for (t, &p) in scores.iter().enumerate() {
+                let w = match T::ROUND_OPERANDS {
+                    true => f16::from_f32(p * inv).to_f32(),
+                    false => p * inv,
+                };
                 let off =
                     cache.region_offset(table[t / bs], layer, KvKind::V) + (g * bs + t % bs) * hd;
-                T::axpy(o, p * inv, &data[off..off + hd], &mut kbuf);
+                T::axpy(o, w, &data[off..off + hd], &mut kbuf);
             }
         });
         out

@@ -7,6 +7,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
+use crate::kernels::q8::{self, Q8Row};
 use crate::kernels::{self, BlockFormat, FUSED_MAX_ROWS, QK};
 
 /// Which forms of the weights a model keeps in memory.
@@ -165,6 +166,14 @@ impl Linear {
     /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
     pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         debug_assert_eq!(x.len(), rows * self.in_dim);
+        if let Some(q) = &self.quantized {
+            if rows <= FUSED_MAX_ROWS && q8::supported(q.format) {
+                let acts: Vec<Q8Row> = x.chunks_exact(self.in_dim).map(Q8Row::quantize).collect();
+                let refs: Vec<&Q8Row> = acts.iter().collect();
+                return Ok(self
+                    .per_output_row(rows, |w, out| q8::dot_rows(q.format, q.row(w), &refs, out)));
+            }
+        }
         let rounded;
         let x = match self.round_activations {
             true => {
@@ -176,7 +185,12 @@ impl Linear {
             false => x,
         };
         match (&self.quantized, &self.dense) {
-            (Some(q), _) if rows <= FUSED_MAX_ROWS => Ok(self.fused(q, x, rows)),
+            (Some(q), _) if rows <= FUSED_MAX_ROWS => {
+                let xs: Vec<&[f32]> = x.chunks_exact(self.in_dim).collect();
+                Ok(self.per_output_row(rows, |w, out| {
+                    kernels::dot_rows(q.format, q.row(w), &xs, out)
+                }))
+            }
             (_, Some(w)) => gemm(x, rows, w, self.in_dim, self.out_dim),
             (Some(q), None) => {
                 let w =
@@ -187,17 +201,18 @@ impl Linear {
         }
     }
 
-    fn fused(&self, q: &QWeight, x: &[f32], rows: usize) -> Vec<f32> {
-        let xs: Vec<&[f32]> = x.chunks_exact(self.in_dim).collect();
+    /// Runs `dot(w, out)` for every output feature `w` in parallel, where
+    /// `out` receives that feature's value for each of the `rows`.
+    fn per_output_row(&self, rows: usize, dot: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
         // Column-major result: each task owns a run of output features.
-        const OUT_PER_TASK: usize = 32;
+        const OUT_PER_TASK: usize = 64;
         let mut t = vec![0f32; self.out_dim * rows];
         t.par_chunks_mut(OUT_PER_TASK * rows)
             .enumerate()
             .for_each(|(task, chunk)| {
                 let o0 = task * OUT_PER_TASK;
                 for (i, out) in chunk.chunks_exact_mut(rows).enumerate() {
-                    kernels::dot_rows(q.format, q.row(o0 + i), &xs, out);
+                    dot(o0 + i, out);
                 }
             });
         if rows == 1 {

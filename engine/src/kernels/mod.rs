@@ -10,6 +10,10 @@
 
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+pub mod q8;
+
 /// Elements per quantization block for every format we handle natively.
 pub const QK: usize = 32;
 

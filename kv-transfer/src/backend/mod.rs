@@ -1,0 +1,152 @@
+//! Transfer backends behind the [`KvSender`] / [`KvReceiver`] traits, plus [`AnySender`] /
+//! [`AnyReceiver`] to hold whichever [`select_backend`] picked.
+//!
+//! Invariant: every backend uses the same validation (layout, reservations, layer range,
+//! duplicates, sizes) and reports failures with the same [`crate::Error`] variants.
+
+pub mod local;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+pub mod select;
+#[cfg(unix)]
+pub mod shm;
+pub mod tcp;
+
+use bytes::Bytes;
+
+use crate::api::{KvReceiver, KvSender, TransferReceipt};
+use crate::error::Result;
+use crate::layout::TransferDesc;
+use crate::sink::KvSink;
+
+pub use select::{select_backend, BackendCaps, BackendKind, EndpointInfo};
+
+/// A sender of any backend.
+#[derive(Debug)]
+pub enum AnySender {
+    /// TCP.
+    Tcp(tcp::TcpSender),
+    /// Shared memory.
+    #[cfg(unix)]
+    Shm(shm::ShmSender),
+    /// Same process.
+    Local(local::LocalSender),
+    /// NCCL.
+    #[cfg(feature = "nccl")]
+    Nccl(nccl::NcclSender),
+}
+
+/// A receiver of any backend.
+#[derive(Debug)]
+pub enum AnyReceiver {
+    /// TCP.
+    Tcp(tcp::TcpInbound),
+    /// Shared memory.
+    #[cfg(unix)]
+    Shm(shm::ShmInbound),
+    /// Same process.
+    Local(local::LocalReceiver),
+    /// NCCL.
+    #[cfg(feature = "nccl")]
+    Nccl(nccl::NcclInbound),
+}
+
+macro_rules! dispatch {
+    ($self:ident, $s:ident => $e:expr) => {
+        match $self {
+            AnySender::Tcp($s) => $e,
+            #[cfg(unix)]
+            AnySender::Shm($s) => $e,
+            AnySender::Local($s) => $e,
+            #[cfg(feature = "nccl")]
+            AnySender::Nccl($s) => $e,
+        }
+    };
+}
+
+impl AnySender {
+    /// Which backend this is.
+    pub fn kind(&self) -> BackendKind {
+        match self {
+            AnySender::Tcp(_) => BackendKind::Tcp,
+            #[cfg(unix)]
+            AnySender::Shm(_) => BackendKind::Shm,
+            AnySender::Local(_) => BackendKind::Local,
+            #[cfg(feature = "nccl")]
+            AnySender::Nccl(_) => BackendKind::Nccl,
+        }
+    }
+}
+
+impl KvSender for AnySender {
+    async fn begin(&mut self, desc: TransferDesc) -> Result<()> {
+        dispatch!(self, s => s.begin(desc).await)
+    }
+
+    async fn send_layer<R: AsRef<[u8]> + Sync>(
+        &mut self,
+        layer: u32,
+        k: &[R],
+        v: &[R],
+    ) -> Result<()> {
+        dispatch!(self, s => s.send_layer(layer, k, v).await)
+    }
+
+    async fn send_layer_bytes(&mut self, layer: u32, k: Vec<Bytes>, v: Vec<Bytes>) -> Result<()> {
+        dispatch!(self, s => s.send_layer_bytes(layer, k, v).await)
+    }
+
+    async fn finish(&mut self) -> Result<TransferReceipt> {
+        dispatch!(self, s => s.finish().await)
+    }
+
+    async fn abort(&mut self) -> Result<()> {
+        dispatch!(self, s => s.abort().await)
+    }
+}
+
+impl KvReceiver for AnyReceiver {
+    async fn receive<S: KvSink + Send>(&mut self, sink: &mut S) -> Result<TransferReceipt> {
+        match self {
+            AnyReceiver::Tcp(r) => r.receive(sink).await,
+            #[cfg(unix)]
+            AnyReceiver::Shm(r) => r.receive(sink).await,
+            AnyReceiver::Local(r) => r.receive(sink).await,
+            #[cfg(feature = "nccl")]
+            AnyReceiver::Nccl(r) => r.receive(sink).await,
+        }
+    }
+}
+
+impl From<tcp::TcpSender> for AnySender {
+    fn from(s: tcp::TcpSender) -> Self {
+        AnySender::Tcp(s)
+    }
+}
+#[cfg(unix)]
+impl From<shm::ShmSender> for AnySender {
+    fn from(s: shm::ShmSender) -> Self {
+        AnySender::Shm(s)
+    }
+}
+impl From<local::LocalSender> for AnySender {
+    fn from(s: local::LocalSender) -> Self {
+        AnySender::Local(s)
+    }
+}
+impl From<tcp::TcpInbound> for AnyReceiver {
+    fn from(s: tcp::TcpInbound) -> Self {
+        AnyReceiver::Tcp(s)
+    }
+}
+#[cfg(unix)]
+impl From<shm::ShmInbound> for AnyReceiver {
+    fn from(s: shm::ShmInbound) -> Self {
+        AnyReceiver::Shm(s)
+    }
+}
+impl From<local::LocalReceiver> for AnyReceiver {
+    fn from(s: local::LocalReceiver) -> Self {
+        AnyReceiver::Local(s)
+    }
+}

@@ -1,0 +1,410 @@
+//! TCP backend (the default): one tokio `TcpStream` per connection, optionally K
+//! connections per peer ([`connect_pool`]) carrying K transfers concurrently.
+//!
+//! Invariants:
+//! - a layer frame is written with `write_vectored` straight from the caller's region slices
+//!   (header, K regions, V regions, trailer) using a fixed on-stack `IoSlice` array: no
+//!   concatenation and no heap allocation per frame;
+//! - the receiver reads payload straight into the sink's region slices;
+//! - every read and write is bounded by [`Timeouts::io`] (first byte of a transfer: `idle`),
+//!   connect by `connect`, the handshake by `handshake`;
+//! - [`TcpInbound`] exists only after a successful handshake.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
+
+use crate::api::{KvReceiver, KvSender, TransferReceipt};
+use crate::config::{Timeouts, TransferConfig};
+use crate::error::{Error, Result};
+use crate::handshake;
+use crate::layout::{KvLayout, TransferDesc};
+use crate::protocol::send::{ReceiverCore, SenderCore};
+use crate::protocol::transport::FrameTransport;
+use crate::protocol::{HEADER_LEN, IDLE};
+use crate::sink::KvSink;
+
+/// Most `IoSlice`s handed to one `writev` call.
+const MAX_IOV: usize = 64;
+/// Most bytes discarded while draining after an error.
+const MAX_DRAIN_BYTES: u64 = 256 << 20;
+
+async fn bounded<T>(
+    t: Duration,
+    during: &'static str,
+    f: impl std::future::Future<Output = std::io::Result<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(t, f).await {
+        Err(_) => Err(Error::Timeout { during, after: t }),
+        Ok(r) => r.map_err(|e| Error::io(during, e)),
+    }
+}
+
+/// [`FrameTransport`] over a TCP stream.
+#[derive(Debug)]
+pub(crate) struct TcpTransport {
+    stream: TcpStream,
+    t: Timeouts,
+}
+
+fn part<'a, R: AsRef<[u8]>>(
+    i: usize,
+    header: &'a [u8],
+    k: &'a [R],
+    v: &'a [R],
+    trailer: &'a [u8],
+) -> &'a [u8] {
+    let n = k.len();
+    if i == 0 {
+        header
+    } else if i <= n {
+        k[i - 1].as_ref()
+    } else if i <= 2 * n {
+        v[i - 1 - n].as_ref()
+    } else {
+        trailer
+    }
+}
+
+impl FrameTransport for TcpTransport {
+    async fn read_idle(&mut self, buf: &mut [u8; HEADER_LEN]) -> Result<()> {
+        let n = bounded(self.t.idle, IDLE, self.stream.read(&mut buf[..1])).await?;
+        if n == 0 {
+            return Err(Error::PeerClosed { during: IDLE });
+        }
+        self.read_ctl(&mut buf[1..], "reading a frame header").await
+    }
+
+    async fn read_ctl(&mut self, buf: &mut [u8], during: &'static str) -> Result<()> {
+        bounded(self.t.io, during, self.stream.read_exact(buf)).await?;
+        Ok(())
+    }
+
+    async fn read_payload(&mut self, dst: &mut [u8]) -> Result<()> {
+        self.read_ctl(dst, "reading layer payload").await
+    }
+
+    async fn read_payload_vectored(&mut self, bufs: &mut [&mut [u8]]) -> Result<()> {
+        const DURING: &str = "reading layer payload";
+        let (mut idx, mut off) = (0usize, 0usize);
+        while idx < bufs.len() {
+            let mut got = {
+                let mut iov: [IoSliceMut<'_>; MAX_IOV] =
+                    std::array::from_fn(|_| IoSliceMut::new(&mut []));
+                let mut cnt = 0;
+                for (i, b) in bufs[idx..].iter_mut().enumerate() {
+                    if cnt == MAX_IOV {
+                        break;
+                    }
+                    let start = if i == 0 { off } else { 0 };
+                    if let Some(rest) = b.get_mut(start..).filter(|r| !r.is_empty()) {
+                        iov[cnt] = IoSliceMut::new(rest);
+                        cnt += 1;
+                    }
+                }
+                if cnt == 0 {
+                    return Ok(());
+                }
+                loop {
+                    bounded(self.t.io, DURING, self.stream.readable()).await?;
+                    match self.stream.try_read_vectored(&mut iov[..cnt]) {
+                        Ok(0) => return Err(Error::PeerClosed { during: DURING }),
+                        Ok(n) => break n,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                        Err(e) => return Err(Error::io(DURING, e)),
+                    }
+                }
+            };
+            while got > 0 && idx < bufs.len() {
+                let avail = bufs[idx].len() - off;
+                if got >= avail {
+                    got -= avail;
+                    idx += 1;
+                    off = 0;
+                } else {
+                    off += got;
+                    got = 0;
+                }
+            }
+            while idx < bufs.len() && bufs[idx].len() == off {
+                idx += 1;
+                off = 0;
+            }
+        }
+        Ok(())
+    }
+
+    async fn write_ctl(&mut self, buf: &[u8], during: &'static str) -> Result<()> {
+        bounded(self.t.io, during, self.stream.write_all(buf)).await
+    }
+
+    async fn write_layer<R: AsRef<[u8]> + Sync>(
+        &mut self,
+        header: &[u8; HEADER_LEN],
+        k: &[R],
+        v: &[R],
+        trailer: Option<[u8; 4]>,
+    ) -> Result<()> {
+        let tr = trailer.unwrap_or_default();
+        let tr: &[u8] = if trailer.is_some() { &tr } else { &[] };
+        let parts = 2 + k.len() + v.len();
+        let (mut idx, mut off) = (0usize, 0usize);
+        while idx < parts {
+            let mut iov = [IoSlice::new(&[]); MAX_IOV];
+            let mut cnt = 0;
+            let (mut j, mut o) = (idx, off);
+            while cnt < MAX_IOV && j < parts {
+                let p = part(j, header, k, v, tr);
+                if o < p.len() {
+                    iov[cnt] = IoSlice::new(&p[o..]);
+                    cnt += 1;
+                }
+                j += 1;
+                o = 0;
+            }
+            if cnt == 0 {
+                break;
+            }
+            let mut left = bounded(
+                self.t.io,
+                "sending a layer",
+                self.stream.write_vectored(&iov[..cnt]),
+            )
+            .await?;
+            if left == 0 {
+                return Err(Error::PeerClosed {
+                    during: "sending a layer",
+                });
+            }
+            while left > 0 && idx < parts {
+                let avail = part(idx, header, k, v, tr).len() - off;
+                if left >= avail {
+                    left -= avail;
+                    idx += 1;
+                    off = 0;
+                } else {
+                    off += left;
+                    left = 0;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn read_reply_header(&mut self, buf: &mut [u8; HEADER_LEN]) -> Result<()> {
+        self.read_ctl(buf, "waiting for the verdict").await
+    }
+
+    async fn poll_early_reply(&mut self, buf: &mut [u8; HEADER_LEN]) -> Result<bool> {
+        match self.stream.try_read(buf) {
+            Ok(0) => Err(Error::PeerClosed {
+                during: "sending a transfer",
+            }),
+            Ok(n) => {
+                self.read_ctl(&mut buf[n..], "reading the verdict").await?;
+                Ok(true)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) => Err(Error::io("sending a transfer", e)),
+        }
+    }
+
+    async fn shutdown_and_drain(&mut self) {
+        let _ = self.stream.shutdown().await;
+        let mut scratch = vec![0u8; 64 * 1024];
+        let stream = &mut self.stream;
+        let _ = tokio::time::timeout(self.t.drain, async move {
+            let mut total = 0u64;
+            while total < MAX_DRAIN_BYTES {
+                match stream.read(&mut scratch).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => total += n as u64,
+                }
+            }
+        })
+        .await;
+    }
+}
+
+/// Connects and authenticates; the raw transport (used by backends that reuse TCP as their
+/// control channel).
+pub(crate) async fn connect_transport(
+    addr: impl ToSocketAddrs,
+    cfg: &TransferConfig,
+) -> Result<TcpTransport> {
+    let t = cfg.timeouts;
+    let mut stream = bounded(t.connect, "connecting", TcpStream::connect(addr)).await?;
+    stream
+        .set_nodelay(true)
+        .map_err(|e| Error::io("configuring the socket", e))?;
+    handshake::client(&mut stream, &cfg.layout, &cfg.secret, t.handshake).await?;
+    Ok(TcpTransport { stream, t })
+}
+
+/// Runs the receiver handshake on an accepted stream; the raw transport.
+pub(crate) async fn accept_transport(
+    mut stream: TcpStream,
+    cfg: &TransferConfig,
+) -> Result<TcpTransport> {
+    stream
+        .set_nodelay(true)
+        .map_err(|e| Error::io("configuring the socket", e))?;
+    handshake::server(
+        &mut stream,
+        &cfg.layout,
+        &cfg.secret,
+        cfg.timeouts.handshake,
+    )
+    .await?;
+    Ok(TcpTransport {
+        stream,
+        t: cfg.timeouts,
+    })
+}
+
+/// Accepts authenticated inbound connections (decode side).
+#[derive(Debug)]
+pub struct TcpReceiver {
+    listener: TcpListener,
+    cfg: TransferConfig,
+}
+
+impl TcpReceiver {
+    /// Serves on an already bound listener (bind `127.0.0.1:0` in tests).
+    pub fn new(listener: TcpListener, cfg: TransferConfig) -> Self {
+        TcpReceiver { listener, cfg }
+    }
+
+    /// Address the listener is bound to.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the listener address", e))
+    }
+
+    /// Accepts one TCP connection (waiting up to `timeouts.idle`) without the handshake;
+    /// finish it with [`TcpInbound::handshake`], typically in a spawned task.
+    pub async fn accept_stream(&self) -> Result<(TcpStream, SocketAddr)> {
+        bounded(
+            self.cfg.timeouts.idle,
+            "waiting for a connection",
+            self.listener.accept(),
+        )
+        .await
+    }
+
+    /// Accepts one connection and runs the handshake on it.
+    pub async fn accept(&self) -> Result<TcpInbound> {
+        let (stream, peer) = self.accept_stream().await?;
+        TcpInbound::handshake(stream, peer, &self.cfg).await
+    }
+
+    /// This receiver's configuration.
+    pub fn config(&self) -> &TransferConfig {
+        &self.cfg
+    }
+}
+
+/// An authenticated inbound connection; receives transfers into a [`KvSink`].
+#[derive(Debug)]
+pub struct TcpInbound {
+    core: ReceiverCore<TcpTransport>,
+    peer: SocketAddr,
+}
+
+impl TcpInbound {
+    /// Runs the receiver side of the handshake on an accepted stream.
+    pub async fn handshake(
+        stream: TcpStream,
+        peer: SocketAddr,
+        cfg: &TransferConfig,
+    ) -> Result<TcpInbound> {
+        let io = accept_transport(stream, cfg).await?;
+        Ok(TcpInbound {
+            core: ReceiverCore::new(io, cfg.layout, cfg.checksum),
+            peer,
+        })
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// The (shared) layout.
+    pub fn layout(&self) -> &KvLayout {
+        self.core.layout()
+    }
+}
+
+impl KvReceiver for TcpInbound {
+    async fn receive<S: KvSink + Send>(&mut self, sink: &mut S) -> Result<TransferReceipt> {
+        self.core.receive(sink).await
+    }
+}
+
+/// Outbound connection (prefill side).
+#[derive(Debug)]
+pub struct TcpSender {
+    core: SenderCore<TcpTransport>,
+}
+
+impl TcpSender {
+    /// Connects to `addr` and authenticates.
+    pub async fn connect(addr: impl ToSocketAddrs, cfg: &TransferConfig) -> Result<TcpSender> {
+        let io = connect_transport(addr, cfg).await?;
+        Ok(TcpSender {
+            core: SenderCore::new(io, cfg.layout, cfg.checksum),
+        })
+    }
+
+    /// The (shared) layout.
+    pub fn layout(&self) -> &KvLayout {
+        self.core.layout()
+    }
+}
+
+/// Opens `k` authenticated connections to the same receiver; use one per concurrent
+/// transfer (the receiver accepts each and serves it in its own task).
+pub async fn connect_pool(
+    addr: SocketAddr,
+    cfg: &TransferConfig,
+    k: usize,
+) -> Result<Vec<TcpSender>> {
+    if k == 0 {
+        return Err(Error::InvalidArgument(
+            "pool size must be at least 1".into(),
+        ));
+    }
+    let mut out = Vec::with_capacity(k);
+    for _ in 0..k {
+        out.push(TcpSender::connect(addr, cfg).await?);
+    }
+    Ok(out)
+}
+
+impl KvSender for TcpSender {
+    async fn begin(&mut self, desc: TransferDesc) -> Result<()> {
+        self.core.begin(desc).await
+    }
+
+    async fn send_layer<R: AsRef<[u8]> + Sync>(
+        &mut self,
+        layer: u32,
+        k: &[R],
+        v: &[R],
+    ) -> Result<()> {
+        self.core.send_layer(layer, k, v).await
+    }
+
+    async fn finish(&mut self) -> Result<TransferReceipt> {
+        self.core.finish().await
+    }
+
+    async fn abort(&mut self) -> Result<()> {
+        self.core.abort().await
+    }
+}

@@ -1,0 +1,272 @@
+//! Benchmark plumbing: connected sender/receiver pairs for any backend, in-process, and a
+//! driver that pushes whole transfers through them.
+//!
+//! Invariant: receivers run on their own thread and runtime with their own [`MemorySink`],
+//! return the sink when the sender closes, and never share state with the senders.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+use crate::api::{KvReceiver, KvSender};
+use crate::backend::local;
+use crate::backend::shm::{ShmOptions, ShmReceiver, ShmSender};
+use crate::backend::tcp::{TcpReceiver, TcpSender};
+use crate::backend::{AnyReceiver, AnySender, BackendKind};
+use crate::config::TransferConfig;
+use crate::error::{Error, Result};
+use crate::layout::{KvLayout, TransferDesc};
+use crate::mem_sink::MemorySink;
+
+/// What a receiver thread hands back: its sink and, per transfer, when its last layer landed.
+pub(crate) type ReceiverResult = Result<(MemorySink, Vec<Option<Instant>>)>;
+
+/// Receives until the sender closes.
+async fn receive_loop(mut rx: AnyReceiver, mut sink: MemorySink) -> ReceiverResult {
+    let mut done = Vec::new();
+    loop {
+        match rx.receive(&mut sink).await {
+            Ok(_) => done.push(sink.last_layer_done_at),
+            Err(e) if e.is_clean_close() => return Ok((sink, done)),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The decode side of a benchmark: its own OS thread and tokio runtime (like a separate
+/// decode process), so that its work never waits behind the sender's tasks.
+pub(crate) struct ReceiverSide {
+    results: Vec<oneshot::Receiver<ReceiverResult>>,
+}
+
+impl ReceiverSide {
+    /// Waits for every receiver to finish (the senders must be dropped first).
+    pub(crate) async fn join(self) -> Result<Vec<(MemorySink, Vec<Option<Instant>>)>> {
+        let mut out = Vec::with_capacity(self.results.len());
+        for r in self.results {
+            out.push(
+                r.await
+                    .map_err(|_| Error::Internal("bench receiver thread died".into()))??,
+            );
+        }
+        Ok(out)
+    }
+}
+
+enum Accept {
+    Tcp(std::net::TcpListener),
+    Shm(std::path::PathBuf, ShmOptions),
+    Local(Vec<local::LocalReceiver>),
+}
+
+fn spawn_receiver_thread(
+    accept: Accept,
+    cfg: TransferConfig,
+    sinks: Vec<MemorySink>,
+    ready: oneshot::Sender<Result<()>>,
+) -> Result<Vec<oneshot::Receiver<ReceiverResult>>> {
+    let mut txs = Vec::new();
+    let mut rxs = Vec::new();
+    for _ in 0..sinks.len() {
+        let (t, r) = oneshot::channel();
+        txs.push(t);
+        rxs.push(r);
+    }
+    std::thread::Builder::new()
+        .name("duet-kv-bench-rx".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = ready.send(Err(Error::io("starting the receiver runtime", e)));
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let mut receivers = Vec::new();
+                let accepted: Result<()> = async {
+                    match accept {
+                        Accept::Tcp(std_listener) => {
+                            let l = TcpListener::from_std(std_listener)
+                                .map_err(|e| Error::io("adopting the bench listener", e))?;
+                            let _ = ready.send(Ok(()));
+                            let rx = TcpReceiver::new(l, cfg);
+                            for _ in 0..txs.len() {
+                                receivers.push(AnyReceiver::from(rx.accept().await?));
+                            }
+                        }
+                        Accept::Shm(path, opts) => {
+                            let rx = ShmReceiver::bind(&path, cfg, opts)?;
+                            let _ = ready.send(Ok(()));
+                            for _ in 0..txs.len() {
+                                receivers.push(AnyReceiver::from(rx.accept().await?));
+                            }
+                        }
+                        Accept::Local(rs) => {
+                            let _ = ready.send(Ok(()));
+                            receivers.extend(rs.into_iter().map(AnyReceiver::from));
+                        }
+                    }
+                    Ok(())
+                }
+                .await;
+                if let Err(e) = accepted {
+                    for t in txs {
+                        let _ = t.send(Err(Error::Internal(format!("bench accept: {e}"))));
+                    }
+                    return;
+                }
+                let mut tasks = Vec::new();
+                for ((rx, sink), t) in receivers.into_iter().zip(sinks).zip(txs) {
+                    tasks.push(tokio::spawn(async move {
+                        let _ = t.send(receive_loop(rx, sink).await);
+                    }));
+                }
+                for task in tasks {
+                    let _ = task.await;
+                }
+            });
+        })
+        .map_err(|e| Error::io("starting the receiver thread", e))?;
+    Ok(rxs)
+}
+
+/// `sinks.len()` connected pairs of `backend`: senders on the caller's runtime, receivers
+/// on their own thread.
+pub(crate) async fn connect_pairs(
+    backend: BackendKind,
+    cfg: &TransferConfig,
+    sinks: Vec<MemorySink>,
+) -> Result<(Vec<AnySender>, ReceiverSide)> {
+    let k = sinks.len();
+    let mut senders = Vec::with_capacity(k);
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let results = match backend {
+        BackendKind::Tcp => {
+            let l = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                .map_err(|e| Error::io("binding the bench listener", e))?;
+            let addr = l
+                .local_addr()
+                .map_err(|e| Error::io("reading the listener address", e))?;
+            let results = spawn_receiver_thread(Accept::Tcp(l), cfg.clone(), sinks, ready_tx)?;
+            wait_ready(ready_rx).await?;
+            for _ in 0..k {
+                senders.push(AnySender::from(TcpSender::connect(addr, cfg).await?));
+            }
+            results
+        }
+        BackendKind::Shm => {
+            let opts = ShmOptions::default();
+            let dir = opts.dir.clone();
+            let path = std::env::temp_dir().join(format!(
+                "duet-kv-bench-{}-{}.sock",
+                std::process::id(),
+                rand::random::<u64>()
+            ));
+            let results = spawn_receiver_thread(
+                Accept::Shm(path.clone(), opts),
+                cfg.clone(),
+                sinks,
+                ready_tx,
+            )?;
+            wait_ready(ready_rx).await?;
+            for _ in 0..k {
+                senders.push(AnySender::from(ShmSender::connect(&path, cfg, &dir).await?));
+            }
+            results
+        }
+        BackendKind::Local => {
+            let mut receivers = Vec::with_capacity(k);
+            for _ in 0..k {
+                let (s, r) = local::pair(cfg.layout, cfg.layout, cfg.timeouts)?;
+                receivers.push(r);
+                senders.push(AnySender::from(s));
+            }
+            let results =
+                spawn_receiver_thread(Accept::Local(receivers), cfg.clone(), sinks, ready_tx)?;
+            wait_ready(ready_rx).await?;
+            results
+        }
+        other => {
+            return Err(Error::BackendUnavailable {
+                backend: other.as_str(),
+                reason: "the benchmark drives tcp, shm and local".into(),
+            })
+        }
+    };
+    Ok((senders, ReceiverSide { results }))
+}
+
+async fn wait_ready(rx: oneshot::Receiver<Result<()>>) -> Result<()> {
+    match tokio::time::timeout(Duration::from_secs(10), rx).await {
+        Ok(Ok(r)) => r,
+        _ => Err(Error::Internal(
+            "bench receiver thread did not start".into(),
+        )),
+    }
+}
+
+/// The source of one stream: per layer, the K and V regions as `Bytes` slices of one
+/// allocation.
+#[derive(Debug, Clone)]
+pub(crate) struct Source {
+    pub desc: TransferDesc,
+    pub layers: Vec<(Vec<Bytes>, Vec<Bytes>)>,
+}
+
+impl Source {
+    /// Fills a buffer with a byte pattern and slices it into regions.
+    pub(crate) fn new(layout: &KvLayout, request_id: u64, blocks: u32) -> Source {
+        let region = layout.region_bytes();
+        let n = blocks as usize;
+        let total = layout.layers() as usize * 2 * n * region;
+        let data: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
+        let data = Bytes::from(data);
+        let mut layers = Vec::with_capacity(layout.layers() as usize);
+        for l in 0..layout.layers() as usize {
+            let base = l * 2 * n * region;
+            let k = (0..n)
+                .map(|b| data.slice(base + b * region..base + (b + 1) * region))
+                .collect();
+            let v = (0..n)
+                .map(|b| data.slice(base + (n + b) * region..base + (n + b + 1) * region))
+                .collect();
+            layers.push((k, v));
+        }
+        Source {
+            desc: TransferDesc {
+                request_id,
+                token_start: 0,
+                token_count: blocks * layout.block_size(),
+                dst_blocks: (0..blocks).collect(),
+            },
+            layers,
+        }
+    }
+}
+
+/// Sends one whole transfer; returns its latency (BEGIN to verdict).
+pub(crate) async fn send_transfer(
+    tx: &mut AnySender,
+    src: &Source,
+    zero_copy: bool,
+) -> Result<Duration> {
+    let start = Instant::now();
+    tx.begin(src.desc.clone()).await?;
+    for (layer, (k, v)) in src.layers.iter().enumerate() {
+        if zero_copy {
+            tx.send_layer_bytes(layer as u32, k.clone(), v.clone())
+                .await?;
+        } else {
+            tx.send_layer(layer as u32, k, v).await?;
+        }
+    }
+    tx.finish().await?;
+    Ok(start.elapsed())
+}

@@ -1,0 +1,90 @@
+//! Synchronous, in-memory encoder and decoder for one transfer's frames (the byte stream
+//! after the handshake). They run exactly the code the network backends run, over a
+//! transport that reads from a slice; used by property tests, the fuzz target and tools.
+//!
+//! Invariant: `decode_transfer` never panics and never blocks, whatever `bytes` holds.
+
+use std::future::Future;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
+
+use crate::api::TransferReceipt;
+use crate::error::{Error, Result};
+use crate::layout::{KvLayout, TransferDesc};
+use crate::protocol::receive::{receive_transfer, ReceivePolicy};
+use crate::protocol::send::SenderCore;
+use crate::protocol::transport::SliceTransport;
+use crate::sink::KvSink;
+
+/// Runs a future that never waits (all its I/O is in memory) to completion.
+fn run_ready<F: Future>(f: F) -> Result<F::Output> {
+    let mut f = pin!(f);
+    let mut cx = Context::from_waker(Waker::noop());
+    match f.as_mut().poll(&mut cx) {
+        Poll::Ready(v) => Ok(v),
+        Poll::Pending => Err(Error::Internal("in-memory codec future pended".into())),
+    }
+}
+
+/// One layer's regions for [`encode_transfer`].
+#[derive(Debug, Clone)]
+pub struct LayerRegions<'a> {
+    /// Layer index.
+    pub layer: u32,
+    /// K regions, one per destination block, in block-list order.
+    pub k: Vec<&'a [u8]>,
+    /// V regions, one per destination block, in block-list order.
+    pub v: Vec<&'a [u8]>,
+}
+
+/// Encodes BEGIN, the given layers (in the given order) and END.
+pub fn encode_transfer(
+    layout: &KvLayout,
+    desc: &TransferDesc,
+    layers: &[LayerRegions<'_>],
+    checksum: bool,
+) -> Result<Vec<u8>> {
+    let empty: &[u8] = &[];
+    let mut core = SenderCore::new(SliceTransport::new(empty), *layout, checksum);
+    run_ready(async {
+        core.begin(desc.clone()).await?;
+        for l in layers {
+            core.send_layer(l.layer, &l.k, &l.v).await?;
+        }
+        Ok::<(), Error>(())
+    })??;
+    // END without waiting for a verdict (there is no receiver here).
+    let mut out = std::mem::take(&mut core.io.output);
+    let end = crate::protocol::frame::FrameHeader::new(
+        crate::protocol::frame::TAG_END,
+        checksum,
+        0,
+        crate::protocol::frame::END_LEN as u64,
+    )
+    .encode();
+    let body = crate::protocol::frame::encode_end(desc.request_id, layers.len() as u32);
+    let start = out.len();
+    out.extend_from_slice(&end);
+    out.extend_from_slice(&body);
+    if checksum {
+        let c = crc32c::crc32c(&out[start..]);
+        out.extend_from_slice(&c.to_le_bytes());
+    }
+    Ok(out)
+}
+
+/// Decodes one transfer from `bytes` into `sink`, exactly as a network receiver would.
+pub fn decode_transfer<S: KvSink + Send>(
+    layout: &KvLayout,
+    bytes: &[u8],
+    sink: &mut S,
+    require_checksum: bool,
+) -> Result<TransferReceipt> {
+    let mut io = SliceTransport::new(bytes);
+    run_ready(receive_transfer(
+        &mut io,
+        layout,
+        sink,
+        ReceivePolicy { require_checksum },
+    ))?
+}

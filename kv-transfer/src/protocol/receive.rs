@@ -1,0 +1,255 @@
+//! The frame decoder: reads one transfer from a [`FrameTransport`] straight into a [`KvSink`].
+//!
+//! Invariants:
+//! - no sink region is requested before BEGIN validated and every block is reserved;
+//! - a region is filled by reading exactly `region_bytes` payload bytes into the slice the
+//!   sink returned (no staging buffer), so nothing outside reserved regions is written;
+//! - the only allocations are per transfer (block list, layer bitmap), none per frame;
+//! - any failure after the request id is known is returned as [`Error::Aborted`].
+
+use std::time::Instant;
+
+use crate::api::TransferReceipt;
+use crate::error::{Error, ErrorClass, Result, SinkError};
+use crate::layout::{KvKind, KvLayout, TransferDesc};
+use crate::protocol::frame::{
+    decode_abort, decode_block_ids, decode_end, tag_name, BeginFixed, FrameHeader, ABORT_LEN,
+    BEGIN_FIXED_LEN, CRC_LEN, END_LEN, MAX_BEGIN_LEN, TAG_ABORT, TAG_BEGIN, TAG_END, TAG_LAYER,
+};
+use crate::protocol::tracker::{aborted, Tracker};
+use crate::protocol::transport::FrameTransport;
+use crate::protocol::HEADER_LEN;
+use crate::sink::KvSink;
+
+/// Receiver policy.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ReceivePolicy {
+    /// Refuse transfers whose frames carry no crc32c trailer.
+    pub require_checksum: bool,
+}
+
+async fn read_trailer<T: FrameTransport>(
+    io: &mut T,
+    frame: &'static str,
+    computed: u32,
+) -> Result<()> {
+    let mut t = [0u8; CRC_LEN];
+    io.read_ctl(&mut t, "reading a crc32c trailer").await?;
+    let received = u32::from_le_bytes(t);
+    if received != computed {
+        return Err(Error::ChecksumMismatch {
+            frame,
+            computed,
+            received,
+        });
+    }
+    Ok(())
+}
+
+/// Reads one whole transfer. `Err(PeerClosed { during: IDLE })` means the peer closed the
+/// connection cleanly before starting another transfer.
+pub(crate) async fn receive_transfer<T: FrameTransport, S: KvSink + Send>(
+    io: &mut T,
+    layout: &KvLayout,
+    sink: &mut S,
+    policy: ReceivePolicy,
+) -> Result<TransferReceipt> {
+    let mut hdr = [0u8; HEADER_LEN];
+    io.read_idle(&mut hdr).await?;
+    let started = Instant::now();
+    let h = FrameHeader::decode(&hdr)?;
+    if h.tag != TAG_BEGIN {
+        return Err(Error::UnexpectedFrame {
+            expected: "BEGIN",
+            tag: h.tag,
+        });
+    }
+    if h.arg != 0 {
+        return Err(Error::malformed("BEGIN", "arg must be zero"));
+    }
+    if h.len < BEGIN_FIXED_LEN as u64 || h.len > MAX_BEGIN_LEN {
+        return Err(Error::Oversized {
+            what: "BEGIN body",
+            len: h.len,
+            limit: MAX_BEGIN_LEN,
+        });
+    }
+    let crc_on = h.crc();
+    let mut fixed = [0u8; BEGIN_FIXED_LEN];
+    io.read_ctl(&mut fixed, "reading BEGIN").await?;
+    let f = BeginFixed::decode(&fixed)?;
+    let ids_len = 4 * u64::from(f.n_blocks);
+    if h.len != BEGIN_FIXED_LEN as u64 + ids_len {
+        return Err(Error::malformed(
+            "BEGIN",
+            format!("{} blocks disagree with body length {}", f.n_blocks, h.len),
+        ));
+    }
+    // Bounded by MAX_BEGIN_LEN checked above.
+    let mut ids = vec![0u8; ids_len as usize];
+    io.read_ctl(&mut ids, "reading BEGIN block list").await?;
+    if crc_on {
+        let mut c = crc32c::crc32c(&hdr);
+        c = crc32c::crc32c_append(c, &fixed);
+        c = crc32c::crc32c_append(c, &ids);
+        read_trailer(io, "BEGIN", c).await?;
+    }
+    let desc = TransferDesc {
+        request_id: f.request_id,
+        token_start: f.token_start,
+        token_count: f.token_count,
+        dst_blocks: decode_block_ids(&ids),
+    };
+    drop(ids);
+    if policy.require_checksum && !crc_on {
+        let e = Error::malformed("BEGIN", "receiver requires crc32c trailers");
+        return Err(aborted(desc.request_id, Vec::new(), e));
+    }
+    let mut tracker = Tracker::accept(layout, desc, &*sink)?;
+    match receive_layers(io, layout, sink, &mut tracker, crc_on).await {
+        Ok(()) => Ok(TransferReceipt {
+            payload_bytes: tracker.desc.payload_bytes(layout),
+            layers: tracker.received(),
+            desc: tracker.desc,
+            elapsed: started.elapsed(),
+        }),
+        Err(e) => Err(tracker.abort(e)),
+    }
+}
+
+/// Empties `v` and reuses its allocation for slices of another lifetime: `collect` of a
+/// `vec::IntoIter` adapter into a same-layout element type happens in place, so no
+/// allocation is made per layer frame.
+#[allow(clippy::unnecessary_filter_map)] // `filter` cannot change the element lifetime
+fn recycle<'b>(mut v: Vec<&mut [u8]>) -> Vec<&'b mut [u8]> {
+    v.clear();
+    v.into_iter().filter_map(|_| None).collect()
+}
+
+fn bad_region(what: &str, got: usize) -> Error {
+    Error::Sink(SinkError::new(
+        ErrorClass::Internal,
+        format!("sink returned a wrong {what} ({got}) for the layout"),
+    ))
+}
+
+async fn receive_layers<T: FrameTransport, S: KvSink + Send>(
+    io: &mut T,
+    layout: &KvLayout,
+    sink: &mut S,
+    tracker: &mut Tracker,
+    crc_on: bool,
+) -> Result<()> {
+    let region_len = layout.region_bytes();
+    let frame_len = layout.layer_frame_bytes(tracker.desc.dst_blocks.len());
+    let request_id = tracker.desc.request_id;
+    let mut hdr = [0u8; HEADER_LEN];
+    // Reused (never reallocated after the first layer) list of region slices.
+    let mut spare: Vec<&'static mut [u8]> = Vec::new();
+    loop {
+        io.read_ctl(&mut hdr, "reading a frame header").await?;
+        let h = FrameHeader::decode(&hdr)?;
+        if h.crc() != crc_on {
+            return Err(Error::malformed(
+                tag_name(h.tag),
+                "crc32c flag differs from BEGIN's",
+            ));
+        }
+        match h.tag {
+            TAG_LAYER => {
+                let layer = h.arg;
+                tracker.start_layer(layer)?;
+                if h.len != frame_len {
+                    return Err(Error::Oversized {
+                        what: "LAYER payload",
+                        len: h.len,
+                        limit: frame_len,
+                    });
+                }
+                io.begin_payload(frame_len).await?;
+                let mut crc = if crc_on { crc32c::crc32c(&hdr) } else { 0 };
+                for kind in KvKind::ORDER {
+                    let mut batch = recycle(std::mem::take(&mut spare));
+                    let batched = sink
+                        .regions_mut(layer, kind, &tracker.desc.dst_blocks, &mut batch)
+                        .map_err(Error::Sink)?;
+                    if batched {
+                        if batch.len() != tracker.desc.dst_blocks.len() {
+                            return Err(bad_region("region count", batch.len()));
+                        }
+                        if let Some(r) = batch.iter().find(|r| r.len() != region_len) {
+                            return Err(bad_region("region size", r.len()));
+                        }
+                        io.read_payload_vectored(&mut batch).await?;
+                        if crc_on {
+                            for r in &batch {
+                                crc = crc32c::crc32c_append(crc, r);
+                            }
+                        }
+                        spare = recycle(batch);
+                        continue;
+                    }
+                    for &block in &tracker.desc.dst_blocks {
+                        let dst = sink.region_mut(layer, kind, block).map_err(Error::Sink)?;
+                        if dst.len() != region_len {
+                            return Err(bad_region("region size", dst.len()));
+                        }
+                        io.read_payload(dst).await?;
+                        if crc_on {
+                            crc = crc32c::crc32c_append(crc, dst);
+                        }
+                    }
+                }
+                if crc_on {
+                    read_trailer(io, "LAYER", crc).await?;
+                }
+                tracker.finish_layer(layer);
+                sink.layer_done(request_id, layer);
+            }
+            TAG_END => {
+                if h.len != END_LEN as u64 || h.arg != 0 {
+                    return Err(Error::malformed("END", "bad length or arg"));
+                }
+                let mut body = [0u8; END_LEN];
+                io.read_ctl(&mut body, "reading END").await?;
+                if crc_on {
+                    let c = crc32c::crc32c_append(crc32c::crc32c(&hdr), &body);
+                    read_trailer(io, "END", c).await?;
+                }
+                let (rid, layers_sent) = decode_end(&body)?;
+                return tracker.end(rid, layers_sent);
+            }
+            TAG_ABORT => {
+                if h.len != ABORT_LEN as u64 {
+                    return Err(Error::malformed("ABORT", "bad length"));
+                }
+                let mut body = [0u8; ABORT_LEN];
+                io.read_ctl(&mut body, "reading ABORT").await?;
+                let (_, class) = decode_abort(&body);
+                return Err(Error::SenderAborted { class });
+            }
+            other => {
+                return Err(Error::UnexpectedFrame {
+                    expected: "LAYER, END or ABORT",
+                    tag: other,
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::recycle;
+
+    #[test]
+    fn recycle_keeps_the_allocation() {
+        let mut a = [0u8; 4];
+        let mut b = [0u8; 4];
+        let v: Vec<&mut [u8]> = vec![&mut a[..], &mut b[..]];
+        let (ptr, cap) = (v.as_ptr() as usize, v.capacity());
+        let r = recycle(v);
+        assert!(r.is_empty());
+        assert_eq!((r.as_ptr() as usize, r.capacity()), (ptr, cap));
+    }
+}

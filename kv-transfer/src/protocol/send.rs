@@ -1,0 +1,397 @@
+//! Connection state machines shared by the stream backends (tcp, shm): [`SenderCore`] encodes
+//! frames onto a [`FrameTransport`]; [`ReceiverCore`] decodes them into a sink and answers
+//! with a verdict.
+//!
+//! Invariants:
+//! - a sender moves Idle -> InTransfer (BEGIN) -> Idle (verdict read); any transport error
+//!   makes it Broken for good; caller mistakes detected before writing leave it unchanged;
+//! - the sender never writes a layer whose region count or region sizes disagree with the
+//!   layout, and sends each layer at most once;
+//! - a receiver that failed answers a verdict naming the error class when the connection
+//!   still works, then drains and marks itself Broken.
+
+use std::time::Instant;
+
+use crate::api::TransferReceipt;
+use crate::error::{Error, ErrorClass, Result};
+use crate::layout::{KvLayout, TransferDesc};
+use crate::protocol::frame::{
+    encode_abort, encode_block_ids, encode_end, BeginFixed, FrameHeader, Verdict, BEGIN_FIXED_LEN,
+    CRC_LEN, TAG_ABORT, TAG_BEGIN, TAG_END, TAG_LAYER,
+};
+use crate::protocol::receive::{receive_transfer, ReceivePolicy};
+use crate::protocol::transport::FrameTransport;
+use crate::protocol::{HEADER_LEN, MAX_REASON_LEN};
+use crate::sink::KvSink;
+
+#[derive(Debug)]
+enum SendState {
+    Idle,
+    InTransfer {
+        desc: TransferDesc,
+        seen: Vec<bool>,
+        sent: u32,
+        started: Instant,
+    },
+    Broken,
+}
+
+/// Sender half of a stream connection (after the handshake).
+#[derive(Debug)]
+pub(crate) struct SenderCore<T> {
+    pub(crate) io: T,
+    layout: KvLayout,
+    checksum: bool,
+    state: SendState,
+}
+
+fn check_regions<R: AsRef<[u8]>>(
+    layout: &KvLayout,
+    n_blocks: usize,
+    name: &str,
+    regions: &[R],
+) -> Result<()> {
+    if regions.len() != n_blocks {
+        return Err(Error::InvalidArgument(format!(
+            "{name}: {} regions given, transfer has {n_blocks} blocks",
+            regions.len()
+        )));
+    }
+    let want = layout.region_bytes();
+    if let Some((i, r)) = regions
+        .iter()
+        .enumerate()
+        .find(|(_, r)| r.as_ref().len() != want)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "{name}[{i}] is {} bytes, layout region is {want}",
+            r.as_ref().len()
+        )));
+    }
+    Ok(())
+}
+
+impl<T: FrameTransport> SenderCore<T> {
+    pub(crate) fn new(io: T, layout: KvLayout, checksum: bool) -> Self {
+        SenderCore {
+            io,
+            layout,
+            checksum,
+            state: SendState::Idle,
+        }
+    }
+
+    pub(crate) fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn poison<V>(&mut self, r: Result<V>) -> Result<V> {
+        if r.is_err() {
+            self.state = SendState::Broken;
+        }
+        r
+    }
+
+    pub(crate) async fn begin(&mut self, desc: TransferDesc) -> Result<()> {
+        match self.state {
+            SendState::Idle => {}
+            SendState::Broken => return Err(Error::Broken),
+            SendState::InTransfer { .. } => {
+                return Err(Error::InvalidArgument(
+                    "begin called while a transfer is in progress".into(),
+                ))
+            }
+        }
+        desc.validate(&self.layout)?;
+        let ids = encode_block_ids(&desc.dst_blocks);
+        let fixed = BeginFixed {
+            request_id: desc.request_id,
+            token_start: desc.token_start,
+            token_count: desc.token_count,
+            n_blocks: desc.dst_blocks.len() as u32,
+        }
+        .encode();
+        let len = (BEGIN_FIXED_LEN + ids.len()) as u64;
+        let hdr = FrameHeader::new(TAG_BEGIN, self.checksum, 0, len).encode();
+        let mut msg = Vec::with_capacity(HEADER_LEN + len as usize + CRC_LEN);
+        msg.extend_from_slice(&hdr);
+        msg.extend_from_slice(&fixed);
+        msg.extend_from_slice(&ids);
+        if self.checksum {
+            let c = crc32c::crc32c(&msg);
+            msg.extend_from_slice(&c.to_le_bytes());
+        }
+        let r = self.io.write_ctl(&msg, "sending BEGIN").await;
+        self.poison(r)?;
+        self.state = SendState::InTransfer {
+            seen: vec![false; self.layout.layers() as usize],
+            sent: 0,
+            desc,
+            started: Instant::now(),
+        };
+        Ok(())
+    }
+
+    pub(crate) async fn send_layer<R: AsRef<[u8]> + Sync>(
+        &mut self,
+        layer: u32,
+        k: &[R],
+        v: &[R],
+    ) -> Result<()> {
+        let n_blocks = match &self.state {
+            SendState::InTransfer { desc, seen, .. } => {
+                match seen.get(layer as usize) {
+                    None => {
+                        return Err(Error::LayerOutOfRange {
+                            layer,
+                            layers: self.layout.layers(),
+                        })
+                    }
+                    Some(true) => return Err(Error::DuplicateLayer { layer }),
+                    Some(false) => {}
+                }
+                desc.dst_blocks.len()
+            }
+            SendState::Idle => {
+                return Err(Error::InvalidArgument(
+                    "send_layer called before begin".into(),
+                ))
+            }
+            SendState::Broken => return Err(Error::Broken),
+        };
+        check_regions(&self.layout, n_blocks, "k", k)?;
+        check_regions(&self.layout, n_blocks, "v", v)?;
+        let len = self.layout.layer_frame_bytes(n_blocks);
+        let hdr = FrameHeader::new(TAG_LAYER, self.checksum, layer, len).encode();
+        let trailer = if self.checksum {
+            let mut c = crc32c::crc32c(&hdr);
+            for r in k.iter().chain(v) {
+                c = crc32c::crc32c_append(c, r.as_ref());
+            }
+            Some(c.to_le_bytes())
+        } else {
+            None
+        };
+        let r = self.io.write_layer(&hdr, k, v, trailer).await;
+        self.poison(r)?;
+        if let SendState::InTransfer { seen, sent, .. } = &mut self.state {
+            if let Some(s) = seen.get_mut(layer as usize) {
+                *s = true;
+            }
+            *sent += 1;
+        }
+        // Fail fast when the receiver already rejected the transfer.
+        let mut reply = [0u8; HEADER_LEN];
+        let early = self.io.poll_early_reply(&mut reply).await;
+        match self.poison(early)? {
+            false => Ok(()),
+            true => {
+                let r = self.read_verdict_body(&reply).await;
+                self.state = SendState::Broken;
+                self.io.shutdown_and_drain().await;
+                match r? {
+                    v if v.error.is_some() => Err(rejected(v)),
+                    _ => Err(Error::malformed("VERDICT", "success before END")),
+                }
+            }
+        }
+    }
+
+    async fn read_verdict_body(&mut self, hdr: &[u8; HEADER_LEN]) -> Result<Verdict> {
+        let h = FrameHeader::decode(hdr)?;
+        let n = Verdict::body_len(&h)?;
+        let mut body = [0u8; crate::protocol::frame::VERDICT_FIXED_LEN + MAX_REASON_LEN];
+        self.io
+            .read_ctl(&mut body[..n], "reading the verdict")
+            .await?;
+        Verdict::decode_body(&body[..n])
+    }
+
+    pub(crate) async fn finish(&mut self) -> Result<TransferReceipt> {
+        let layers = self.layout.layers();
+        match &self.state {
+            SendState::InTransfer { sent, .. } if *sent != layers => {
+                // Caller mistake; the transfer stays open so the missing layers can follow.
+                return Err(Error::MissingLayers {
+                    received: *sent,
+                    expected: layers,
+                });
+            }
+            SendState::InTransfer { .. } => {}
+            SendState::Idle => {
+                return Err(Error::InvalidArgument("finish called before begin".into()))
+            }
+            SendState::Broken => return Err(Error::Broken),
+        }
+        let SendState::InTransfer {
+            desc,
+            sent,
+            started,
+            ..
+        } = std::mem::replace(&mut self.state, SendState::Broken)
+        else {
+            return Err(Error::Internal("sender state changed unexpectedly".into()));
+        };
+        let hdr = FrameHeader::new(TAG_END, self.checksum, 0, 16).encode();
+        let body = encode_end(desc.request_id, sent);
+        let mut msg = [0u8; HEADER_LEN + 16 + CRC_LEN];
+        msg[..HEADER_LEN].copy_from_slice(&hdr);
+        msg[HEADER_LEN..HEADER_LEN + 16].copy_from_slice(&body);
+        let n = if self.checksum {
+            let c = crc32c::crc32c(&msg[..HEADER_LEN + 16]);
+            msg[HEADER_LEN + 16..].copy_from_slice(&c.to_le_bytes());
+            msg.len()
+        } else {
+            HEADER_LEN + 16
+        };
+        self.io.write_ctl(&msg[..n], "sending END").await?;
+        let mut reply = [0u8; HEADER_LEN];
+        self.io.read_reply_header(&mut reply).await?;
+        let v = self.read_verdict_body(&reply).await?;
+        if v.error.is_some() {
+            self.io.shutdown_and_drain().await;
+            return Err(rejected(v));
+        }
+        if v.request_id != desc.request_id {
+            return Err(Error::malformed("VERDICT", "request id differs"));
+        }
+        self.state = SendState::Idle;
+        Ok(TransferReceipt {
+            payload_bytes: desc.payload_bytes(&self.layout),
+            layers: sent,
+            desc,
+            elapsed: started.elapsed(),
+        })
+    }
+
+    async fn abort_inner(&mut self, request_id: u64) -> Result<()> {
+        let hdr = FrameHeader::new(TAG_ABORT, self.checksum, 0, 16).encode();
+        let body = encode_abort(request_id, ErrorClass::Unavailable);
+        let mut msg = [0u8; HEADER_LEN + 16 + CRC_LEN];
+        msg[..HEADER_LEN].copy_from_slice(&hdr);
+        msg[HEADER_LEN..HEADER_LEN + 16].copy_from_slice(&body);
+        let n = if self.checksum {
+            let c = crc32c::crc32c(&msg[..HEADER_LEN + 16]);
+            msg[HEADER_LEN + 16..].copy_from_slice(&c.to_le_bytes());
+            msg.len()
+        } else {
+            HEADER_LEN + 16
+        };
+        self.state = SendState::Broken;
+        self.io.write_ctl(&msg[..n], "sending ABORT").await
+    }
+
+    /// Abandons the current transfer: the receiver releases its blocks. The connection is
+    /// not reused afterwards.
+    pub(crate) async fn abort(&mut self) -> Result<()> {
+        match std::mem::replace(&mut self.state, SendState::Broken) {
+            SendState::InTransfer { desc, .. } => self.abort_inner(desc.request_id).await,
+            SendState::Idle => Ok(()),
+            SendState::Broken => Err(Error::Broken),
+        }
+    }
+}
+
+fn rejected(v: Verdict) -> Error {
+    Error::Rejected {
+        class: v.error.unwrap_or(ErrorClass::Internal),
+        reason: v.reason,
+    }
+}
+
+/// Receiver half of a stream connection (after the handshake).
+#[derive(Debug)]
+pub(crate) struct ReceiverCore<T> {
+    pub(crate) io: T,
+    layout: KvLayout,
+    policy: ReceivePolicy,
+    broken: bool,
+}
+
+impl<T: FrameTransport> ReceiverCore<T> {
+    pub(crate) fn new(io: T, layout: KvLayout, require_checksum: bool) -> Self {
+        ReceiverCore {
+            io,
+            layout,
+            policy: ReceivePolicy { require_checksum },
+            broken: false,
+        }
+    }
+
+    pub(crate) fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    pub(crate) async fn receive<S: KvSink + Send>(
+        &mut self,
+        sink: &mut S,
+    ) -> Result<TransferReceipt> {
+        if self.broken {
+            return Err(Error::Broken);
+        }
+        let result = receive_transfer(&mut self.io, &self.layout, sink, self.policy).await;
+        match result {
+            Ok(receipt) => {
+                let v = Verdict {
+                    request_id: receipt.desc.request_id,
+                    error: None,
+                    reason: String::new(),
+                };
+                if let Err(e) = self.io.write_ctl(&v.encode(), "sending the verdict").await {
+                    self.broken = true;
+                    tracing::warn!(error = %e, "kv transfer verdict could not be sent");
+                    return Err(crate::protocol::tracker::aborted(
+                        receipt.desc.request_id,
+                        receipt.desc.dst_blocks,
+                        e,
+                    ));
+                }
+                tracing::debug!(
+                    request_id = receipt.desc.request_id,
+                    bytes = receipt.payload_bytes,
+                    elapsed_us = receipt.elapsed.as_micros() as u64,
+                    "kv transfer received"
+                );
+                Ok(receipt)
+            }
+            Err(e) if e.is_clean_close() => {
+                self.broken = true;
+                Err(e)
+            }
+            Err(e) => {
+                self.broken = true;
+                tracing::warn!(
+                    error = %e,
+                    cause = %e.root(),
+                    class = e.class().as_str(),
+                    release = ?e.blocks_to_release(),
+                    "kv transfer failed"
+                );
+                let peer_gone = matches!(
+                    e.root(),
+                    Error::PeerClosed { .. } | Error::Io { .. } | Error::Timeout { .. }
+                );
+                if !peer_gone {
+                    let request_id = match &e {
+                        Error::Aborted { request_id, .. } => *request_id,
+                        _ => 0,
+                    };
+                    let v = Verdict {
+                        request_id,
+                        error: Some(e.class()),
+                        reason: e.root().to_string(),
+                    };
+                    if self
+                        .io
+                        .write_ctl(&v.encode(), "sending the verdict")
+                        .await
+                        .is_ok()
+                    {
+                        self.io.shutdown_and_drain().await;
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+}

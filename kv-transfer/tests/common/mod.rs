@@ -1,0 +1,125 @@
+//! Helpers shared by the integration tests: layouts, secrets, deterministic region contents.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use duet_kv_transfer::{
+    Dtype, Fingerprint, KvKind, KvLayout, KvSink, MemorySink, SharedSecret, SinkError, Timeouts,
+    TransferConfig,
+};
+
+/// A sink that implements only the required methods, so receivers take the one-region-at-a-
+/// time path instead of `regions_mut` batches.
+pub struct PlainSink<'a>(pub &'a mut MemorySink);
+
+impl KvSink for PlainSink<'_> {
+    fn is_reserved(&self, request_id: u64, block: u32) -> bool {
+        self.0.is_reserved(request_id, block)
+    }
+    fn region_mut(&mut self, layer: u32, kind: KvKind, block: u32) -> Result<&mut [u8], SinkError> {
+        self.0.region_mut(layer, kind, block)
+    }
+    fn layer_done(&mut self, request_id: u64, layer: u32) {
+        self.0.layer_done(request_id, layer)
+    }
+}
+
+/// A small layout (region = 2 heads * 4 slots * 8 dims * 4 bytes = 256 bytes).
+pub fn small_layout() -> KvLayout {
+    KvLayout::new(Fingerprint([1; 32]), 3, 2, 8, 4, Dtype::F32).unwrap()
+}
+
+/// The default model's layout: 30 layers, 3 KV heads, head dim 64, block 16, f32.
+pub fn model_layout() -> KvLayout {
+    KvLayout::new(Fingerprint([2; 32]), 30, 3, 64, 16, Dtype::F32).unwrap()
+}
+
+pub fn secret() -> SharedSecret {
+    SharedSecret::new(b"test secret of at least 16 bytes").unwrap()
+}
+
+pub fn fast_timeouts() -> Timeouts {
+    Timeouts {
+        connect: Duration::from_secs(5),
+        handshake: Duration::from_secs(5),
+        io: Duration::from_secs(5),
+        idle: Duration::from_secs(5),
+        drain: Duration::from_millis(200),
+    }
+}
+
+pub fn config(layout: KvLayout) -> TransferConfig {
+    let mut c = TransferConfig::new(layout, secret());
+    c.timeouts = fast_timeouts();
+    c
+}
+
+/// Deterministic content of region `(layer, kind, block)` of request `req`.
+pub fn region(layout: &KvLayout, req: u64, layer: u32, kind: KvKind, block: u32) -> Vec<u8> {
+    let k = match kind {
+        KvKind::K => 1u64,
+        KvKind::V => 2,
+    };
+    let mut x = req
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .wrapping_add(u64::from(layer) << 40)
+        .wrapping_add(k << 32)
+        .wrapping_add(u64::from(block))
+        | 1;
+    (0..layout.region_bytes())
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// K and V regions of `layer` for `blocks`.
+pub fn layer_regions(
+    layout: &KvLayout,
+    req: u64,
+    layer: u32,
+    blocks: &[u32],
+) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let k = blocks
+        .iter()
+        .map(|&b| region(layout, req, layer, KvKind::K, b))
+        .collect();
+    let v = blocks
+        .iter()
+        .map(|&b| region(layout, req, layer, KvKind::V, b))
+        .collect();
+    (k, v)
+}
+
+/// Asserts that every layer of `blocks` holds the expected content.
+pub fn assert_landed(sink: &MemorySink, layout: &KvLayout, req: u64, blocks: &[u32]) {
+    for layer in 0..layout.layers() {
+        for kind in KvKind::ORDER {
+            for &b in blocks {
+                let got = sink.region(layer, kind, b).unwrap();
+                assert!(
+                    got == region(layout, req, layer, kind, b).as_slice(),
+                    "layer {layer} {kind:?} block {b} differs"
+                );
+            }
+        }
+    }
+}
+
+/// Asserts that `block` is still all zeros in every layer.
+pub fn assert_untouched(sink: &MemorySink, layout: &KvLayout, block: u32) {
+    for layer in 0..layout.layers() {
+        for kind in KvKind::ORDER {
+            assert!(
+                sink.region(layer, kind, block)
+                    .unwrap()
+                    .iter()
+                    .all(|&b| b == 0),
+                "block {block} layer {layer} {kind:?} was written"
+            );
+        }
+    }
+}
