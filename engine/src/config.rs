@@ -73,13 +73,17 @@ impl ModelConfig {
             true => get_usize(c, &a("attention.head_count_kv"))?,
             false => n_heads,
         };
-        if n_heads == 0 || n_kv_heads == 0 || hidden % n_heads != 0 || n_heads % n_kv_heads != 0 {
+        if n_heads == 0
+            || n_kv_heads == 0
+            || !hidden.is_multiple_of(n_heads)
+            || !n_heads.is_multiple_of(n_kv_heads)
+        {
             return Err(EngineError::Format(format!(
                 "inconsistent heads: hidden {hidden}, heads {n_heads}, kv heads {n_kv_heads}"
             )));
         }
         let head_dim = hidden / n_heads;
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             return Err(EngineError::Format(format!("odd head dim {head_dim}")));
         }
         let vocab_size = match c.metadata.get("tokenizer.ggml.tokens") {

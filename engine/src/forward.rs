@@ -46,7 +46,6 @@ trait KvElem: Copy + Send + Sync {
     const ROUND_OPERANDS: bool = false;
     fn dot(q: &[f32], k: &[Self], buf: &mut [f32]) -> f32;
     fn axpy(o: &mut [f32], w: f32, v: &[Self], buf: &mut [f32]);
-    fn to_f32(src: &[Self], dst: &mut [f32]);
 }
 
 impl KvElem for f32 {
@@ -57,10 +56,6 @@ impl KvElem for f32 {
     #[inline]
     fn axpy(o: &mut [f32], w: f32, v: &[Self], _: &mut [f32]) {
         kernels::axpy(o, w, v)
-    }
-    #[inline]
-    fn to_f32(src: &[Self], dst: &mut [f32]) {
-        dst.copy_from_slice(src)
     }
 }
 
@@ -81,12 +76,6 @@ impl KvElem for f16 {
             *d = s.to_f32();
         }
         kernels::axpy(o, w, buf)
-    }
-    #[inline]
-    fn to_f32(src: &[Self], dst: &mut [f32]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = s.to_f32();
-        }
     }
 }
 

@@ -48,7 +48,7 @@ pub struct QWeight {
 
 impl QWeight {
     pub fn new(format: BlockFormat, data: Vec<u8>, rows: usize, cols: usize) -> Result<Self> {
-        if cols % QK != 0 {
+        if !cols.is_multiple_of(QK) {
             return Err(EngineError::Unsupported(format!(
                 "weight with {cols} columns (not a multiple of {QK})"
             )));

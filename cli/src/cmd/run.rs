@@ -21,7 +21,7 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     pub temperature: f32,
     /// 0 = off.
     #[arg(long, default_value_t = 0, allow_hyphen_values = true)]

@@ -177,6 +177,20 @@ impl KvCache {
         }
     }
 
+    /// Touch every page of the pool so that it is resident (for memory
+    /// measurements; a new pool is allocated lazily by the OS).
+    pub fn prefault(&mut self) {
+        match &mut self.storage {
+            Storage::F32(v) => v.iter_mut().step_by(1024).for_each(|x| *x = 0.0),
+            Storage::F16(v) => v.iter_mut().step_by(2048).for_each(|x| *x = f16::ZERO),
+        }
+    }
+
+    /// Bytes of the block pool.
+    pub fn pool_bytes(&self) -> usize {
+        self.total_blocks() * self.layout.n_layers * 2 * self.layout.region_bytes()
+    }
+
     pub fn layout(&self) -> &KvLayout {
         &self.layout
     }

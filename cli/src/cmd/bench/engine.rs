@@ -1,0 +1,198 @@
+//! `duet bench engine`: prefill tok/s at several prompt lengths and
+//! aggregate decode tok/s at several batch sizes (every sequence with its own
+//! context of `--context` tokens), plus resident memory.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use duet_engine::{sampling::argmax, KvCache, KvDtype, Model, SeqChunk};
+use serde::Serialize;
+
+use crate::cmd::model_args::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct EngineBenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt lengths for prefill.
+    #[arg(long, value_delimiter = ',', default_value = "128,512,1024")]
+    pub prefill: Vec<usize>,
+    /// Batch sizes for decode.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    pub batch: Vec<usize>,
+    /// Context of every decoding sequence before the timed steps.
+    #[arg(long, default_value_t = 512)]
+    pub context: usize,
+    /// Timed decode steps per batch size.
+    #[arg(long, default_value_t = 16)]
+    pub steps: usize,
+    /// Size of the KV pool whose resident memory is reported.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub kv_pool_bytes: usize,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Prefill {
+    tokens: usize,
+    seconds: f64,
+    tok_per_s: f64,
+}
+
+#[derive(Serialize)]
+struct Decode {
+    batch: usize,
+    context: usize,
+    steps: usize,
+    seconds: f64,
+    tok_per_s: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    engine: &'static str,
+    threads: usize,
+    weights: String,
+    prefill: Vec<Prefill>,
+    decode: Vec<Decode>,
+    rss_after_load_bytes: u64,
+    rss_with_kv_pool_bytes: u64,
+    kv_pool_bytes: usize,
+    weight_bytes: usize,
+}
+
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Ordinary vocabulary ids, deterministic.
+fn tokens(n: usize, salt: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| (1000 + (i * 7919 + salt * 104_729) % 40_000) as u32)
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
+    let model = a.model.load()?;
+    let rss_after_load = rss_bytes();
+    let mut prefill = Vec::new();
+    for &n in &a.prefill {
+        let mut runs = Vec::new();
+        for i in 0..4 {
+            let mut cache = KvCache::new(model.kv_layout(16, KvDtype::F32), n.div_ceil(16));
+            cache.add_sequence(0)?;
+            let t = Instant::now();
+            model.forward(&mut cache, &[SeqChunk::new(0, &tokens(n, 0))])?;
+            if i > 0 {
+                runs.push(t.elapsed().as_secs_f64()); // the first run warms up
+            }
+        }
+        let s = median(runs);
+        eprintln!("prefill {n:5} tokens: {:8.1} tok/s", n as f64 / s);
+        prefill.push(Prefill {
+            tokens: n,
+            seconds: s,
+            tok_per_s: n as f64 / s,
+        });
+    }
+    let mut decode = Vec::new();
+    for &b in &a.batch {
+        decode.push(bench_decode(&model, b, a.context, a.steps)?);
+    }
+    let mut pool = KvCache::new(
+        model.kv_layout(16, KvDtype::F32),
+        a.kv_pool_bytes / model.kv_layout(16, KvDtype::F32).bytes_per_token() / 16,
+    );
+    pool.prefault();
+    let report = Report {
+        engine: "duet",
+        threads: a.model.threads,
+        weights: format!("{:?}", a.model.weights),
+        prefill,
+        decode,
+        rss_after_load_bytes: rss_after_load,
+        rss_with_kv_pool_bytes: rss_bytes(),
+        kv_pool_bytes: pool.pool_bytes(),
+        weight_bytes: model.weight_bytes(),
+    };
+    eprintln!(
+        "RSS after load {:.1} MiB, with a {:.0} MiB KV pool {:.1} MiB",
+        report.rss_after_load_bytes as f64 / 1048576.0,
+        report.kv_pool_bytes as f64 / 1048576.0,
+        report.rss_with_kv_pool_bytes as f64 / 1048576.0
+    );
+    match &a.json {
+        Some(p) => super::write_json(p, &report)?,
+        None => println!("{}", serde_json::to_string_pretty(&report)?),
+    }
+    Ok(())
+}
+
+fn bench_decode(
+    model: &Model,
+    batch: usize,
+    context: usize,
+    steps: usize,
+) -> anyhow::Result<Decode> {
+    let blocks = batch * (context + steps + 1).div_ceil(16);
+    let mut cache = KvCache::new(model.kv_layout(16, KvDtype::F32), blocks);
+    // Distinct contexts per sequence, prefilled a few sequences per forward.
+    let prompts: Vec<Vec<u32>> = (0..batch).map(|i| tokens(context, i + 1)).collect();
+    let mut next = vec![0u32; batch];
+    for group in (0..batch).collect::<Vec<_>>().chunks(4) {
+        let chunks: Vec<SeqChunk> = group
+            .iter()
+            .map(|&i| {
+                cache.add_sequence(i as u64)?;
+                Ok(SeqChunk::new(i as u64, &prompts[i]))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let logits = model.forward(&mut cache, &chunks).context("prefill")?;
+        for (&i, l) in group.iter().zip(&logits) {
+            next[i] = argmax(l);
+        }
+    }
+    let step = |cache: &mut KvCache, next: &mut Vec<u32>| -> anyhow::Result<()> {
+        let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let chunks: Vec<SeqChunk> = toks
+            .iter()
+            .enumerate()
+            .map(|(i, t)| SeqChunk::new(i as u64, t))
+            .collect();
+        for (n, l) in next.iter_mut().zip(model.forward(cache, &chunks)?) {
+            *n = argmax(&l);
+        }
+        Ok(())
+    };
+    step(&mut cache, &mut next)?; // warm-up
+    let t = Instant::now();
+    for _ in 0..steps {
+        step(&mut cache, &mut next)?;
+    }
+    let s = t.elapsed().as_secs_f64();
+    let tps = (batch * steps) as f64 / s;
+    eprintln!("decode batch {batch:3} (context {context}): {tps:8.1} tok/s aggregate");
+    Ok(Decode {
+        batch,
+        context,
+        steps,
+        seconds: s,
+        tok_per_s: tps,
+    })
+}

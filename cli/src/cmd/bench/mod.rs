@@ -1,0 +1,33 @@
+//! `duet bench ...`: benchmarks. Each prints its numbers beside a reference
+//! measured in the same run where one exists (the reference tool for the
+//! engine, llama.cpp, is driven by `scripts/bench-engine.sh`).
+
+mod engine;
+mod transfer;
+
+use clap::Subcommand;
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Prefill and batched-decode throughput of the engine.
+    Engine(engine::EngineBenchArgs),
+    /// KV transfer throughput and latency beside iperf3 / memcpy.
+    Transfer(transfer::TransferBenchArgs),
+}
+
+pub fn run(c: BenchCommand) -> anyhow::Result<()> {
+    match c {
+        BenchCommand::Engine(a) => engine::run(a),
+        BenchCommand::Transfer(a) => transfer::run(a),
+    }
+}
+
+/// Write a JSON report where asked, creating its directory.
+pub fn write_json(path: &std::path::Path, value: &impl serde::Serialize) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, serde_json::to_vec_pretty(value)?)?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}

@@ -1,0 +1,94 @@
+//! `duet bench transfer`: KV transfer throughput and latency per payload
+//! size beside the reference measured in the same run (iperf3 over loopback
+//! for tcp, memcpy for shm and local), plus the pipelined end-to-end figure
+//! for a 1024-token prompt of the default model.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use duet_kv_transfer::bench::{self, BenchOptions, E2eOptions};
+use duet_kv_transfer::BackendKind;
+use serde::Serialize;
+
+#[derive(Args, Debug)]
+pub struct TransferBenchArgs {
+    /// tcp, shm or local.
+    #[arg(long, default_value = "tcp")]
+    pub backend: BackendKind,
+    /// Largest payload in bytes (sizes grow x4 from 64 KiB).
+    #[arg(long, default_value_t = 1 << 30)]
+    pub bytes: u64,
+    /// Parallel connections (tcp).
+    #[arg(long, default_value_t = 1)]
+    pub streams: usize,
+    /// Disable per-frame crc32c.
+    #[arg(long)]
+    pub no_checksum: bool,
+    /// Print JSON (and write it here when a path is given).
+    #[arg(long)]
+    pub json: bool,
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    sizes: bench::BenchReport,
+    end_to_end: bench::E2eReport,
+}
+
+pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
+    if a.streams == 0 {
+        anyhow::bail!("--streams must be at least 1");
+    }
+    let rt = tokio::runtime::Runtime::new()?;
+    let sizes = rt.block_on(bench::run(BenchOptions {
+        backend: a.backend,
+        max_bytes: a.bytes,
+        streams: a.streams,
+        checksum: !a.no_checksum,
+        ..Default::default()
+    }))?;
+    let end_to_end = rt.block_on(bench::end_to_end(E2eOptions {
+        backend: a.backend,
+        checksum: !a.no_checksum,
+        ..Default::default()
+    }))?;
+    let report = Report { sizes, end_to_end };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        let s = &report.sizes;
+        println!(
+            "backend {:?}, {} stream(s), checksum {}, reference {}",
+            s.backend, s.streams, s.checksum, s.reference_kind
+        );
+        println!(
+            "{:>12} {:>10} {:>12} {:>12} {:>8}",
+            "bytes", "GB/s", "latency us", "ref GB/s", "ratio"
+        );
+        for p in &s.points {
+            println!(
+                "{:>12} {:>10.2} {:>12.0} {:>12} {:>8}",
+                p.bytes,
+                p.throughput_gbps,
+                p.latency_us_median,
+                p.reference_gbps.map_or("-".into(), |r| format!("{r:.2}")),
+                p.ratio_to_reference
+                    .map_or("-".into(), |r| format!("{r:.2}"))
+            );
+        }
+        for note in [&s.reference_note, &s.zero_copy_note].into_iter().flatten() {
+            println!("note: {note}");
+        }
+        let e = &report.end_to_end;
+        println!(
+            "end to end, {} tokens x {} layers ({} bytes): last layer handed over -> last byte placed: median {:.0} us (whole transfer back to back: {:.0} us)",
+            e.tokens, e.layers, e.total_bytes, e.tail_us_median, e.whole_transfer_us_median
+        );
+    }
+    if let Some(p) = &a.out {
+        super::write_json(p, &report)?;
+    }
+    Ok(())
+}

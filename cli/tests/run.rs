@@ -1,0 +1,140 @@
+//! `duet run` as a user calls it: real binary, real model, and every bad
+//! input ends with a clear message and a non-zero exit, never a panic.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+fn duet(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_duet"))
+        .args(args)
+        .env_remove("DUET_MODEL")
+        .output()
+        .expect("run duet")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A failure the user can read: exit code 1 (not a panic's 101) and a message.
+fn assert_clean_failure(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(1), "exit code; stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    assert!(
+        err.contains(needle),
+        "stderr should mention {needle:?}: {err}"
+    );
+}
+
+#[test]
+fn json_output_has_ids_text_and_timings() {
+    let m = model();
+    let o = duet(&[
+        "run",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "6",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    let ids = v["ids"].as_array().expect("ids");
+    assert_eq!(ids.len(), 6);
+    // llama.cpp's first greedy token for this prompt is " Paris" (id 7042).
+    assert_eq!(ids[0], 7042);
+    assert_eq!(v["prompt_ids"].as_array().expect("prompt_ids").len(), 5);
+    assert!(v["text"].as_str().expect("text").starts_with(" Paris"));
+    assert!(v["timings"]["prefill_ms"].as_f64().expect("prefill_ms") > 0.0);
+    assert!(
+        v["timings"]["decode_ms_per_token"]
+            .as_f64()
+            .expect("decode_ms_per_token")
+            > 0.0
+    );
+}
+
+#[test]
+fn streaming_chat_prints_text_and_a_summary() {
+    let m = model();
+    let o = duet(&[
+        "run",
+        "--model",
+        m.to_str().unwrap(),
+        "--chat",
+        "--prompt",
+        "Say hello.",
+        "--max-tokens",
+        "8",
+        "--stop",
+        "zzzz",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!String::from_utf8_lossy(&o.stdout).trim().is_empty());
+    assert!(stderr(&o).contains("prompt tokens"));
+}
+
+#[test]
+fn missing_model_file() {
+    let o = duet(&[
+        "run",
+        "--model",
+        "/nonexistent/model.gguf",
+        "--prompt",
+        "hi",
+    ]);
+    assert_clean_failure(&o, "/nonexistent/model.gguf");
+}
+
+#[test]
+fn corrupt_and_truncated_gguf() {
+    let dir = std::env::temp_dir().join(format!("duet-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let garbage = dir.join("garbage.gguf");
+    std::fs::write(&garbage, b"this is not a gguf file at all").unwrap();
+    assert_clean_failure(
+        &duet(&[
+            "run",
+            "--model",
+            garbage.to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ]),
+        "GGUF",
+    );
+    // The real model cut inside its metadata, then inside its tensor data.
+    let real = std::fs::read(model()).expect("model");
+    for (name, len) in [("head.gguf", 1 << 20), ("tail.gguf", real.len() - 4096)] {
+        let p = dir.join(name);
+        std::fs::write(&p, &real[..len]).unwrap();
+        let o = duet(&["run", "--model", p.to_str().unwrap(), "--prompt", "hi"]);
+        assert_clean_failure(&o, "loading");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn empty_prompt_and_invalid_sampling_parameters_name_the_field() {
+    let m = model();
+    let m = m.to_str().unwrap();
+    assert_clean_failure(&duet(&["run", "--model", m, "--prompt", "   "]), "prompt");
+    for (flag, value, field) in [
+        ("--temperature", "-1", "temperature"),
+        ("--temperature", "NaN", "temperature"),
+        ("--top-p", "0", "top_p"),
+        ("--top-p", "1.5", "top_p"),
+        ("--top-k", "-3", "top_k"),
+        ("--min-p", "2", "min_p"),
+        ("--max-tokens", "0", "max_tokens"),
+    ] {
+        let o = duet(&["run", "--model", m, "--prompt", "hi", flag, value]);
+        assert_clean_failure(&o, field);
+    }
+}
