@@ -7,6 +7,7 @@ set -euo pipefail
 need_apt=()
 command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
 command -v protoc >/dev/null || need_apt+=(protobuf-compiler)
+command -v iperf3 >/dev/null || need_apt+=(iperf3)
 
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then

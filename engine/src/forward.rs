@@ -9,6 +9,7 @@
 use half::f16;
 use rayon::prelude::*;
 
+use crate::attention_gemm;
 use crate::error::{EngineError, Result};
 use crate::kernels;
 use crate::kv::cache::Storage;
@@ -233,7 +234,7 @@ impl Model {
                 let (k, v) = (&row[q_dim..q_dim + kv_dim], &row[q_dim + kv_dim..]);
                 cache.write_token(r.block, r.slot, l, k, v);
             }
-            let attn = self.attention(cache, l, &qkv, stride, rows, tables);
+            let attn = self.attention(cache, l, &qkv, stride, rows, tables, batch)?;
             let o = layer.wo.forward(&attn, n)?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
@@ -288,11 +289,41 @@ impl Model {
         stride: usize,
         rows: &[Row],
         tables: &[Vec<BlockId>],
-    ) -> Vec<f32> {
-        match cache.storage() {
-            Storage::F32(data) => self.attention_t(cache, data, layer, qkv, stride, rows, tables),
-            Storage::F16(data) => self.attention_t(cache, data, layer, qkv, stride, rows, tables),
+        batch: &[SeqChunk<'_>],
+    ) -> Result<Vec<f32>> {
+        let data = match cache.storage() {
+            Storage::F16(data) => {
+                return Ok(self.attention_t(cache, data, layer, qkv, stride, rows, tables, &[]))
+            }
+            Storage::F32(data) => data,
+        };
+        // Long prefill chunks go through matrix products; the rest per row.
+        let mut big = vec![false; batch.len()];
+        let mut chunks = Vec::new();
+        let mut first = 0;
+        for (i, ch) in batch.iter().enumerate() {
+            if ch.tokens.len() >= attention_gemm::MIN_ROWS {
+                big[i] = true;
+                chunks.push(attention_gemm::ChunkRows {
+                    first_row: first,
+                    rows: ch.tokens.len(),
+                    start_pos: rows[first].pos,
+                    table: &tables[i],
+                });
+            }
+            first += ch.tokens.len();
         }
+        let mut out = self.attention_t(cache, data, layer, qkv, stride, rows, tables, &big);
+        let c = &self.config;
+        let dims = attention_gemm::Dims {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+        };
+        for ch in &chunks {
+            attention_gemm::chunk_attention(cache, data, layer, qkv, stride, ch, &dims, &mut out)?;
+        }
+        Ok(out)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -305,6 +336,7 @@ impl Model {
         stride: usize,
         rows: &[Row],
         tables: &[Vec<BlockId>],
+        skip_chunks: &[bool],
     ) -> Vec<f32> {
         let c = &self.config;
         let (hd, nh, group) = (c.head_dim, c.n_heads, c.group_size());
@@ -314,6 +346,9 @@ impl Model {
         out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
             let (r, h) = (idx / nh, idx % nh);
             let row = &rows[r];
+            if skip_chunks.get(row.chunk).copied().unwrap_or(false) {
+                return;
+            }
             let g = h / group;
             let mut q = qkv[r * stride + h * hd..r * stride + (h + 1) * hd].to_vec();
             if T::ROUND_OPERANDS {

@@ -8,6 +8,7 @@
 //!   steps of different sequences;
 //! - [`Generation`]: sampling and stop conditions of one sequence.
 
+mod attention_gemm;
 pub mod chat;
 pub mod config;
 pub mod error;

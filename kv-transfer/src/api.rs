@@ -2,7 +2,7 @@
 //!
 //! Usage on the prefill side, layer by layer as the forward pass finishes them:
 //!
-//! ```ignore
+//! ```text
 //! sender.begin(desc).await?;                 // desc.dst_blocks were reserved by the receiver
 //! for layer in 0..layers {
 //!     let (k, v) = compute_layer(layer);     // K/V regions of every block, in block order
