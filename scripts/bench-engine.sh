@@ -39,6 +39,22 @@ venv="$root/.venv/llama"
 say() { echo "bench-engine: $*" >&2; }
 die() { say "$*"; exit 1; }
 
+# Warn when other work is using the CPUs: both engines lose throughput, and
+# llama.cpp's OpenMP threads collapse (10x and worse) when one of their cores
+# is shared. Linux /proc/stat, 2-second sample.
+warn_if_busy() {
+  [ -r /proc/stat ] || return 0
+  local a b c d e f g t1 i1 t2 i2 busy
+  read -r _ a b c d e f g _ </proc/stat; t1=$((a + b + c + d + e + f + g)); i1=$((d + e))
+  sleep 2
+  read -r _ a b c d e f g _ </proc/stat; t2=$((a + b + c + d + e + f + g)); i2=$((d + e))
+  [ "$t2" -gt "$t1" ] || return 0
+  busy=$(((t2 - t1 - (i2 - i1)) * 100 / (t2 - t1)))
+  if [ "$busy" -ge 10 ]; then
+    say "WARNING: the CPUs are ${busy}% busy with other work; numbers will be low and noisy"
+  fi
+}
+
 # 1. Model and duet.
 ./scripts/fetch-model.sh
 "$CARGO" build --release -p duet
@@ -82,11 +98,13 @@ for t in $THREADS; do
   else
     say "taskset not found: threads $t runs unpinned"
   fi
+  warn_if_busy
   say "threads $t: duet${pin:+ (${pin[*]})}"
   # shellcheck disable=SC2086  # DUET_ARGS is a list of flags
   ${pin[@]+"${pin[@]}"} "$duet" bench engine --model "$model" --threads "$t" \
     --steps "$STEPS" --batch "$BATCH" --prefill "$PREFILL" $DUET_ARGS \
     --json "$results/duet-engine-t$t.json"
+  warn_if_busy
   say "threads $t: llama.cpp${pin:+ (${pin[*]})}"
   ${pin[@]+"${pin[@]}"} "$py" bench/llama_cpp_engine.py --model "$model" --threads "$t" \
     --steps "$STEPS" --batch "$BATCH" --prefill "$PREFILL" \

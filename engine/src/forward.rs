@@ -359,10 +359,13 @@ impl Model {
             let n = row.pos + 1;
             let mut scores = Vec::with_capacity(n);
             let mut kbuf = vec![0f32; hd];
-            for t in 0..n {
-                let off =
-                    cache.region_offset(table[t / bs], layer, KvKind::K) + (g * bs + t % bs) * hd;
-                scores.push(T::dot(q, &data[off..off + hd], &mut kbuf) * scale);
+            // Block by block: one offset computation per block, not per token.
+            for (bi, &b) in table.iter().enumerate().take(n.div_ceil(bs)) {
+                let base = cache.region_offset(b, layer, KvKind::K) + g * bs * hd;
+                let count = bs.min(n - bi * bs);
+                for k in data[base..base + count * hd].chunks_exact(hd) {
+                    scores.push(T::dot(q, k, &mut kbuf) * scale);
+                }
             }
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0f32;
@@ -371,14 +374,17 @@ impl Model {
                 sum += *s;
             }
             let inv = 1.0 / sum;
-            for (t, &p) in scores.iter().enumerate() {
-                let w = match T::ROUND_OPERANDS {
-                    true => f16::from_f32(p * inv).to_f32(),
-                    false => p * inv,
-                };
-                let off =
-                    cache.region_offset(table[t / bs], layer, KvKind::V) + (g * bs + t % bs) * hd;
-                T::axpy(o, w, &data[off..off + hd], &mut kbuf);
+            for (bi, &b) in table.iter().enumerate().take(n.div_ceil(bs)) {
+                let base = cache.region_offset(b, layer, KvKind::V) + g * bs * hd;
+                let count = bs.min(n - bi * bs);
+                let ps = &scores[bi * bs..bi * bs + count];
+                for (v, &p) in data[base..base + count * hd].chunks_exact(hd).zip(ps) {
+                    let w = match T::ROUND_OPERANDS {
+                        true => f16::from_f32(p * inv).to_f32(),
+                        false => p * inv,
+                    };
+                    T::axpy(o, w, v, &mut kbuf);
+                }
             }
         });
         out

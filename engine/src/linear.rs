@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
 use crate::kernels::q8::{self, Q8Row};
-use crate::kernels::{self, BlockFormat, FUSED_MAX_ROWS, QK};
+use crate::kernels::{self, BlockFormat, FUSED_MAX_ROWS, FUSED_MAX_ROWS_QUANTIZED_ONLY, QK};
 
 /// Which forms of the weights a model keeps in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
@@ -166,8 +166,12 @@ impl Linear {
     /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
     pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         debug_assert_eq!(x.len(), rows * self.in_dim);
+        let fused_max = match self.dense {
+            Some(_) => FUSED_MAX_ROWS,
+            None => FUSED_MAX_ROWS_QUANTIZED_ONLY,
+        };
         if let Some(q) = &self.quantized {
-            if rows <= FUSED_MAX_ROWS && q8::supported(q.format) {
+            if rows <= fused_max && q8::supported(q.format) {
                 let acts: Vec<Q8Row> = x.chunks_exact(self.in_dim).map(Q8Row::quantize).collect();
                 let refs: Vec<&Q8Row> = acts.iter().collect();
                 return Ok(self
@@ -185,7 +189,7 @@ impl Linear {
             false => x,
         };
         match (&self.quantized, &self.dense) {
-            (Some(q), _) if rows <= FUSED_MAX_ROWS => {
+            (Some(q), _) if rows <= fused_max => {
                 let xs: Vec<&[f32]> = x.chunks_exact(self.in_dim).collect();
                 Ok(self.per_output_row(rows, |w, out| {
                     kernels::dot_rows(q.format, q.row(w), &xs, out)

@@ -17,9 +17,14 @@ pub mod q8;
 /// Elements per quantization block for every format we handle natively.
 pub const QK: usize = 32;
 
-/// Activation rows up to which the fused dequantize-and-dot kernel is used;
-/// above it the weights are expanded to f32 and multiplied with a GEMM.
+/// Activation rows up to which the fused kernel is used when a dense f32
+/// copy of the weights exists; above it the dense GEMM wins.
 pub const FUSED_MAX_ROWS: usize = 8;
+
+/// Without a dense copy, the fused kernel serves every decode-sized batch:
+/// expanding the weights to f32 per call costs more than it saves until the
+/// batch is prompt-sized.
+pub const FUSED_MAX_ROWS_QUANTIZED_ONLY: usize = 64;
 
 /// Weight block formats with native kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
