@@ -37,9 +37,8 @@ fn gather(
     g: usize,
     table: &[BlockId],
     n: usize,
-    hd: usize,
 ) -> Vec<f32> {
-    let bs = cache.block_size();
+    let (bs, hd) = (cache.block_size(), cache.layout().head_dim);
     let mut out = Vec::with_capacity(n * hd);
     for t in 0..n {
         let off = cache.region_offset(table[t / bs], layer, kind) + (g * bs + t % bs) * hd;
@@ -66,8 +65,8 @@ pub fn chunk_attention(
     let n = chunk.start_pos + t_rows;
     let scale = 1.0 / (hd as f32).sqrt();
     for g in 0..d.n_kv_heads {
-        let k = gather(cache, data, layer, KvKind::K, g, chunk.table, n, hd);
-        let v = gather(cache, data, layer, KvKind::V, g, chunk.table, n, hd);
+        let k = gather(cache, data, layer, KvKind::K, g, chunk.table, n);
+        let v = gather(cache, data, layer, KvKind::V, g, chunk.table, n);
         // The group's query heads stacked: row j * T + i is head g*group+j of row i.
         let mut q = Vec::with_capacity(group * t_rows * hd);
         for j in 0..group {

@@ -281,6 +281,7 @@ impl Model {
         Ok(out)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         cache: &KvCache,
