@@ -30,6 +30,7 @@ deps:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p duet-kv-transfer --all-targets --features nccl -- -D warnings
 
 fmt:
 	$(CARGO) fmt --all
