@@ -162,12 +162,11 @@ impl Model {
                 .map(|b| String::from_utf8_lossy(b).into_owned())
                 .unwrap_or_default()
         };
-        let bos = match &content.metadata.get("tokenizer.ggml.bos_token_id") {
-            Some(candle_core::quantized::gguf_file::Value::U32(b)) => token_text(Some(*b)),
-            _ => String::new(),
-        };
-        let chat_template =
-            ChatTemplate::from_gguf(&content, bos, token_text(tokenizer.eos_token_id()))?;
+        let chat_template = ChatTemplate::from_gguf(
+            &content,
+            token_text(tokenizer.bos_token_id()),
+            token_text(tokenizer.eos_token_id()),
+        )?;
 
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(options.threads)

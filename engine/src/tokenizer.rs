@@ -199,6 +199,10 @@ impl Tokenizer {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos
+    }
+
     pub fn eos_token_id(&self) -> Option<u32> {
         self.eos
     }

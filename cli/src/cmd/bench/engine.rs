@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use duet_engine::{sampling::argmax, KvCache, KvDtype, Model, SeqChunk};
+use duet_engine::{sampling::argmax, KvCache, KvCacheConfig, KvDtype, Model, SeqChunk};
 use serde::Serialize;
 
 use crate::cmd::model_args::ModelArgs;
@@ -115,10 +115,15 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
     for &b in &a.batch {
         decode.push(bench_decode(&model, b, a.context, a.steps)?);
     }
-    let mut pool = KvCache::new(
-        model.kv_layout(16, KvDtype::F32),
-        a.kv_pool_bytes / model.kv_layout(16, KvDtype::F32).bytes_per_token() / 16,
+    let layout = model.kv_layout(16, KvDtype::F32);
+    let c = &model.config;
+    let sized = KvCacheConfig::from_budget(
+        a.kv_pool_bytes,
+        16,
+        KvDtype::F32,
+        (c.n_layers, c.n_kv_heads, c.head_dim),
     );
+    let mut pool = KvCache::new(layout, sized.num_blocks);
     pool.prefault();
     let report = Report {
         engine: "duet",
