@@ -8,6 +8,7 @@ need_apt=()
 command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
 command -v protoc >/dev/null || need_apt+=(protobuf-compiler)
 command -v iperf3 >/dev/null || need_apt+=(iperf3)
+command -v etcd >/dev/null || need_apt+=(etcd-server)
 
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then

@@ -1,1 +1,24 @@
-//! The decode worker: paged KV cache, continuous batching, token streaming. Filled by the cluster issue.
+//! duet's decode worker.
+//!
+//! - [`scheduler`]: one engine thread owns the model's KV cache and runs the continuous
+//!   batch: every step mixes one decode row per running sequence with chunks of prompts
+//!   being prefilled locally; sequences join and leave at every step; when the pool runs
+//!   out, the lowest-priority, newest sequence is preempted (freed, recomputed later).
+//! - [`handle`]: the cloneable async handle (commands over a channel, oneshot replies).
+//! - [`kv_inbound`]: receives KV from prefill workers straight into reserved blocks.
+//! - [`service`]: the internal `duet.v1.Decode` gRPC service.
+//!
+//! Invariant: KV blocks are only ever held by a live sequence or by a reservation with a
+//! deadline; every path that ends a request (finish, error, cancel, client gone, expiry)
+//! frees them in the engine thread.
+
+pub mod config;
+pub mod error;
+pub mod handle;
+pub mod kv_inbound;
+mod scheduler;
+pub mod service;
+
+pub use config::DecodeConfig;
+pub use error::DecodeError;
+pub use handle::{DecodeHandle, DecodeStatus, Event, GenerateJob, PrefillSource, Priority};

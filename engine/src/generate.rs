@@ -143,6 +143,24 @@ impl Generation {
         context_left: usize,
     ) -> TokenStep {
         let id = self.sampler.sample(logits, &self.history);
+        self.push(tokenizer, id, context_left)
+    }
+
+    /// Advance with a token sampled elsewhere from this sequence's first
+    /// logits (a prefill worker samples the first token; the decode worker
+    /// continues). With a seed, the sampler skips the draw that token used,
+    /// so the whole sequence equals a single-worker run with that seed.
+    pub fn accept_first(
+        &mut self,
+        tokenizer: &Tokenizer,
+        id: u32,
+        context_left: usize,
+    ) -> TokenStep {
+        self.sampler.skip_draw();
+        self.push(tokenizer, id, context_left)
+    }
+
+    fn push(&mut self, tokenizer: &Tokenizer, id: u32, context_left: usize) -> TokenStep {
         self.history.push(id);
         self.generated.push(id);
         if self.stop_ids.contains(&id) {

@@ -31,6 +31,6 @@ pub use generate::{
 };
 pub use kv::{KvCache, KvCacheConfig, KvDtype, KvExport, KvKind, KvLayout, SeqId};
 pub use linear::WeightMode;
-pub use model::{LoadOptions, Model};
+pub use model::{LoadOptions, Model, TextFrontend};
 pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::{Detokenizer, Tokenizer};

@@ -134,39 +134,86 @@ impl Loader<'_> {
     }
 }
 
-impl Model {
-    pub fn load(path: impl AsRef<Path>, options: LoadOptions) -> Result<Self> {
-        let path = path.as_ref().to_path_buf();
-        let io = |source| EngineError::Io {
-            path: path.clone(),
-            source,
-        };
-        if options.threads == 0 {
-            return Err(EngineError::invalid("threads", "must be at least 1"));
-        }
-        let mut file = File::open(&path).map_err(io)?;
-        let file_len = file.metadata().map_err(io)?.len();
-        let mut head = Vec::new();
-        (&mut file)
-            .take(HEADER_PREFIX_BYTES.min(file_len))
-            .read_to_end(&mut head)
-            .map_err(io)?;
-        gguf_check::check_header(&head, file_len)?;
-        drop(head);
-        let mut file = File::open(&path).map_err(io)?;
-        let content = Content::read(&mut file)?;
-        let config = ModelConfig::from_gguf(&content)?;
-        let tokenizer = Tokenizer::from_gguf(&content)?;
+/// Opens a GGUF file after the bounds-checked header walk (so a corrupt or
+/// truncated file is an error, never a panic inside the parser).
+fn open_checked(path: &Path) -> Result<(File, Content)> {
+    let io = |source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut file = File::open(path).map_err(io)?;
+    let file_len = file.metadata().map_err(io)?.len();
+    let mut head = Vec::new();
+    (&mut file)
+        .take(HEADER_PREFIX_BYTES.min(file_len))
+        .read_to_end(&mut head)
+        .map_err(io)?;
+    gguf_check::check_header(&head, file_len)?;
+    drop(head);
+    let mut file = File::open(path).map_err(io)?;
+    let content = Content::read(&mut file)?;
+    Ok((file, content))
+}
+
+/// What a model's text side needs without its weights: hyper-parameters,
+/// tokenizer and chat template. The router loads only this.
+pub struct TextFrontend {
+    pub config: ModelConfig,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+}
+
+impl TextFrontend {
+    /// Reads the metadata of a GGUF file (tensors are not loaded).
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let (_, content) = open_checked(path.as_ref())?;
+        Self::from_content(&content)
+    }
+
+    fn from_content(content: &Content) -> Result<Self> {
+        let config = ModelConfig::from_gguf(content)?;
+        let tokenizer = Tokenizer::from_gguf(content)?;
         let token_text = |id: Option<u32>| {
             id.and_then(|i| tokenizer.token_bytes(i))
                 .map(|b| String::from_utf8_lossy(b).into_owned())
                 .unwrap_or_default()
         };
         let chat_template = ChatTemplate::from_gguf(
-            &content,
+            content,
             token_text(tokenizer.bos_token_id()),
             token_text(tokenizer.eos_token_id()),
         )?;
+        Ok(Self {
+            config,
+            tokenizer,
+            chat_template,
+        })
+    }
+
+    /// Prompt tokens for chat messages: the template rendered with the
+    /// generation prompt, control tokens parsed.
+    pub fn chat_tokens(&self, messages: &[crate::ChatMessage]) -> Result<Vec<u32>> {
+        let tpl = self
+            .chat_template
+            .as_ref()
+            .ok_or_else(|| EngineError::invalid("messages", "the model has no chat template"))?;
+        let text = tpl.render(messages, true)?;
+        self.tokenizer.encode(&text, true)
+    }
+}
+
+impl Model {
+    pub fn load(path: impl AsRef<Path>, options: LoadOptions) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        if options.threads == 0 {
+            return Err(EngineError::invalid("threads", "must be at least 1"));
+        }
+        let (file, content) = open_checked(&path)?;
+        let TextFrontend {
+            config,
+            tokenizer,
+            chat_template,
+        } = TextFrontend::from_content(&content)?;
 
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(options.threads)

@@ -108,6 +108,14 @@ impl Sampler {
         &self.params
     }
 
+    /// Consume the random draw one [`Self::sample`] call makes (none when
+    /// greedy), as if a token had been sampled here.
+    pub fn skip_draw(&mut self) {
+        if self.params.temperature != 0.0 {
+            let _ = self.rng.random::<f32>();
+        }
+    }
+
     /// Pick the next token from `logits` (modified in place); `history` is
     /// the sequence so far (prompt and generated tokens).
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {

@@ -23,6 +23,7 @@ pub mod auth;
 pub mod backend;
 pub mod bench;
 pub mod config;
+pub mod endpoint;
 pub mod error;
 pub(crate) mod handshake;
 pub mod layout;
@@ -34,6 +35,7 @@ pub use api::{KvReceiver, KvSender, TransferReceipt};
 pub use auth::SharedSecret;
 pub use backend::{select_backend, AnyReceiver, AnySender, BackendCaps, BackendKind, EndpointInfo};
 pub use config::{Timeouts, TransferConfig};
+pub use endpoint::{serve_inbound, Connector, Endpoint, LocalHub};
 pub use error::{Error, ErrorClass, Result, SinkError};
 pub use layout::{
     Dtype, Fingerprint, KvKind, KvLayout, KvLayoutSpec, LayoutMismatch, TransferDesc,

@@ -1,1 +1,19 @@
-//! The prefill worker: batches prompts and streams their KV cache to a decode worker. Filled by the cluster issue.
+//! duet's prefill worker.
+//!
+//! - [`engine_loop`]: one engine thread batches queued prompts up to a token budget per
+//!   forward (long prompts are cut into block-aligned chunks, one KV transfer each); after
+//!   each layer of the forward it copies that layer's new KV out and hands it to the
+//!   request's transfer task, so layer `l` is on the wire while layer `l + 1` computes.
+//! - [`transfer`]: the per-request task that drives a pooled kv-transfer sender.
+//! - [`service`]: the internal `duet.v1.Prefill` gRPC service.
+//!
+//! Invariant: a request's scratch KV lives in this worker only while its prefill runs; it is
+//! freed after the forward of its last chunk, whatever happens to the transfer.
+
+pub mod engine_loop;
+pub mod error;
+pub mod service;
+pub mod transfer;
+
+pub use engine_loop::{PrefillConfig, PrefillHandle, PrefillJob, PrefillResult, PrefillStatus};
+pub use error::PrefillError;

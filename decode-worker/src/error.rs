@@ -1,0 +1,46 @@
+//! The decode worker's error type, classified once into the shared error classes.
+
+use duet_engine::{EngineError, ErrorClass};
+
+/// What can go wrong in the decode worker.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("no reservation for request {0} (expired or released)")]
+    NoReservation(u64),
+    #[error("request {0} is already known to this worker")]
+    Duplicate(u64),
+    #[error("queue full: {0} sequences waiting")]
+    QueueFull(usize),
+    #[error("the KV of request {request_id} did not arrive: {reason}")]
+    TransferFailed { request_id: u64, reason: String },
+    #[error("the KV of request {0} did not arrive in time")]
+    TransferTimeout(u64),
+    #[error("the worker is shutting down")]
+    ShuttingDown,
+    #[error("KV transfer endpoint: {0}")]
+    Transfer(#[source] duet_kv_transfer::Error),
+}
+
+impl DecodeError {
+    /// The class that becomes the gRPC status and the metric label.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            DecodeError::Engine(e) => e.class(),
+            DecodeError::NoReservation(_) => ErrorClass::NotFound,
+            DecodeError::Duplicate(_) => ErrorClass::InvalidArgument,
+            DecodeError::QueueFull(_) => ErrorClass::ResourceExhausted,
+            DecodeError::TransferFailed { .. } | DecodeError::ShuttingDown => {
+                ErrorClass::Unavailable
+            }
+            DecodeError::TransferTimeout(_) => ErrorClass::DeadlineExceeded,
+            DecodeError::Transfer(_) => ErrorClass::Internal,
+        }
+    }
+
+    /// As a gRPC status.
+    pub fn status(&self) -> tonic::Status {
+        duet_serving::status::status(self.class(), self.to_string())
+    }
+}

@@ -1,0 +1,267 @@
+//! The decode worker's async face: a cloneable handle that sends commands to the engine
+//! thread (TGI-style actor: bounded admission, oneshot replies, the request's span carried
+//! along).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use duet_engine::{FinishReason, GenerationParams, KvKind, Model};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::DecodeConfig;
+use crate::error::DecodeError;
+use crate::scheduler::Scheduler;
+
+/// Scheduling class: batch sequences are preempted first and admitted last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Priority {
+    Interactive,
+    Batch,
+}
+
+/// Where the prompt's KV comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillSource {
+    /// A prefill worker sends it into the reservation; it sampled `first_token`.
+    Remote { first_token: u32 },
+    /// This worker computes it, in chunks mixed into its decode steps.
+    Local,
+}
+
+/// One generation request.
+pub struct GenerateJob {
+    pub request_id: u64,
+    pub prompt: Vec<u32>,
+    pub params: GenerationParams,
+    pub priority: Priority,
+    pub prefill: PrefillSource,
+    pub span: tracing::Span,
+}
+
+/// How a finished sequence ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Done {
+    pub finish: FinishReason,
+    pub completion_tokens: u32,
+    pub prefill_seconds: f64,
+    pub kv_wait_seconds: f64,
+    pub preemptions: u32,
+}
+
+/// What a generating sequence streams.
+#[derive(Debug)]
+pub enum Event {
+    Token { id: u32, text: String },
+    Done(Done),
+    Error(DecodeError),
+}
+
+/// Live numbers the registry record and `Status` report.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DecodeStatus {
+    pub kv_blocks_total: u64,
+    pub kv_blocks_free: u64,
+    pub block_size: u32,
+    pub running: u32,
+    pub waiting: u32,
+    pub reservations: u32,
+    pub max_batch: u32,
+    /// Generated tokens per second, exponentially averaged over steps.
+    pub tokens_per_second: f64,
+}
+
+pub(crate) enum Cmd {
+    Reserve {
+        request_id: u64,
+        prompt_tokens: usize,
+        ttl: Duration,
+        reply: oneshot::Sender<Result<Vec<u32>, DecodeError>>,
+    },
+    Generate {
+        job: GenerateJob,
+        events: mpsc::UnboundedSender<Event>,
+    },
+    Release {
+        request_id: u64,
+        reply: Option<oneshot::Sender<bool>>,
+    },
+    Import {
+        request_id: u64,
+        layer: usize,
+        regions: Vec<(u32, KvKind, Bytes)>,
+    },
+    TransferDone {
+        request_id: u64,
+        token_end: usize,
+    },
+    TransferFailed {
+        request_id: u64,
+        reason: String,
+    },
+}
+
+/// Blocks reserved for in-flight transfers: block id -> request id. Written by the engine
+/// thread, read by KV receivers to accept or refuse a transfer header.
+pub(crate) type ReservedBlocks = Arc<Mutex<std::collections::HashMap<u32, u64>>>;
+
+/// Cloneable handle to a decode worker's engine thread.
+#[derive(Clone)]
+pub struct DecodeHandle {
+    tx: std_mpsc::Sender<Cmd>,
+    status: Arc<Mutex<DecodeStatus>>,
+    reserved: ReservedBlocks,
+    layout: duet_engine::KvLayout,
+    context_length: usize,
+    stopped: Arc<AtomicBool>,
+}
+
+impl DecodeHandle {
+    /// Starts the engine thread over `model` with a pool of `num_blocks` blocks.
+    /// The thread ends when `cancel` fires (every request still running gets
+    /// `ShuttingDown`) or every handle is dropped.
+    pub fn start(
+        model: Arc<Model>,
+        kv: duet_engine::KvCacheConfig,
+        cfg: DecodeConfig,
+        cancel: CancellationToken,
+    ) -> Result<DecodeHandle, DecodeError> {
+        let layout = model.kv_layout(kv.block_size, kv.dtype);
+        let context_length = model.config.context_length;
+        let (tx, rx) = std_mpsc::channel();
+        let status = Arc::new(Mutex::new(DecodeStatus::default()));
+        let reserved: ReservedBlocks = Arc::default();
+        let stopped = Arc::new(AtomicBool::new(false));
+        let sched = Scheduler::new(
+            model,
+            kv,
+            cfg.clone(),
+            rx,
+            status.clone(),
+            reserved.clone(),
+            cancel,
+        );
+        let flag = stopped.clone();
+        std::thread::Builder::new()
+            .name(format!("{}-engine", cfg.id))
+            .spawn(move || {
+                sched.run();
+                flag.store(true, Ordering::SeqCst);
+            })
+            .map_err(|e| {
+                DecodeError::Engine(duet_engine::EngineError::invalid(
+                    "engine thread",
+                    e.to_string(),
+                ))
+            })?;
+        Ok(DecodeHandle {
+            tx,
+            status,
+            reserved,
+            layout,
+            context_length,
+            stopped,
+        })
+    }
+
+    fn send(&self, c: Cmd) -> Result<(), DecodeError> {
+        self.tx.send(c).map_err(|_| DecodeError::ShuttingDown)
+    }
+
+    /// Reserves blocks for a prompt whose KV will arrive by kv-transfer.
+    pub async fn reserve(
+        &self,
+        request_id: u64,
+        prompt_tokens: usize,
+        ttl: Duration,
+    ) -> Result<Vec<u32>, DecodeError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Cmd::Reserve {
+            request_id,
+            prompt_tokens,
+            ttl,
+            reply,
+        })?;
+        rx.await.map_err(|_| DecodeError::ShuttingDown)?
+    }
+
+    /// Starts generating; events stream until `Done` or `Error`. Dropping the receiver
+    /// cancels the sequence (its blocks are freed at the next step).
+    pub fn generate(&self, job: GenerateJob) -> mpsc::UnboundedReceiver<Event> {
+        let (events, rx) = mpsc::unbounded_channel();
+        if let Err(Cmd::Generate { events, .. }) =
+            self.tx.send(Cmd::Generate { job, events }).map_err(|e| e.0)
+        {
+            let _ = events.send(Event::Error(DecodeError::ShuttingDown));
+        }
+        rx
+    }
+
+    /// Frees whatever the request holds; `true` if it held something.
+    pub async fn release(&self, request_id: u64) -> bool {
+        let (reply, rx) = oneshot::channel();
+        if self
+            .send(Cmd::Release {
+                request_id,
+                reply: Some(reply),
+            })
+            .is_err()
+        {
+            return false;
+        }
+        rx.await.unwrap_or(false)
+    }
+
+    /// Latest status.
+    pub fn status(&self) -> DecodeStatus {
+        self.status.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// The engine's KV layout (what senders must match).
+    pub fn layout(&self) -> &duet_engine::KvLayout {
+        &self.layout
+    }
+
+    /// The model's context length.
+    pub fn context_length(&self) -> usize {
+        self.context_length
+    }
+
+    /// Whether the engine thread has ended.
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn import(&self, request_id: u64, layer: usize, regions: Vec<(u32, KvKind, Bytes)>) {
+        let _ = self.send(Cmd::Import {
+            request_id,
+            layer,
+            regions,
+        });
+    }
+
+    pub(crate) fn transfer_done(&self, request_id: u64, token_end: usize) {
+        let _ = self.send(Cmd::TransferDone {
+            request_id,
+            token_end,
+        });
+    }
+
+    pub(crate) fn transfer_failed(&self, request_id: u64, reason: String) {
+        let _ = self.send(Cmd::TransferFailed { request_id, reason });
+    }
+
+    pub(crate) fn is_reserved(&self, request_id: u64, block: u32) -> bool {
+        self.reserved
+            .lock()
+            .map(|m| m.get(&block) == Some(&request_id))
+            .unwrap_or(false)
+    }
+}
+
+/// Seconds since `t`.
+pub(crate) fn secs(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64()
+}

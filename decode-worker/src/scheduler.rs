@@ -1,0 +1,754 @@
+//! The engine thread: continuous batching over one paged KV cache.
+//!
+//! Each iteration: take commands (blocking briefly only when nothing can run), expire
+//! reservations, start sequences whose remote KV is complete, drop sequences whose client
+//! is gone, admit waiting local prefills while blocks allow, then run one forward over
+//! every running sequence's next token plus up to `prefill_chunk_tokens` prompt tokens of
+//! sequences being prefilled here.
+//!
+//! Invariants:
+//! - a cache sequence exists iff its request is in `reservations` or `active`
+//!   (`waiting` sequences hold no KV);
+//! - before a forward, the blocks it needs are free: otherwise the lowest-priority, newest
+//!   sequence is preempted (freed; recomputed from its tokens when it is admitted again),
+//!   so one long request never stalls or fails the others;
+//! - every request ends with exactly one `Done` or `Error` event, unless its receiver is
+//!   already gone.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use duet_engine::{
+    EngineError, FinishReason, Generation, KvCache, KvCacheConfig, Model, SeqChunk, TokenStep,
+};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::DecodeConfig;
+use crate::error::DecodeError;
+use crate::handle::{
+    secs, Cmd, DecodeStatus, Done, Event, GenerateJob, PrefillSource, Priority, ReservedBlocks,
+};
+
+/// How long the idle engine thread waits for a command before re-checking deadlines.
+const IDLE_POLL: Duration = Duration::from_millis(20);
+
+enum Phase {
+    /// Prompt (or, after preemption, prompt + generated) tokens being computed here.
+    Prefill {
+        tokens: Vec<u32>,
+        done: usize,
+        /// Token to feed once the prefill is complete (resuming a preempted sequence);
+        /// `None`: sample the first token from the prefill's logits.
+        resume: Option<u32>,
+    },
+    /// KV holds everything but `next`, which is fed at the next step.
+    Decode { next: u32 },
+}
+
+struct Seq {
+    id: u64,
+    prompt: Vec<u32>,
+    priority: Priority,
+    arrival: Instant,
+    gen: Generation,
+    events: mpsc::UnboundedSender<Event>,
+    phase: Phase,
+    prefill_started: Option<Instant>,
+    prefill_seconds: f64,
+    kv_wait_seconds: f64,
+    preemptions: u32,
+    span: tracing::Span,
+}
+
+struct Reservation {
+    blocks: Vec<u32>,
+    prompt_tokens: usize,
+    received: usize,
+    expires: Instant,
+    failed: Option<String>,
+    /// Claimed by Generate: (sequence, first token, claim time).
+    claim: Option<(Seq, u32, Instant)>,
+}
+
+pub(crate) struct Scheduler {
+    model: Arc<Model>,
+    cache: KvCache,
+    cfg: DecodeConfig,
+    rx: std_mpsc::Receiver<Cmd>,
+    status: Arc<Mutex<DecodeStatus>>,
+    reserved: ReservedBlocks,
+    cancel: CancellationToken,
+    reservations: HashMap<u64, Reservation>,
+    active: Vec<Seq>,
+    waiting: VecDeque<Seq>,
+    tokens_per_second: f64,
+}
+
+impl Scheduler {
+    pub(crate) fn new(
+        model: Arc<Model>,
+        kv: KvCacheConfig,
+        cfg: DecodeConfig,
+        rx: std_mpsc::Receiver<Cmd>,
+        status: Arc<Mutex<DecodeStatus>>,
+        reserved: ReservedBlocks,
+        cancel: CancellationToken,
+    ) -> Scheduler {
+        let layout = model.kv_layout(kv.block_size, kv.dtype);
+        let cache = KvCache::new(layout, kv.num_blocks);
+        let s = Scheduler {
+            model,
+            cache,
+            cfg,
+            rx,
+            status,
+            reserved,
+            cancel,
+            reservations: HashMap::new(),
+            active: Vec::new(),
+            waiting: VecDeque::new(),
+            tokens_per_second: 0.0,
+        };
+        s.publish();
+        s
+    }
+
+    pub(crate) fn run(mut self) {
+        loop {
+            if self.cancel.is_cancelled() {
+                break;
+            }
+            if self.active.is_empty() && !self.can_admit() {
+                match self.rx.recv_timeout(IDLE_POLL) {
+                    Ok(c) => self.handle(c),
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            while let Ok(c) = self.rx.try_recv() {
+                self.handle(c);
+            }
+            self.expire(Instant::now());
+            self.start_ready_transfers();
+            self.drop_abandoned();
+            self.admit();
+            if !self.active.is_empty() {
+                self.step();
+            }
+            self.publish();
+        }
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        for s in self.active.drain(..).chain(self.waiting.drain(..)) {
+            let _ = s.events.send(Event::Error(DecodeError::ShuttingDown));
+            self.cache.free_sequence(s.id);
+        }
+        let ids: Vec<u64> = self.reservations.keys().copied().collect();
+        for id in ids {
+            self.drop_reservation(id, Some(DecodeError::ShuttingDown));
+        }
+        self.publish();
+    }
+
+    fn publish(&self) {
+        if let Ok(mut st) = self.status.lock() {
+            *st = DecodeStatus {
+                kv_blocks_total: self.cache.total_blocks() as u64,
+                kv_blocks_free: self.cache.free_blocks() as u64,
+                block_size: self.cache.block_size() as u32,
+                running: self.active.len() as u32,
+                waiting: self.waiting.len() as u32,
+                reservations: self.reservations.len() as u32,
+                max_batch: self.cfg.max_batch as u32,
+                tokens_per_second: self.tokens_per_second,
+            };
+        }
+    }
+
+    fn known(&self, id: u64) -> bool {
+        self.reservations.contains_key(&id)
+            || self.active.iter().any(|s| s.id == id)
+            || self.waiting.iter().any(|s| s.id == id)
+    }
+
+    fn handle(&mut self, c: Cmd) {
+        match c {
+            Cmd::Reserve {
+                request_id,
+                prompt_tokens,
+                ttl,
+                reply,
+            } => {
+                let _ = reply.send(self.reserve(request_id, prompt_tokens, ttl));
+            }
+            Cmd::Generate { job, events } => self.generate(job, events),
+            Cmd::Release { request_id, reply } => {
+                let found = self.release(request_id);
+                if let Some(r) = reply {
+                    let _ = r.send(found);
+                }
+            }
+            Cmd::Import {
+                request_id,
+                layer,
+                regions,
+            } => {
+                let Some(r) = self.reservations.get(&request_id) else {
+                    return;
+                };
+                for (block, kind, data) in regions {
+                    if !r.blocks.contains(&block) {
+                        continue;
+                    }
+                    let dst = self.cache.region_bytes_mut(block, layer, kind);
+                    if dst.len() == data.len() {
+                        dst.copy_from_slice(&data);
+                    }
+                }
+            }
+            Cmd::TransferDone {
+                request_id,
+                token_end,
+            } => {
+                if let Some(r) = self.reservations.get_mut(&request_id) {
+                    r.received = r.received.max(token_end);
+                }
+            }
+            Cmd::TransferFailed { request_id, reason } => {
+                if let Some(r) = self.reservations.get_mut(&request_id) {
+                    r.failed = Some(reason);
+                }
+            }
+        }
+    }
+
+    fn reserve(&mut self, id: u64, tokens: usize, ttl: Duration) -> Result<Vec<u32>, DecodeError> {
+        if self.known(id) {
+            return Err(DecodeError::Duplicate(id));
+        }
+        let ctx = self.model.config.context_length;
+        if tokens == 0 || tokens >= ctx {
+            return Err(EngineError::invalid(
+                "prompt_tokens",
+                format!("{tokens} (must be in 1..{ctx})"),
+            )
+            .into());
+        }
+        let blocks = self.cache.reserve_sequence(id, tokens)?;
+        if let Ok(mut m) = self.reserved.lock() {
+            for &b in &blocks {
+                m.insert(b, id);
+            }
+        }
+        self.reservations.insert(
+            id,
+            Reservation {
+                blocks: blocks.clone(),
+                prompt_tokens: tokens,
+                received: 0,
+                expires: Instant::now() + ttl.min(self.cfg.max_reservation_ttl),
+                failed: None,
+                claim: None,
+            },
+        );
+        Ok(blocks)
+    }
+
+    fn new_seq(
+        &self,
+        job: GenerateJob,
+        events: mpsc::UnboundedSender<Event>,
+    ) -> Result<Seq, (DecodeError, mpsc::UnboundedSender<Event>)> {
+        let gen = match job
+            .params
+            .validate(self.model.config.context_length)
+            .and_then(|_| Generation::new(&self.model.tokenizer, &job.prompt, job.params))
+        {
+            Ok(g) => g,
+            Err(e) => return Err((e.into(), events)),
+        };
+        Ok(Seq {
+            id: job.request_id,
+            phase: Phase::Prefill {
+                tokens: job.prompt.clone(),
+                done: 0,
+                resume: None,
+            },
+            prompt: job.prompt,
+            priority: job.priority,
+            arrival: Instant::now(),
+            gen,
+            events,
+            prefill_started: None,
+            prefill_seconds: 0.0,
+            kv_wait_seconds: 0.0,
+            preemptions: 0,
+            span: job.span,
+        })
+    }
+
+    fn generate(&mut self, job: GenerateJob, events: mpsc::UnboundedSender<Event>) {
+        let id = job.request_id;
+        let source = job.prefill;
+        if job.prompt.is_empty() || job.prompt.len() >= self.model.config.context_length {
+            let e = EngineError::invalid(
+                "prompt",
+                format!(
+                    "{} tokens (must be in 1..{})",
+                    job.prompt.len(),
+                    self.model.config.context_length
+                ),
+            );
+            let _ = events.send(Event::Error(e.into()));
+            return;
+        }
+        match source {
+            PrefillSource::Remote { first_token } => {
+                let claimed = self
+                    .reservations
+                    .get(&id)
+                    .map(|r| r.claim.is_some() || r.prompt_tokens != job.prompt.len());
+                match claimed {
+                    None => {
+                        let _ = events.send(Event::Error(DecodeError::NoReservation(id)));
+                    }
+                    Some(true) => {
+                        let _ = events.send(Event::Error(DecodeError::Duplicate(id)));
+                    }
+                    Some(false) => match self.new_seq(job, events) {
+                        Ok(seq) => {
+                            if let Some(r) = self.reservations.get_mut(&id) {
+                                r.claim = Some((seq, first_token, Instant::now()));
+                            }
+                        }
+                        Err((e, events)) => {
+                            let _ = events.send(Event::Error(e));
+                            self.drop_reservation(id, None);
+                        }
+                    },
+                }
+            }
+            PrefillSource::Local => {
+                if self.known(id) {
+                    let _ = events.send(Event::Error(DecodeError::Duplicate(id)));
+                    return;
+                }
+                if self.waiting.len() >= self.cfg.max_waiting {
+                    let _ = events.send(Event::Error(DecodeError::QueueFull(self.waiting.len())));
+                    return;
+                }
+                match self.new_seq(job, events) {
+                    Ok(seq) => self.enqueue(seq, false),
+                    Err((e, events)) => {
+                        let _ = events.send(Event::Error(e));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waiting order: interactive before batch; preempted sequences first in their class.
+    fn enqueue(&mut self, seq: Seq, front: bool) {
+        let pos = if front {
+            self.waiting
+                .iter()
+                .position(|w| w.priority >= seq.priority)
+                .unwrap_or(self.waiting.len())
+        } else {
+            self.waiting
+                .iter()
+                .position(|w| w.priority > seq.priority)
+                .unwrap_or(self.waiting.len())
+        };
+        self.waiting.insert(pos, seq);
+    }
+
+    fn release(&mut self, id: u64) -> bool {
+        if self.reservations.contains_key(&id) {
+            self.drop_reservation(id, None);
+            return true;
+        }
+        if let Some(i) = self.active.iter().position(|s| s.id == id) {
+            let s = self.active.swap_remove(i);
+            self.cache.free_sequence(id);
+            drop(s);
+            return true;
+        }
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            self.waiting.remove(i);
+            return true;
+        }
+        false
+    }
+
+    fn drop_reservation(&mut self, id: u64, err: Option<DecodeError>) {
+        if let Some(r) = self.reservations.remove(&id) {
+            if let Ok(mut m) = self.reserved.lock() {
+                for b in &r.blocks {
+                    m.remove(b);
+                }
+            }
+            self.cache.free_sequence(id);
+            if let (Some((seq, _, _)), Some(e)) = (r.claim, err) {
+                let _ = seq.events.send(Event::Error(e));
+            }
+        }
+    }
+
+    fn expire(&mut self, now: Instant) {
+        let mut ended = Vec::new();
+        for (&id, r) in &self.reservations {
+            match &r.claim {
+                None if now >= r.expires => ended.push((id, None)),
+                Some((seq, _, claimed)) => {
+                    if seq.events.is_closed() {
+                        ended.push((id, None));
+                    } else if let Some(reason) = &r.failed {
+                        ended.push((
+                            id,
+                            Some(DecodeError::TransferFailed {
+                                request_id: id,
+                                reason: reason.clone(),
+                            }),
+                        ));
+                    } else if now.duration_since(*claimed) >= self.cfg.kv_wait_timeout {
+                        ended.push((id, Some(DecodeError::TransferTimeout(id))));
+                    }
+                }
+                None => {}
+            }
+        }
+        for (id, e) in ended {
+            tracing::debug!(request_id = id, error = ?e, "reservation ended");
+            self.drop_reservation(id, e);
+        }
+    }
+
+    fn start_ready_transfers(&mut self) {
+        let ready: Vec<u64> = self
+            .reservations
+            .iter()
+            .filter(|(_, r)| {
+                r.claim.is_some() && r.failed.is_none() && r.received >= r.prompt_tokens
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ready {
+            let Some(r) = self.reservations.remove(&id) else {
+                continue;
+            };
+            if let Ok(mut m) = self.reserved.lock() {
+                for b in &r.blocks {
+                    m.remove(b);
+                }
+            }
+            let Some((mut seq, first, claimed)) = r.claim else {
+                continue;
+            };
+            if let Err(e) = self.cache.commit_append(id, r.prompt_tokens) {
+                self.cache.free_sequence(id);
+                let _ = seq.events.send(Event::Error(e.into()));
+                continue;
+            }
+            seq.kv_wait_seconds = secs(claimed);
+            let left = self.model.config.context_length - r.prompt_tokens;
+            let step = seq.gen.accept_first(&self.model.tokenizer, first, left);
+            seq.phase = Phase::Decode { next: first };
+            if let Some(seq) = self.emit(seq, step) {
+                self.active.push(seq);
+            }
+        }
+    }
+
+    /// Sends a token; returns the sequence if it goes on (its KV is freed otherwise).
+    fn emit(&mut self, seq: Seq, step: TokenStep) -> Option<Seq> {
+        let _ = seq.events.send(Event::Token {
+            id: step.id,
+            text: step.text,
+        });
+        match step.finished {
+            None => Some(seq),
+            Some(finish) => {
+                self.finish(seq, finish);
+                None
+            }
+        }
+    }
+
+    fn finish(&mut self, seq: Seq, finish: FinishReason) {
+        self.cache.free_sequence(seq.id);
+        let _ = seq.events.send(Event::Done(Done {
+            finish,
+            completion_tokens: seq.gen.generated().len() as u32,
+            prefill_seconds: seq.prefill_seconds,
+            kv_wait_seconds: seq.kv_wait_seconds,
+            preemptions: seq.preemptions,
+        }));
+    }
+
+    fn drop_abandoned(&mut self) {
+        let mut i = 0;
+        while i < self.active.len() {
+            if self.active[i].events.is_closed() {
+                let s = self.active.swap_remove(i);
+                self.cache.free_sequence(s.id);
+            } else {
+                i += 1;
+            }
+        }
+        self.waiting.retain(|s| !s.events.is_closed());
+    }
+
+    fn can_admit(&self) -> bool {
+        self.waiting.front().is_some_and(|s| {
+            self.active.len() < self.cfg.max_batch
+                && self.cache.free_blocks()
+                    >= self.blocks_to_start(s)
+                        + self.cfg.admit_watermark_blocks.min(
+                            self.cache
+                                .total_blocks()
+                                .saturating_sub(self.blocks_to_start(s)),
+                        )
+        })
+    }
+
+    fn blocks_to_start(&self, s: &Seq) -> usize {
+        match &s.phase {
+            Phase::Prefill { tokens, .. } => self.cache.blocks_for(tokens.len() + 1),
+            Phase::Decode { .. } => 1,
+        }
+    }
+
+    fn admit(&mut self) {
+        while self.can_admit() {
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
+            if let Err(e) = self.cache.add_sequence(s.id) {
+                let _ = s.events.send(Event::Error(e.into()));
+                continue;
+            }
+            s.prefill_started.get_or_insert_with(Instant::now);
+            self.active.push(s);
+        }
+        // A sequence that can never fit (more blocks than the pool) fails instead of waiting.
+        if self.active.is_empty() {
+            if let Some(s) = self.waiting.front() {
+                let need = self.blocks_to_start(s);
+                if need > self.cache.total_blocks() {
+                    if let Some(s) = self.waiting.pop_front() {
+                        let _ = s.events.send(Event::Error(
+                            EngineError::KvExhausted {
+                                needed: need,
+                                free: self.cache.total_blocks(),
+                            }
+                            .into(),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Blocks the next forward needs, per active sequence (with the tokens it will feed).
+    fn plan(&self) -> (Vec<(usize, usize)>, usize) {
+        let mut budget = self.cfg.prefill_chunk_tokens.max(1);
+        let mut plan = Vec::new();
+        let mut need = 0;
+        // Decode rows first (they are what inter-token latency is made of), then prompt
+        // chunks in arrival order within the token budget.
+        let mut order: Vec<usize> = (0..self.active.len()).collect();
+        order.sort_by_key(|&i| {
+            let s = &self.active[i];
+            (
+                matches!(s.phase, Phase::Prefill { .. }),
+                s.priority,
+                s.arrival,
+            )
+        });
+        for i in order {
+            let s = &self.active[i];
+            let n = match &s.phase {
+                Phase::Decode { .. } => 1,
+                Phase::Prefill { tokens, done, .. } => {
+                    if budget == 0 {
+                        continue;
+                    }
+                    let n = (tokens.len() - done).min(budget);
+                    budget -= n;
+                    n
+                }
+            };
+            let len = self.cache.sequence_len(s.id).unwrap_or(0);
+            let have = self.cache.sequence_blocks(s.id).map_or(0, |b| b.len());
+            need += self.cache.blocks_for(len + n).saturating_sub(have);
+            plan.push((i, n));
+        }
+        (plan, need)
+    }
+
+    /// Frees the lowest-priority, newest running sequence and queues it for recompute.
+    fn preempt_one(&mut self) -> bool {
+        if self.active.len() <= 1 {
+            return false;
+        }
+        let Some(i) = (0..self.active.len())
+            .max_by_key(|&i| (self.active[i].priority, self.active[i].arrival))
+        else {
+            return false;
+        };
+        let mut s = self.active.swap_remove(i);
+        self.cache.free_sequence(s.id);
+        s.phase = match s.phase {
+            Phase::Decode { next } => {
+                let gen = s.gen.generated();
+                let mut tokens = s.prompt.clone();
+                tokens.extend_from_slice(&gen[..gen.len().saturating_sub(1)]);
+                Phase::Prefill {
+                    tokens,
+                    done: 0,
+                    resume: Some(next),
+                }
+            }
+            Phase::Prefill { tokens, resume, .. } => Phase::Prefill {
+                tokens,
+                done: 0,
+                resume,
+            },
+        };
+        s.preemptions += 1;
+        tracing::info!(parent: &s.span, request_id = s.id, "preempted: KV pool full");
+        self.enqueue(s, true);
+        true
+    }
+
+    fn step(&mut self) {
+        let (mut plan, mut need) = self.plan();
+        while need > self.cache.free_blocks() {
+            if !self.preempt_one() {
+                // A single sequence that outgrew the pool: it ends here.
+                if let Some(s) = self.active.pop() {
+                    self.cache.free_sequence(s.id);
+                    let _ = s.events.send(Event::Error(
+                        EngineError::KvExhausted {
+                            needed: need,
+                            free: self.cache.free_blocks(),
+                        }
+                        .into(),
+                    ));
+                }
+                return;
+            }
+            (plan, need) = self.plan();
+        }
+        if plan.is_empty() {
+            return;
+        }
+        let feeds: Vec<Vec<u32>> = plan
+            .iter()
+            .map(|&(i, n)| match &self.active[i].phase {
+                Phase::Decode { next } => vec![*next],
+                Phase::Prefill { tokens, done, .. } => tokens[*done..*done + n].to_vec(),
+            })
+            .collect();
+        let chunks: Vec<SeqChunk<'_>> = plan
+            .iter()
+            .zip(&feeds)
+            .map(|(&(i, n), toks)| SeqChunk {
+                seq: self.active[i].id,
+                tokens: toks,
+                logits: match &self.active[i].phase {
+                    Phase::Decode { .. } => true,
+                    Phase::Prefill { tokens, done, .. } => done + n == tokens.len(),
+                },
+            })
+            .collect();
+        let t0 = Instant::now();
+        let result = self.model.forward(&mut self.cache, &chunks);
+        drop(chunks);
+        let mut logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "forward failed; ending the batch's sequences");
+                let mut idx: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
+                idx.sort_unstable_by(|a, b| b.cmp(a));
+                for i in idx {
+                    let s = self.active.swap_remove(i);
+                    self.cache.free_sequence(s.id);
+                    let _ = s
+                        .events
+                        .send(Event::Error(DecodeError::Engine(EngineError::invalid(
+                            "forward",
+                            e.to_string(),
+                        ))));
+                }
+                return;
+            }
+        };
+        let dt = t0.elapsed().as_secs_f64();
+        let mut generated = 0usize;
+        let ctx = self.model.config.context_length;
+        let mut ended: Vec<(usize, Option<TokenStep>)> = Vec::new();
+        for (k, &(i, n)) in plan.iter().enumerate() {
+            let row = std::mem::take(&mut logits[k]);
+            let left =
+                ctx.saturating_sub(self.cache.sequence_len(self.active[i].id).unwrap_or(ctx));
+            let s = &mut self.active[i];
+            match &mut s.phase {
+                Phase::Decode { .. } => {
+                    let mut row = row;
+                    let step = s.gen.step(&self.model.tokenizer, &mut row, left);
+                    generated += 1;
+                    ended.push((i, Some(step)));
+                }
+                Phase::Prefill {
+                    tokens,
+                    done,
+                    resume,
+                } => {
+                    *done += n;
+                    if *done < tokens.len() {
+                        continue;
+                    }
+                    if let Some(started) = s.prefill_started {
+                        s.prefill_seconds += secs(started);
+                    }
+                    match resume.take() {
+                        Some(next) => s.phase = Phase::Decode { next },
+                        None => {
+                            let mut row = row;
+                            let step = s.gen.step(&self.model.tokenizer, &mut row, left);
+                            generated += 1;
+                            ended.push((i, Some(step)));
+                        }
+                    }
+                }
+            }
+        }
+        // Apply steps; remove finished sequences from the back so indices stay valid.
+        ended.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        for (i, step) in ended {
+            let Some(step) = step else { continue };
+            let finished = step.finished;
+            let s = &mut self.active[i];
+            s.phase = Phase::Decode { next: step.id };
+            let _ = s.events.send(Event::Token {
+                id: step.id,
+                text: step.text,
+            });
+            if let Some(f) = finished {
+                let s = self.active.swap_remove(i);
+                self.finish(s, f);
+            }
+        }
+        if dt > 0.0 {
+            let rate = generated as f64 / dt;
+            self.tokens_per_second = 0.9 * self.tokens_per_second + 0.1 * rate;
+        }
+    }
+}

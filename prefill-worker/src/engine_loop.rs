@@ -1,0 +1,502 @@
+//! The prefill engine thread: batching, chunking, and layer-by-layer KV hand-off.
+//!
+//! Each iteration fills one forward with up to `max_batch_tokens` prompt tokens: chunks of
+//! requests already started first (oldest first), then new requests from the queue while
+//! the budget and the scratch KV pool allow. A chunk that is not a request's last is a
+//! multiple of the block size, so every chunk is a transfer of whole destination blocks
+//! (`token_start` block aligned). After layer `l` of the forward, the hook copies each
+//! chunk's layer-`l` regions out of the scratch cache and hands them to the request's
+//! transfer task.
+
+use std::collections::VecDeque;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use duet_engine::{KvCache, KvCacheConfig, KvKind, Model, Sampler, SamplingParams, SeqChunk};
+use duet_kv_transfer::{Connector, Endpoint, TransferDesc};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::PrefillError;
+use crate::transfer::{self, Msg, Reply};
+
+/// Prefill worker settings.
+#[derive(Debug, Clone)]
+pub struct PrefillConfig {
+    pub id: String,
+    /// Prompt tokens in one forward.
+    pub max_batch_tokens: usize,
+    /// Requests queued before new ones are refused.
+    pub max_queue: usize,
+}
+
+impl Default for PrefillConfig {
+    fn default() -> Self {
+        PrefillConfig {
+            id: "prefill-0".into(),
+            max_batch_tokens: 2048,
+            max_queue: 256,
+        }
+    }
+}
+
+/// One prompt to prefill and where its KV goes.
+pub struct PrefillJob {
+    pub request_id: u64,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub endpoint: Endpoint,
+    /// Destination blocks reserved by the decode worker, in sequence order.
+    pub dst_blocks: Vec<u32>,
+    pub span: tracing::Span,
+}
+
+/// What a completed prefill returns.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PrefillResult {
+    pub first_token: u32,
+    pub queue_seconds: f64,
+    pub prefill_seconds: f64,
+    pub kv_transfer_seconds: f64,
+    pub kv_bytes: u64,
+}
+
+/// Live numbers for the registry and `Status`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PrefillStatus {
+    pub queued: u32,
+    pub running: u32,
+    pub queued_prefill_tokens: u64,
+    pub kv_blocks_total: u64,
+    pub kv_blocks_free: u64,
+    /// Prompt tokens per second, exponentially averaged over forwards.
+    pub tokens_per_second: f64,
+}
+
+enum Cmd {
+    Prefill(PrefillJob, Reply),
+    Cancel(u64),
+}
+
+/// Cloneable handle to the prefill engine thread.
+#[derive(Clone)]
+pub struct PrefillHandle {
+    tx: std_mpsc::Sender<Cmd>,
+    status: Arc<Mutex<PrefillStatus>>,
+    connector: Arc<Connector>,
+}
+
+impl PrefillHandle {
+    /// Starts the engine thread; transfer tasks run on `rt`.
+    pub fn start(
+        model: Arc<Model>,
+        kv: KvCacheConfig,
+        cfg: PrefillConfig,
+        connector: Arc<Connector>,
+        rt: tokio::runtime::Handle,
+        cancel: CancellationToken,
+    ) -> Result<PrefillHandle, PrefillError> {
+        let (tx, rx) = std_mpsc::channel();
+        let status = Arc::new(Mutex::new(PrefillStatus::default()));
+        let layout = model.kv_layout(kv.block_size, kv.dtype);
+        let eng = Engine {
+            cache: KvCache::new(layout, kv.num_blocks),
+            model,
+            cfg: cfg.clone(),
+            rx,
+            status: status.clone(),
+            connector: connector.clone(),
+            rt,
+            cancel,
+            queue: VecDeque::new(),
+            running: Vec::new(),
+            tokens_per_second: 0.0,
+        };
+        std::thread::Builder::new()
+            .name(format!("{}-engine", cfg.id))
+            .spawn(move || eng.run())
+            .map_err(|e| {
+                PrefillError::Engine(duet_engine::EngineError::invalid(
+                    "engine thread",
+                    e.to_string(),
+                ))
+            })?;
+        Ok(PrefillHandle {
+            tx,
+            status,
+            connector,
+        })
+    }
+
+    /// Queues a prefill; resolves when the decode worker holds the KV.
+    pub async fn prefill(&self, job: PrefillJob) -> Result<PrefillResult, PrefillError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Cmd::Prefill(job, reply))
+            .map_err(|_| PrefillError::ShuttingDown)?;
+        rx.await.map_err(|_| PrefillError::ShuttingDown)?
+    }
+
+    /// Drops a queued or running prefill.
+    pub fn cancel(&self, request_id: u64) {
+        let _ = self.tx.send(Cmd::Cancel(request_id));
+    }
+
+    /// Latest status.
+    pub fn status(&self) -> PrefillStatus {
+        self.status.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// The connector (endpoint choice).
+    pub fn connector(&self) -> &Connector {
+        &self.connector
+    }
+}
+
+struct Running {
+    job: PrefillJob,
+    done: usize,
+    enqueued: Instant,
+    started: Instant,
+    tx: mpsc::UnboundedSender<Msg>,
+    /// Closed when the caller went away.
+    watch: oneshot::Sender<()>,
+}
+
+struct Queued {
+    job: PrefillJob,
+    reply: Reply,
+    enqueued: Instant,
+}
+
+struct Engine {
+    model: Arc<Model>,
+    cache: KvCache,
+    cfg: PrefillConfig,
+    rx: std_mpsc::Receiver<Cmd>,
+    status: Arc<Mutex<PrefillStatus>>,
+    connector: Arc<Connector>,
+    rt: tokio::runtime::Handle,
+    cancel: CancellationToken,
+    queue: VecDeque<Queued>,
+    running: Vec<Running>,
+    tokens_per_second: f64,
+}
+
+const IDLE_POLL: Duration = Duration::from_millis(20);
+
+impl Engine {
+    fn run(mut self) {
+        loop {
+            if self.cancel.is_cancelled() {
+                break;
+            }
+            if self.queue.is_empty() && self.running.is_empty() {
+                match self.rx.recv_timeout(IDLE_POLL) {
+                    Ok(c) => self.handle(c),
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            while let Ok(c) = self.rx.try_recv() {
+                self.handle(c);
+            }
+            self.drop_abandoned();
+            self.step();
+            self.publish();
+        }
+        for q in self.queue.drain(..) {
+            let _ = q.reply.send(Err(PrefillError::ShuttingDown));
+        }
+        for r in self.running.drain(..) {
+            self.cache.free_sequence(r.job.request_id);
+            let _ = r.tx.send(Msg::Fail(PrefillError::ShuttingDown));
+        }
+    }
+
+    fn publish(&self) {
+        if let Ok(mut s) = self.status.lock() {
+            *s = PrefillStatus {
+                queued: self.queue.len() as u32,
+                running: self.running.len() as u32,
+                queued_prefill_tokens: self
+                    .queue
+                    .iter()
+                    .map(|q| q.job.prompt.len() as u64)
+                    .chain(
+                        self.running
+                            .iter()
+                            .map(|r| (r.job.prompt.len() - r.done) as u64),
+                    )
+                    .sum(),
+                kv_blocks_total: self.cache.total_blocks() as u64,
+                kv_blocks_free: self.cache.free_blocks() as u64,
+                tokens_per_second: self.tokens_per_second,
+            };
+        }
+    }
+
+    fn handle(&mut self, c: Cmd) {
+        match c {
+            Cmd::Prefill(job, reply) => {
+                let blocks = self.cache.blocks_for(job.prompt.len());
+                if job.prompt.is_empty() || blocks > self.cache.total_blocks() {
+                    let _ = reply.send(Err(PrefillError::TooLong {
+                        tokens: job.prompt.len(),
+                        blocks,
+                        total: self.cache.total_blocks(),
+                    }));
+                } else if job.dst_blocks.len() != blocks {
+                    let _ = reply.send(Err(PrefillError::Engine(
+                        duet_engine::EngineError::invalid(
+                            "dst_blocks",
+                            format!(
+                                "{} destination blocks for {} tokens (need {blocks})",
+                                job.dst_blocks.len(),
+                                job.prompt.len()
+                            ),
+                        ),
+                    )));
+                } else if self.queue.len() >= self.cfg.max_queue {
+                    let _ = reply.send(Err(PrefillError::QueueFull(self.queue.len())));
+                } else {
+                    self.queue.push_back(Queued {
+                        job,
+                        reply,
+                        enqueued: Instant::now(),
+                    });
+                }
+            }
+            Cmd::Cancel(id) => {
+                if let Some(i) = self.queue.iter().position(|q| q.job.request_id == id) {
+                    if let Some(q) = self.queue.remove(i) {
+                        let _ = q.reply.send(Err(PrefillError::Cancelled(id)));
+                    }
+                }
+                if let Some(i) = self.running.iter().position(|r| r.job.request_id == id) {
+                    let r = self.running.swap_remove(i);
+                    self.cache.free_sequence(id);
+                    let _ = r.tx.send(Msg::Fail(PrefillError::Cancelled(id)));
+                }
+            }
+        }
+    }
+
+    fn drop_abandoned(&mut self) {
+        self.queue.retain(|q| !q.reply.is_closed());
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].watch.is_closed() {
+                let r = self.running.swap_remove(i);
+                self.cache.free_sequence(r.job.request_id);
+                let _ = r.tx.send(Msg::Fail(PrefillError::Cancelled(r.job.request_id)));
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Blocks still to be allocated by running requests.
+    fn pending_blocks(&self) -> usize {
+        self.running
+            .iter()
+            .map(|r| {
+                let have = self
+                    .cache
+                    .sequence_blocks(r.job.request_id)
+                    .map_or(0, |b| b.len());
+                self.cache.blocks_for(r.job.prompt.len()).saturating_sub(have)
+            })
+            .sum()
+    }
+
+    fn start_queued(&mut self) {
+        while let Some(q) = self.queue.front() {
+            let need = self.cache.blocks_for(q.job.prompt.len());
+            if need + self.pending_blocks() > self.cache.free_blocks() {
+                break;
+            }
+            let Some(q) = self.queue.pop_front() else {
+                break;
+            };
+            if let Err(e) = self.cache.add_sequence(q.job.request_id) {
+                let _ = q.reply.send(Err(e.into()));
+                continue;
+            }
+            // The transfer task owns the reply; the engine watches the caller through a
+            // second channel that closes with the reply's receiver.
+            let (watch, watch_rx) = oneshot::channel::<()>();
+            let Queued {
+                job,
+                reply,
+                enqueued,
+            } = q;
+            let reply = forward_reply(&self.rt, reply, watch_rx);
+            let tx = transfer::spawn(
+                &self.rt,
+                self.connector.clone(),
+                job.endpoint.clone(),
+                reply,
+            );
+            self.running.push(Running {
+                job,
+                done: 0,
+                enqueued,
+                started: Instant::now(),
+                tx,
+                watch,
+            });
+        }
+    }
+
+    fn step(&mut self) {
+        self.start_queued();
+        if self.running.is_empty() {
+            return;
+        }
+        let bs = self.cache.block_size();
+        let mut budget = self.cfg.max_batch_tokens.max(bs);
+        // (running index, start, len)
+        let mut plan = Vec::new();
+        for (i, r) in self.running.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            let left = r.job.prompt.len() - r.done;
+            let n = if left <= budget {
+                left
+            } else {
+                budget / bs * bs
+            };
+            if n == 0 {
+                break;
+            }
+            budget -= n;
+            plan.push((i, r.done, n));
+        }
+        for &(i, start, n) in &plan {
+            let r = &self.running[i];
+            let first = start / bs;
+            let last = (start + n).div_ceil(bs);
+            let desc = TransferDesc {
+                request_id: r.job.request_id,
+                token_start: start as u32,
+                token_count: n as u32,
+                dst_blocks: r.job.dst_blocks[first..last].to_vec(),
+            };
+            let _ = r.tx.send(Msg::Begin(desc));
+        }
+        let chunks: Vec<SeqChunk<'_>> = plan
+            .iter()
+            .map(|&(i, start, n)| {
+                let r = &self.running[i];
+                SeqChunk {
+                    seq: r.job.request_id,
+                    tokens: &r.job.prompt[start..start + n],
+                    logits: start + n == r.job.prompt.len(),
+                }
+            })
+            .collect();
+        // What the per-layer hook needs: for each chunk, its sender and block index range.
+        let outs: Vec<(mpsc::UnboundedSender<Msg>, u64, usize, usize)> = plan
+            .iter()
+            .map(|&(i, start, n)| {
+                let r = &self.running[i];
+                (
+                    r.tx.clone(),
+                    r.job.request_id,
+                    start / bs,
+                    (start + n).div_ceil(bs),
+                )
+            })
+            .collect();
+        let t0 = Instant::now();
+        let mut hook = |layer: usize, cache: &KvCache| {
+            for (tx, seq, first, last) in &outs {
+                let Ok(blocks) = cache.sequence_blocks(*seq) else {
+                    continue;
+                };
+                let Some(blocks) = blocks.get(*first..*last) else {
+                    continue;
+                };
+                let copy = |kind| -> Vec<Bytes> {
+                    blocks
+                        .iter()
+                        .map(|&b| Bytes::copy_from_slice(cache.region_bytes(b, layer, kind)))
+                        .collect()
+                };
+                let _ = tx.send(Msg::Layer {
+                    layer: layer as u32,
+                    k: copy(KvKind::K),
+                    v: copy(KvKind::V),
+                });
+            }
+        };
+        let result = self.model.forward_with(&mut self.cache, &chunks, &mut hook);
+        drop(chunks);
+        let dt = t0.elapsed().as_secs_f64();
+        let tokens: usize = plan.iter().map(|p| p.2).sum();
+        if dt > 0.0 {
+            self.tokens_per_second = 0.8 * self.tokens_per_second + 0.2 * tokens as f64 / dt;
+        }
+        let mut logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                let mut idx: Vec<usize> = plan.iter().map(|p| p.0).collect();
+                idx.sort_unstable_by(|a, b| b.cmp(a));
+                for i in idx {
+                    let r = self.running.swap_remove(i);
+                    self.cache.free_sequence(r.job.request_id);
+                    let _ = r.tx.send(Msg::Fail(PrefillError::Engine(
+                        duet_engine::EngineError::invalid("forward", e.to_string()),
+                    )));
+                }
+                return;
+            }
+        };
+        let mut finished = Vec::new();
+        for (k, &(i, start, n)) in plan.iter().enumerate() {
+            let r = &mut self.running[i];
+            let _ = r.tx.send(Msg::Finish);
+            r.done = start + n;
+            if r.done < r.job.prompt.len() {
+                continue;
+            }
+            let first_token = Sampler::new(r.job.sampling.clone())
+                .map(|mut s| s.sample(&mut logits[k], &r.job.prompt));
+            finished.push((i, first_token));
+        }
+        finished.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        for (i, first) in finished {
+            let r = self.running.swap_remove(i);
+            self.cache.free_sequence(r.job.request_id);
+            let msg = match first {
+                Ok(first_token) => Msg::Complete(PrefillResult {
+                    first_token,
+                    queue_seconds: r.started.duration_since(r.enqueued).as_secs_f64(),
+                    prefill_seconds: r.started.elapsed().as_secs_f64(),
+                    kv_transfer_seconds: 0.0,
+                    kv_bytes: 0,
+                }),
+                Err(e) => Msg::Fail(e.into()),
+            };
+            let _ = r.tx.send(msg);
+        }
+    }
+}
+
+/// Wraps `reply` so that `watch` closes when the caller drops its receiver.
+fn forward_reply(rt: &tokio::runtime::Handle, reply: Reply, watch: oneshot::Receiver<()>) -> Reply {
+    let (tx, rx) = oneshot::channel();
+    rt.spawn(async move {
+        let mut reply = reply;
+        tokio::select! {
+            r = rx => { let _ = reply.send(r.unwrap_or(Err(PrefillError::ShuttingDown))); }
+            _ = reply.closed() => {}
+        }
+        drop(watch);
+    });
+    tx
+}

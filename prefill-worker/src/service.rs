@@ -1,0 +1,95 @@
+//! The internal `duet.v1.Prefill` gRPC service over a [`PrefillHandle`].
+
+use duet_kv_transfer::Endpoint;
+use duet_proto::v1 as pb;
+use duet_serving::convert::sampling_from_proto;
+use tonic::{Request, Response, Status};
+
+use crate::engine_loop::{PrefillHandle, PrefillJob};
+use crate::error::PrefillError;
+
+/// `duet.v1.Prefill` backed by one engine thread.
+#[derive(Clone)]
+pub struct PrefillService {
+    handle: PrefillHandle,
+    id: String,
+}
+
+impl PrefillService {
+    pub fn new(handle: PrefillHandle, id: String) -> Self {
+        PrefillService { handle, id }
+    }
+
+    /// The tonic server wrapper.
+    pub fn into_server(self) -> pb::prefill_server::PrefillServer<Self> {
+        pb::prefill_server::PrefillServer::new(self)
+    }
+}
+
+#[tonic::async_trait]
+impl pb::prefill_server::Prefill for PrefillService {
+    async fn prefill(
+        &self,
+        req: Request<pb::PrefillRequest>,
+    ) -> Result<Response<pb::PrefillResponse>, Status> {
+        let r = req.into_inner();
+        let ep = r.kv_endpoint.unwrap_or_default();
+        let offered = Endpoint::parse(&ep.transport, &ep.address)
+            .map_err(|e| PrefillError::Transfer(e).status())?;
+        let endpoint = self
+            .handle
+            .connector()
+            .choose(&[offered])
+            .map_err(|e| PrefillError::Transfer(e).status())?;
+        let sampling = sampling_from_proto(r.sampling.as_ref());
+        sampling
+            .validate()
+            .map_err(|e| duet_serving::status::engine_status(&e))?;
+        let span = tracing::info_span!("prefill", request_id = r.request_id, worker = %self.id);
+        let res = self
+            .handle
+            .prefill(PrefillJob {
+                request_id: r.request_id,
+                prompt: r.prompt,
+                sampling,
+                endpoint,
+                dst_blocks: r.dst_blocks,
+                span,
+            })
+            .await
+            .map_err(|e| e.status())?;
+        Ok(Response::new(pb::PrefillResponse {
+            first_token: res.first_token,
+            queue_seconds: res.queue_seconds,
+            prefill_seconds: res.prefill_seconds,
+            kv_transfer_seconds: res.kv_transfer_seconds,
+            kv_bytes: res.kv_bytes,
+        }))
+    }
+
+    async fn cancel(
+        &self,
+        req: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        self.handle.cancel(req.into_inner().request_id);
+        Ok(Response::new(pb::ReleaseResponse { released: true }))
+    }
+
+    async fn status(
+        &self,
+        _: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::WorkerStatus>, Status> {
+        let s = self.handle.status();
+        Ok(Response::new(pb::WorkerStatus {
+            id: self.id.clone(),
+            role: "prefill".into(),
+            kv_blocks_total: s.kv_blocks_total,
+            kv_blocks_free: s.kv_blocks_free,
+            running: s.running,
+            waiting: s.queued,
+            queued_prefill_tokens: s.queued_prefill_tokens,
+            reservations: 0,
+            tokens_per_second: s.tokens_per_second,
+        }))
+    }
+}

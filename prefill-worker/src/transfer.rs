@@ -1,0 +1,113 @@
+//! One request's KV transfer, driven by messages from the engine thread.
+//!
+//! The engine thread never waits on the network: it sends `Begin` / `Layer` / `Finish`
+//! for each chunk and `Complete` (or `Fail`) at the end; this task pushes them through a
+//! pooled sender and answers the caller once the decode worker acknowledged every chunk.
+//! On any error the sender is aborted and dropped (never returned to the pool), later
+//! messages are drained, and the caller gets the error.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use duet_kv_transfer::{AnySender, Connector, Endpoint, KvSender, TransferDesc};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::engine_loop::PrefillResult;
+use crate::error::PrefillError;
+
+pub(crate) enum Msg {
+    Begin(TransferDesc),
+    Layer { layer: u32, k: Vec<Bytes>, v: Vec<Bytes> },
+    Finish,
+    Complete(PrefillResult),
+    Fail(PrefillError),
+}
+
+pub(crate) type Reply = oneshot::Sender<Result<PrefillResult, PrefillError>>;
+
+/// Spawns the task; returns the channel the engine thread feeds.
+pub(crate) fn spawn(
+    rt: &tokio::runtime::Handle,
+    connector: Arc<Connector>,
+    endpoint: Endpoint,
+    reply: Reply,
+) -> mpsc::UnboundedSender<Msg> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    rt.spawn(run(connector, endpoint, rx, reply));
+    tx
+}
+
+async fn begin(
+    connector: &Connector,
+    endpoint: &Endpoint,
+    sender: &mut Option<AnySender>,
+    desc: TransferDesc,
+) -> Result<(), duet_kv_transfer::Error> {
+    if let Some(s) = sender.as_mut() {
+        return s.begin(desc).await;
+    }
+    // A pooled connection may have been closed by the peer while idle: retry once fresh.
+    let mut s = connector.checkout(endpoint, false).await?;
+    if s.begin(desc.clone()).await.is_err() {
+        s = connector.checkout(endpoint, true).await?;
+        s.begin(desc).await?;
+    }
+    *sender = Some(s);
+    Ok(())
+}
+
+async fn run(
+    connector: Arc<Connector>,
+    endpoint: Endpoint,
+    mut rx: mpsc::UnboundedReceiver<Msg>,
+    reply: Reply,
+) {
+    let mut sender: Option<AnySender> = None;
+    let mut failed: Option<PrefillError> = None;
+    let mut first_layer: Option<Instant> = None;
+    let mut bytes = 0u64;
+    while let Some(msg) = rx.recv().await {
+        if failed.is_some() {
+            match msg {
+                Msg::Complete(_) | Msg::Fail(_) => break,
+                _ => continue,
+            }
+        }
+        let r = match msg {
+            Msg::Begin(desc) => begin(&connector, &endpoint, &mut sender, desc).await,
+            Msg::Layer { layer, k, v } => {
+                first_layer.get_or_insert_with(Instant::now);
+                match sender.as_mut() {
+                    Some(s) => s.send_layer_bytes(layer, k, v).await,
+                    None => Ok(()),
+                }
+            }
+            Msg::Finish => match sender.as_mut() {
+                Some(s) => s.finish().await.map(|receipt| bytes += receipt.payload_bytes),
+                None => Ok(()),
+            },
+            Msg::Complete(mut result) => {
+                result.kv_transfer_seconds =
+                    first_layer.map_or(0.0, |t| t.elapsed().as_secs_f64());
+                result.kv_bytes = bytes;
+                if let Some(s) = sender.take() {
+                    connector.checkin(&endpoint, s);
+                }
+                let _ = reply.send(Ok(result));
+                return;
+            }
+            Msg::Fail(e) => {
+                failed = Some(e);
+                break;
+            }
+        };
+        if let Err(e) = r {
+            failed = Some(PrefillError::Transfer(e));
+        }
+    }
+    if let Some(mut s) = sender.take() {
+        let _ = s.abort().await;
+    }
+    let _ = reply.send(Err(failed.unwrap_or(PrefillError::ShuttingDown)));
+}

@@ -1,0 +1,13 @@
+//! What every duet gRPC server (router, prefill worker, decode worker) shares:
+//!
+//! - [`convert`]: proto messages <-> engine types (sampling parameters, finish reasons) and
+//!   the engine's KV layout as kv-transfer describes it;
+//! - [`status`]: the one mapping from an error class to a gRPC status code;
+//! - [`server`]: serving a tonic router with `grpc.health.v1`, server reflection and
+//!   graceful shutdown (health NOT_SERVING, stop accepting, drain with a deadline).
+//!
+//! The conversions live here once so that the router and both workers agree on them.
+
+pub mod convert;
+pub mod server;
+pub mod status;

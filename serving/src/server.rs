@@ -1,0 +1,123 @@
+//! Serving a tonic router the way every duet process does: with `grpc.health.v1` (the
+//! overall service and each named service SERVING while up), server reflection for every
+//! duet proto, and graceful shutdown.
+//!
+//! Shutdown sequence (linkerd2-proxy style): `shutdown` fires -> health NOT_SERVING -> the
+//! server stops accepting and lets in-flight calls finish -> after `drain` the remaining
+//! calls are dropped.
+
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::service::Routes;
+
+/// Errors from serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("gRPC server: {0}")]
+    Transport(#[source] tonic::transport::Error),
+    #[error("reflection service: {0}")]
+    Reflection(#[source] tonic_reflection::server::Error),
+}
+
+/// Health reporter handle, to flip services to NOT_SERVING.
+pub type Health = tonic_health::server::HealthReporter;
+
+/// Serves `routes` (built with `Routes::new(svc).add_service(...)`) on `listener`, with
+/// health (the named `services` and "" SERVING) and reflection, until `shutdown` fires; then
+/// drains for at most `drain`.
+pub async fn serve(
+    listener: TcpListener,
+    routes: Routes,
+    services: &[&str],
+    shutdown: CancellationToken,
+    drain: Duration,
+) -> Result<(), ServeError> {
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    for s in services {
+        health
+            .set_service_status(*s, tonic_health::ServingStatus::Serving)
+            .await;
+    }
+    health
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(duet_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(ServeError::Reflection)?;
+    let routes = routes.add_service(health_svc).add_service(reflection);
+    let stopping = CancellationToken::new();
+    let names: Vec<String> = services.iter().map(|s| s.to_string()).collect();
+    let watcher = {
+        let shutdown = shutdown.clone();
+        let stopping = stopping.clone();
+        async move {
+            shutdown.cancelled().await;
+            for s in &names {
+                health
+                    .set_service_status(s, tonic_health::ServingStatus::NotServing)
+                    .await;
+            }
+            health
+                .set_service_status("", tonic_health::ServingStatus::NotServing)
+                .await;
+            stopping.cancel();
+        }
+    };
+    tokio::spawn(watcher);
+    let server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(5)))
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), {
+            let stopping = stopping.clone();
+            async move { stopping.cancelled().await }
+        });
+    tokio::pin!(server);
+    tokio::select! {
+        r = &mut server => return r.map_err(ServeError::Transport),
+        _ = stopping.cancelled() => {}
+    }
+    match tokio::time::timeout(drain, &mut server).await {
+        Ok(r) => r.map_err(ServeError::Transport),
+        Err(_) => {
+            tracing::warn!(
+                ?drain,
+                "drain deadline passed; dropping the calls still running"
+            );
+            Ok(())
+        }
+    }
+}
+
+/// A token cancelled on SIGTERM or Ctrl-C.
+pub fn shutdown_on_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        let term = async {
+            #[cfg(unix)]
+            {
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(mut s) => {
+                        s.recv().await;
+                    }
+                    Err(_) => std::future::pending::<()>().await,
+                }
+            }
+            #[cfg(not(unix))]
+            std::future::pending::<()>().await
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term => {}
+        }
+        tracing::info!("shutdown signal received");
+        t.cancel();
+    });
+    token
+}

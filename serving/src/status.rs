@@ -1,0 +1,40 @@
+//! Error class -> gRPC status: the one mapping every duet server uses.
+
+use duet_engine::{EngineError, ErrorClass};
+use tonic::{Code, Status};
+
+/// gRPC code of an error class.
+pub fn code(class: ErrorClass) -> Code {
+    match class {
+        ErrorClass::InvalidArgument => Code::InvalidArgument,
+        ErrorClass::NotFound => Code::NotFound,
+        ErrorClass::ResourceExhausted => Code::ResourceExhausted,
+        ErrorClass::Unavailable => Code::Unavailable,
+        ErrorClass::DeadlineExceeded => Code::DeadlineExceeded,
+        ErrorClass::Internal => Code::Internal,
+    }
+}
+
+/// Error class of a gRPC code received from a peer (for retry decisions and metrics).
+pub fn class_of(code: Code) -> ErrorClass {
+    match code {
+        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
+            ErrorClass::InvalidArgument
+        }
+        Code::NotFound => ErrorClass::NotFound,
+        Code::ResourceExhausted => ErrorClass::ResourceExhausted,
+        Code::Unavailable | Code::Cancelled | Code::Aborted => ErrorClass::Unavailable,
+        Code::DeadlineExceeded => ErrorClass::DeadlineExceeded,
+        _ => ErrorClass::Internal,
+    }
+}
+
+/// A status for an error of `class` with `message`.
+pub fn status(class: ErrorClass, message: impl Into<String>) -> Status {
+    Status::new(code(class), message)
+}
+
+/// The status of an engine error.
+pub fn engine_status(e: &EngineError) -> Status {
+    status(e.class(), e.to_string())
+}
