@@ -19,6 +19,18 @@ struct Cli {
 enum Command {
     /// One-shot generation in this process, streaming text to stdout.
     Run(cmd::run::RunArgs),
+    /// Everything in one process: router, prefill and decode workers, in-memory registry.
+    Up(cmd::cluster::up::UpArgs),
+    /// The public gRPC door of a cluster (workers found in etcd).
+    Router(cmd::cluster::up::RouterCmd),
+    /// A prefill worker of a cluster.
+    Prefill(cmd::cluster::up::PrefillCmd),
+    /// A decode worker of a cluster.
+    Decode(cmd::cluster::up::DecodeCmd),
+    /// Stream a completion from a running router.
+    Generate(cmd::cluster::client::GenerateArgs),
+    /// The workers of a cluster and their capacity (from etcd).
+    Status(cmd::cluster::client::StatusArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
@@ -36,6 +48,12 @@ fn main() -> std::process::ExitCode {
     let res = match cli.command {
         Command::Run(args) => cmd::run::run(args),
         Command::Bench(b) => cmd::bench::run(b),
+        Command::Up(a) => cmd::cluster::up::up(a),
+        Command::Router(a) => cmd::cluster::up::router(a),
+        Command::Prefill(a) => cmd::cluster::up::prefill(a),
+        Command::Decode(a) => cmd::cluster::up::decode(a),
+        Command::Generate(a) => cmd::cluster::client::generate(a),
+        Command::Status(a) => cmd::cluster::client::status(a),
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,

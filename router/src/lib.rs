@@ -1,1 +1,23 @@
-//! The router: public gRPC/HTTP doors, validation, routing, admission. Filled by the cluster issue.
+//! duet's router: the public `duet.v1.Generation` door.
+//!
+//! A request is validated and tokenized ([`frontend`]), admitted into a bounded queue per
+//! priority ([`admission`]), placed on a decode worker and, for long prompts in
+//! disaggregated mode, a prefill worker ([`placement`], from the capacity workers publish in
+//! the registry), then its tokens are relayed to the client ([`relay`]).
+//!
+//! Invariants: every request that reserved KV on a worker releases it on every path
+//! (finish, error, deadline, client gone); a request is retried on another pair only
+//! before its first token reached the client.
+
+pub mod admission;
+pub mod config;
+pub mod error;
+pub mod frontend;
+pub mod placement;
+pub mod relay;
+pub mod service;
+pub mod workers;
+
+pub use config::{Mode, RouterConfig};
+pub use error::RouterError;
+pub use service::GenerationService;

@@ -1,0 +1,159 @@
+//! Flags shared by the serving commands, and their validation.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use duet_discovery::{EtcdOptions, EtcdRegistry, Registry, RegistrationOptions};
+use duet_engine::{KvCacheConfig, KvDtype, Model};
+use duet_kv_transfer::{SharedSecret, TransferConfig};
+
+/// Registry flags.
+#[derive(Args, Debug, Clone)]
+pub struct RegistryArgs {
+    /// etcd endpoints, comma separated (e.g. http://127.0.0.1:2379).
+    #[arg(long, env = "DUET_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Cluster name: the registry prefix `/duet/<cluster>/`.
+    #[arg(long, env = "DUET_CLUSTER", default_value = "default")]
+    pub cluster: String,
+    /// Worker lease TTL (e.g. 5s).
+    #[arg(long, env = "DUET_LEASE_TTL", default_value = "5s", value_parser = parse_duration)]
+    pub lease_ttl: Duration,
+}
+
+impl RegistryArgs {
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.etcd.is_empty() {
+            bail!("--etcd: at least one endpoint is needed (or use `duet up` for one process)");
+        }
+        if self.cluster.is_empty() || self.cluster.contains('/') {
+            bail!("--cluster: must be non-empty and without '/'");
+        }
+        if self.lease_ttl < Duration::from_secs(1) {
+            bail!("--lease-ttl: at least 1s");
+        }
+        Ok(())
+    }
+
+    pub async fn connect(&self) -> anyhow::Result<Arc<dyn Registry>> {
+        self.validate()?;
+        let r = EtcdRegistry::connect(EtcdOptions::new(self.etcd.clone()))
+            .await
+            .context("connecting to etcd")?;
+        Ok(Arc::new(r))
+    }
+
+    pub fn registration(&self) -> RegistrationOptions {
+        RegistrationOptions::with_ttl(self.lease_ttl)
+    }
+}
+
+/// KV cache and transfer flags.
+#[derive(Args, Debug, Clone)]
+pub struct KvArgs {
+    /// KV pool size (bytes; units accepted: 512MiB, 2GiB).
+    #[arg(long, env = "DUET_KV_POOL", default_value = "512MiB", value_parser = parse_bytes)]
+    pub kv_pool: u64,
+    /// KV element type.
+    #[arg(long, env = "DUET_KV_DTYPE", default_value = "f32")]
+    pub kv_dtype: KvDtype,
+    /// Shared secret every worker of the cluster proves at the KV handshake.
+    #[arg(long, env = "DUET_KV_SECRET", default_value = "duet-dev-secret-change-me")]
+    pub kv_secret: String,
+}
+
+/// Tokens per KV block (fixed: every worker of a cluster must agree).
+pub const BLOCK_SIZE: usize = 16;
+
+impl KvArgs {
+    pub fn cache_config(&self, model: &Model) -> KvCacheConfig {
+        let c = &model.config;
+        KvCacheConfig::from_budget(
+            self.kv_pool as usize,
+            BLOCK_SIZE,
+            self.kv_dtype,
+            (c.n_layers, c.n_kv_heads, c.head_dim),
+        )
+    }
+
+    pub fn transfer_config(&self, model: &Model) -> anyhow::Result<TransferConfig> {
+        if self.kv_secret.len() < 8 {
+            bail!("--kv-secret: at least 8 bytes");
+        }
+        let layout = duet_serving::convert::transfer_layout(&model.kv_layout(BLOCK_SIZE, self.kv_dtype))?;
+        Ok(TransferConfig::new(layout, SharedSecret::new(&self.kv_secret)?))
+    }
+}
+
+/// How the router places prefill.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum ModeArg {
+    /// Prefill workers for long prompts, decode workers for tokens.
+    Disaggregated,
+    /// One worker does both, mixing prefill chunks into decode batches.
+    Colocated,
+}
+
+impl From<ModeArg> for duet_router::Mode {
+    fn from(m: ModeArg) -> Self {
+        match m {
+            ModeArg::Disaggregated => duet_router::Mode::Disaggregated,
+            ModeArg::Colocated => duet_router::Mode::Colocated,
+        }
+    }
+}
+
+/// `500ms`, `5s`, `2m`, or plain seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let v: f64 = num.parse().map_err(|_| format!("`{s}` is not a duration"))?;
+    let secs = match unit {
+        "" | "s" => v,
+        "ms" => v / 1e3,
+        "m" => v * 60.0,
+        "h" => v * 3600.0,
+        _ => return Err(format!("`{s}`: unknown unit (ms, s, m, h)")),
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("`{s}` is not a duration"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// `4096`, `512KiB`, `256MiB`, `2GiB` (also KB/MB/GB as powers of 1000).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let v: u64 = num.parse().map_err(|_| format!("`{s}` is not a size"))?;
+    let mul: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        other => return Err(format!("`{s}`: unknown unit `{other}` (KiB, MiB, GiB)")),
+    };
+    v.checked_mul(mul).ok_or_else(|| format!("`{s}` is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units() {
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert!(parse_bytes("3 parsecs").is_err());
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("5").unwrap(), Duration::from_secs(5));
+        assert!(parse_duration("5 weeks").is_err());
+    }
+}

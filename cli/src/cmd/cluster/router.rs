@@ -1,0 +1,87 @@
+//! `duet router` and the router part of `duet up`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use duet_discovery::{ClusterView, Registry};
+use duet_engine::TextFrontend;
+use duet_router::{GenerationService, RouterConfig};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use super::args::{parse_duration, ModeArg};
+
+/// Routing flags (shared by `duet router` and `duet up`).
+#[derive(Args, Debug, Clone)]
+pub struct RoutingArgs {
+    /// Disaggregated (prefill workers + decode workers) or colocated (one worker per request
+    /// does both, chunked prefill mixed into decode batches).
+    #[arg(long, env = "DUET_MODE", value_enum, default_value = "disaggregated")]
+    pub mode: ModeArg,
+    /// Prompts up to this many tokens are prefilled on the decode worker (0: never).
+    #[arg(long, env = "DUET_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 32)]
+    pub local_prefill_max_tokens: usize,
+    /// Requests waiting for a worker, per priority class, before RESOURCE_EXHAUSTED.
+    #[arg(long, env = "DUET_MAX_QUEUED", default_value_t = 1024)]
+    pub max_queued: usize,
+    /// Longest wait for a worker with room.
+    #[arg(long, env = "DUET_MAX_QUEUE_WAIT", default_value = "30s", value_parser = parse_duration)]
+    pub max_queue_wait: Duration,
+    /// Attempts on other workers before the first token.
+    #[arg(long, env = "DUET_MAX_ATTEMPTS", default_value_t = 3)]
+    pub max_attempts: usize,
+    /// Model name clients use (default: the GGUF file name without extension).
+    #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+}
+
+impl RoutingArgs {
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.max_queued == 0 {
+            anyhow::bail!("--max-queued: at least 1");
+        }
+        if self.max_attempts == 0 {
+            anyhow::bail!("--max-attempts: at least 1");
+        }
+        Ok(())
+    }
+
+    pub fn config(&self, model_name: String) -> RouterConfig {
+        RouterConfig {
+            mode: self.mode.into(),
+            local_prefill_max_tokens: self.local_prefill_max_tokens,
+            max_queued_per_priority: self.max_queued,
+            max_queue_wait: self.max_queue_wait,
+            max_attempts: self.max_attempts,
+            model_name,
+            ..RouterConfig::default()
+        }
+    }
+}
+
+/// The name clients use for the model at `path`.
+pub fn model_name(path: &std::path::Path, flag: &Option<String>) -> String {
+    flag.clone().unwrap_or_else(|| {
+        path.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "default".into())
+    })
+}
+
+/// Serves the public door on `listener` until `shutdown`.
+pub async fn run_router(
+    front: Arc<TextFrontend>,
+    cfg: RouterConfig,
+    registry: Arc<dyn Registry>,
+    cluster: String,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+    drain: Duration,
+) -> anyhow::Result<()> {
+    let view = ClusterView::start(registry, cluster, shutdown.child_token());
+    let svc = GenerationService::new(front, cfg, view);
+    let routes = tonic::service::Routes::new(svc.into_server());
+    duet_serving::server::serve(listener, routes, &["duet.v1.Generation"], shutdown, drain).await?;
+    Ok(())
+}

@@ -1,0 +1,329 @@
+//! `duet up`: router + prefill workers + decode workers in one process, in-memory registry,
+//! KV handed over in process (`local` transport); and the separate-process commands
+//! `duet router`, `duet prefill`, `duet decode`, which run the same pieces against etcd.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use duet_decode_worker::DecodeConfig;
+use duet_discovery::{MemoryRegistry, Registry, RegistrationOptions};
+use duet_engine::{Model, TextFrontend};
+use duet_kv_transfer::LocalHub;
+use duet_prefill_worker::PrefillConfig;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use super::args::{parse_duration, KvArgs, RegistryArgs};
+use super::router::{model_name, run_router, RoutingArgs};
+use super::worker::{run_decode, run_prefill, WorkerEnv};
+use crate::cmd::model_args::ModelArgs;
+
+/// Decode scheduling flags.
+#[derive(Args, Debug, Clone)]
+pub struct DecodeArgs {
+    /// Most sequences in one decode batch.
+    #[arg(long, env = "DUET_MAX_BATCH", default_value_t = 64)]
+    pub max_batch: usize,
+    /// Prompt tokens of local prefills mixed into one decode step.
+    #[arg(long, env = "DUET_PREFILL_CHUNK_TOKENS", default_value_t = 256)]
+    pub prefill_chunk_tokens: usize,
+}
+
+impl DecodeArgs {
+    fn config(&self) -> anyhow::Result<DecodeConfig> {
+        if self.max_batch == 0 || self.prefill_chunk_tokens == 0 {
+            anyhow::bail!("--max-batch and --prefill-chunk-tokens must be at least 1");
+        }
+        Ok(DecodeConfig {
+            max_batch: self.max_batch,
+            prefill_chunk_tokens: self.prefill_chunk_tokens,
+            ..DecodeConfig::default()
+        })
+    }
+}
+
+/// Prefill batching flags.
+#[derive(Args, Debug, Clone)]
+pub struct PrefillArgs {
+    /// Prompt tokens in one prefill forward (longer prompts are chunked).
+    #[arg(long, env = "DUET_MAX_BATCH_TOKENS", default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+}
+
+impl PrefillArgs {
+    fn config(&self) -> anyhow::Result<PrefillConfig> {
+        if self.max_batch_tokens < super::args::BLOCK_SIZE {
+            anyhow::bail!("--max-batch-tokens: at least {}", super::args::BLOCK_SIZE);
+        }
+        Ok(PrefillConfig {
+            max_batch_tokens: self.max_batch_tokens,
+            ..PrefillConfig::default()
+        })
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub kv: KvArgs,
+    #[command(flatten)]
+    pub routing: RoutingArgs,
+    #[command(flatten)]
+    pub decode: DecodeArgs,
+    #[command(flatten)]
+    pub prefill: PrefillArgs,
+    /// Address of the public gRPC door.
+    #[arg(long, env = "DUET_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Prefill workers (0 with --mode colocated).
+    #[arg(long, env = "DUET_PREFILL_WORKERS", default_value_t = 1)]
+    pub prefill_workers: usize,
+    /// Decode workers.
+    #[arg(long, env = "DUET_DECODE_WORKERS", default_value_t = 1)]
+    pub decode_workers: usize,
+    /// How long in-flight requests may finish after SIGTERM.
+    #[arg(long, env = "DUET_DRAIN", default_value = "10s", value_parser = parse_duration)]
+    pub drain: Duration,
+}
+
+fn load(m: &ModelArgs) -> anyhow::Result<Arc<Model>> {
+    Ok(Arc::new(m.load()?))
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+pub fn up(a: UpArgs) -> anyhow::Result<()> {
+    a.routing.validate()?;
+    if a.decode_workers == 0 {
+        anyhow::bail!("--decode-workers: at least 1");
+    }
+    let dcfg = a.decode.config()?;
+    let pcfg = a.prefill.config()?;
+    let name = model_name(&a.model.model, &a.routing.served_model_name);
+    let front = Arc::new(TextFrontend::load(&a.model.model).with_context(|| format!("reading {}", a.model.model.display()))?);
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let shutdown = duet_serving::server::shutdown_on_signal();
+        let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
+        let hub = LocalHub::default();
+        let tag = format!("{:016x}", rand::random::<u64>());
+        let cluster = "local".to_string();
+        let mut tasks = tokio::task::JoinSet::new();
+        let env = |model: Arc<Model>, grpc: TcpListener| WorkerEnv {
+            model,
+            model_name: name.clone(),
+            kv: a.kv.clone(),
+            registry: registry.clone(),
+            cluster: cluster.clone(),
+            registration: RegistrationOptions::default(),
+            grpc,
+            advertise_host: "127.0.0.1".into(),
+            hub: Some((hub.clone(), tag.clone())),
+            drain: a.drain,
+        };
+        for i in 0..a.decode_workers {
+            let model = load(&a.model)?;
+            let grpc = TcpListener::bind("127.0.0.1:0").await?;
+            let kv = TcpListener::bind("127.0.0.1:0").await?;
+            let e = env(model, grpc);
+            tasks.spawn(run_decode(e, format!("decode-{i}"), dcfg.clone(), Some(kv), shutdown.clone()));
+        }
+        for i in 0..a.prefill_workers {
+            let model = load(&a.model)?;
+            let grpc = TcpListener::bind("127.0.0.1:0").await?;
+            let e = env(model, grpc);
+            tasks.spawn(run_prefill(e, format!("prefill-{i}"), pcfg.clone(), shutdown.clone()));
+        }
+        let listener = TcpListener::bind(a.listen)
+            .await
+            .with_context(|| format!("binding {}", a.listen))?;
+        let addr = listener.local_addr()?;
+        let cfg = a.routing.config(name.clone());
+        println!(
+            "duet up: model {name}, {} prefill + {} decode workers, mode {:?}",
+            a.prefill_workers, a.decode_workers, a.routing.mode
+        );
+        println!("duet up: router listening on http://{addr}");
+        println!("duet up: try  duet generate --router http://{addr} --prompt 'Why is the sky blue?'");
+        tasks.spawn(run_router(front, cfg, registry.clone(), cluster.clone(), listener, shutdown.clone(), a.drain));
+        wait_all(tasks, shutdown).await
+    })
+}
+
+async fn wait_all(
+    mut tasks: tokio::task::JoinSet<anyhow::Result<()>>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut first_err = None;
+    while let Some(r) = tasks.join_next().await {
+        let r = r.map_err(anyhow::Error::from).and_then(|r| r);
+        if let Err(e) = r {
+            // One part failing takes the whole process down cleanly.
+            shutdown.cancel();
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
+}
+
+/// Flags of a separate worker or router process.
+#[derive(Args, Debug)]
+pub struct ProcessArgs {
+    #[command(flatten)]
+    pub registry: RegistryArgs,
+    /// gRPC listen address (port 0: any free port, printed at start).
+    #[arg(long, env = "DUET_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Host name other processes reach this one at (default: the listen IP).
+    #[arg(long, env = "DUET_ADVERTISE_HOST")]
+    pub advertise_host: Option<String>,
+    /// Worker id (default: role and a random suffix).
+    #[arg(long, env = "DUET_ID")]
+    pub id: Option<String>,
+    /// How long in-flight requests may finish after SIGTERM.
+    #[arg(long, env = "DUET_DRAIN", default_value = "10s", value_parser = parse_duration)]
+    pub drain: Duration,
+}
+
+impl ProcessArgs {
+    fn host(&self) -> String {
+        self.advertise_host.clone().unwrap_or_else(|| {
+            let ip = self.listen.ip();
+            if ip.is_unspecified() {
+                "127.0.0.1".into()
+            } else {
+                ip.to_string()
+            }
+        })
+    }
+    fn id(&self, role: &str) -> String {
+        self.id
+            .clone()
+            .unwrap_or_else(|| format!("{role}-{:08x}", rand::random::<u32>()))
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct DecodeCmd {
+    #[command(flatten)]
+    pub process: ProcessArgs,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub kv: KvArgs,
+    #[command(flatten)]
+    pub decode: DecodeArgs,
+    /// KV receive address (tcp).
+    #[arg(long, env = "DUET_KV_LISTEN", default_value = "127.0.0.1:0")]
+    pub kv_listen: SocketAddr,
+    /// Served model name (default: the GGUF file name without extension).
+    #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct PrefillCmd {
+    #[command(flatten)]
+    pub process: ProcessArgs,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub kv: KvArgs,
+    #[command(flatten)]
+    pub prefill: PrefillArgs,
+    /// Served model name (default: the GGUF file name without extension).
+    #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct RouterCmd {
+    #[command(flatten)]
+    pub process: ProcessArgs,
+    #[command(flatten)]
+    pub routing: RoutingArgs,
+    /// GGUF model file (the router reads only its tokenizer and metadata).
+    #[arg(long, env = "DUET_MODEL", default_value = crate::cmd::model_args::DEFAULT_MODEL)]
+    pub model: std::path::PathBuf,
+}
+
+async fn worker_env(
+    p: &ProcessArgs,
+    model: Arc<Model>,
+    model_name: String,
+    kv: KvArgs,
+) -> anyhow::Result<WorkerEnv> {
+    let registry = p.registry.connect().await?;
+    let grpc = TcpListener::bind(p.listen)
+        .await
+        .with_context(|| format!("binding {}", p.listen))?;
+    Ok(WorkerEnv {
+        model,
+        model_name,
+        kv,
+        registry,
+        cluster: p.registry.cluster.clone(),
+        registration: p.registry.registration(),
+        grpc,
+        advertise_host: p.host(),
+        hub: None,
+        drain: p.drain,
+    })
+}
+
+pub fn decode(a: DecodeCmd) -> anyhow::Result<()> {
+    a.process.registry.validate()?;
+    let cfg = a.decode.config()?;
+    let model = load(&a.model)?;
+    let name = model_name(&a.model.model, &a.served_model_name);
+    runtime()?.block_on(async move {
+        let shutdown = duet_serving::server::shutdown_on_signal();
+        let env = worker_env(&a.process, model, name, a.kv.clone()).await?;
+        let kv = TcpListener::bind(a.kv_listen)
+            .await
+            .with_context(|| format!("binding {}", a.kv_listen))?;
+        run_decode(env, a.process.id("decode"), cfg, Some(kv), shutdown).await
+    })
+}
+
+pub fn prefill(a: PrefillCmd) -> anyhow::Result<()> {
+    a.process.registry.validate()?;
+    let cfg = a.prefill.config()?;
+    let model = load(&a.model)?;
+    let name = model_name(&a.model.model, &a.served_model_name);
+    runtime()?.block_on(async move {
+        let shutdown = duet_serving::server::shutdown_on_signal();
+        let env = worker_env(&a.process, model, name, a.kv.clone()).await?;
+        run_prefill(env, a.process.id("prefill"), cfg, shutdown).await
+    })
+}
+
+pub fn router(a: RouterCmd) -> anyhow::Result<()> {
+    a.process.registry.validate()?;
+    a.routing.validate()?;
+    let front = Arc::new(
+        TextFrontend::load(&a.model).with_context(|| format!("reading {}", a.model.display()))?,
+    );
+    let name = model_name(&a.model, &a.routing.served_model_name);
+    runtime()?.block_on(async move {
+        let shutdown = duet_serving::server::shutdown_on_signal();
+        let registry = a.process.registry.connect().await?;
+        let listener = TcpListener::bind(a.process.listen)
+            .await
+            .with_context(|| format!("binding {}", a.process.listen))?;
+        println!("duet: router listening on http://{}", listener.local_addr()?);
+        let cfg = a.routing.config(name);
+        run_router(front, cfg, registry, a.process.registry.cluster.clone(), listener, shutdown, a.process.drain).await
+    })
+}

@@ -1,0 +1,227 @@
+//! Starting one worker (decode or prefill) on given listeners: engine thread, KV endpoints,
+//! registry record and capacity publishing, gRPC server, graceful shutdown.
+//!
+//! Shutdown order (SIGTERM or the parent's token): the registry key is deleted (routers
+//! stop choosing this worker), then health goes NOT_SERVING and the server drains in-flight
+//! calls up to the deadline, then the engine thread stops.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use duet_decode_worker::{kv_inbound, service::DecodeService, DecodeConfig, DecodeHandle};
+use duet_discovery::{Capacity, KvEndpoint, Registration, RegistrationOptions, Registry, Role, WorkerRecord};
+use duet_engine::Model;
+use duet_kv_transfer::{Connector, LocalHub};
+use duet_prefill_worker::{service::PrefillService, PrefillConfig, PrefillHandle};
+use duet_proto::v1 as pb;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use super::args::KvArgs;
+
+/// How often a worker hands its live numbers to the registration (which coalesces them).
+const CAPACITY_POLL: Duration = Duration::from_millis(200);
+
+/// What every worker needs besides its engine.
+pub struct WorkerEnv {
+    pub model: Arc<Model>,
+    pub model_name: String,
+    pub kv: KvArgs,
+    pub registry: Arc<dyn Registry>,
+    pub cluster: String,
+    pub registration: RegistrationOptions,
+    pub grpc: TcpListener,
+    /// Host other processes reach this worker at.
+    pub advertise_host: String,
+    /// In-process hub and this process's tag (all-in-one mode).
+    pub hub: Option<(LocalHub, String)>,
+    pub drain: Duration,
+}
+
+fn record(env: &WorkerEnv, role: Role, id: &str, grpc_addr: &str) -> WorkerRecord {
+    let mut r = WorkerRecord::new(env.cluster.clone(), role, id, grpc_addr);
+    r.model = env.model_name.clone();
+    r.fingerprint = env.model.fingerprint().to_string();
+    r
+}
+
+async fn serve_until(
+    env: WorkerEnv,
+    routes: tonic::service::Routes,
+    service: &str,
+    reg: Arc<Registration>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let stop_server = CancellationToken::new();
+    let s = stop_server.clone();
+    let r = reg;
+    tokio::spawn(async move {
+        shutdown.cancelled().await;
+        if let Err(e) = r.deregister().await {
+            tracing::warn!(error = %e, "deleting the registry key");
+        }
+        s.cancel();
+    });
+    duet_serving::server::serve(env.grpc, routes, &[service], stop_server, env.drain).await?;
+    Ok(())
+}
+
+/// Runs a decode worker until `shutdown` fires.
+pub async fn run_decode(
+    env: WorkerEnv,
+    id: String,
+    cfg: DecodeConfig,
+    kv_tcp: Option<TcpListener>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let engine_stop = CancellationToken::new();
+    let _stop_engine = engine_stop.clone().drop_guard();
+    let handle = DecodeHandle::start(
+        env.model.clone(),
+        env.kv.cache_config(&env.model),
+        DecodeConfig { id: id.clone(), ..cfg },
+        engine_stop.clone(),
+    )?;
+    let tcfg = env.kv.transfer_config(&env.model)?;
+    let grpc_addr = format!("http://{}:{}", env.advertise_host, env.grpc.local_addr()?.port());
+    let mut endpoints = Vec::new();
+    if let Some(l) = &kv_tcp {
+        endpoints.push(KvEndpoint {
+            transport: "tcp".into(),
+            address: format!("{}:{}", env.advertise_host, l.local_addr()?.port()),
+        });
+    }
+    let local = env.hub.as_ref().map(|(h, tag)| (h.clone(), format!("{tag}/{id}")));
+    if let Some((_, name)) = &local {
+        endpoints.push(KvEndpoint {
+            transport: "local".into(),
+            address: name.clone(),
+        });
+    }
+    tokio::spawn(kv_inbound::serve(kv_tcp, local, tcfg, handle.clone(), engine_stop.clone()));
+    let mut rec = record(&env, Role::Decode, &id, &grpc_addr);
+    rec.kv_endpoints = endpoints.clone();
+    rec.capacity = decode_capacity(&handle);
+    let reg = Registration::start(env.registry.clone(), rec, env.registration.clone(), engine_stop.clone())
+        .await
+        .context("registering the decode worker")?;
+    let reg = Arc::new(reg);
+    let publisher = {
+        let handle = handle.clone();
+        let reg_status = reg.clone();
+        let stop = engine_stop.clone();
+        async move {
+            let mut tick = tokio::time::interval(CAPACITY_POLL);
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => reg_status.update_capacity(decode_capacity(&handle)),
+                }
+            }
+        }
+    };
+    tokio::spawn(publisher);
+    println!(
+        "duet: decode worker {id} serving gRPC on {grpc_addr}, KV on {}",
+        endpoints
+            .iter()
+            .map(|e| format!("{}://{}", e.transport, e.address))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let svc = DecodeService::new(
+        handle,
+        endpoints
+            .iter()
+            .map(|e| pb::KvEndpoint {
+                transport: e.transport.clone(),
+                address: e.address.clone(),
+            })
+            .collect(),
+        id,
+    );
+    let routes = tonic::service::Routes::new(svc.into_server());
+    serve_until(env, routes, "duet.v1.Decode", reg, shutdown).await
+}
+
+fn decode_capacity(h: &DecodeHandle) -> Capacity {
+    let s = h.status();
+    Capacity {
+        kv_blocks_total: s.kv_blocks_total,
+        kv_blocks_free: s.kv_blocks_free,
+        block_size: s.block_size,
+        running: s.running,
+        waiting: s.waiting,
+        queued_prefill_tokens: 0,
+        max_batch: s.max_batch,
+        tokens_per_second: s.tokens_per_second,
+    }
+}
+
+/// Runs a prefill worker until `shutdown` fires.
+pub async fn run_prefill(
+    env: WorkerEnv,
+    id: String,
+    cfg: PrefillConfig,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let engine_stop = CancellationToken::new();
+    let _stop_engine = engine_stop.clone().drop_guard();
+    let tcfg = env.kv.transfer_config(&env.model)?;
+    let connector = Arc::new(Connector::new(tcfg, env.hub.as_ref().map(|(h, _)| h.clone())));
+    let handle = PrefillHandle::start(
+        env.model.clone(),
+        env.kv.cache_config(&env.model),
+        PrefillConfig { id: id.clone(), ..cfg },
+        connector,
+        tokio::runtime::Handle::current(),
+        engine_stop.clone(),
+    )?;
+    let grpc_addr = format!("http://{}:{}", env.advertise_host, env.grpc.local_addr()?.port());
+    let mut rec = record(&env, Role::Prefill, &id, &grpc_addr);
+    if let Some((_, tag)) = &env.hub {
+        // "Reaches the local KV listeners of process `tag`".
+        rec.kv_endpoints.push(KvEndpoint {
+            transport: "local".into(),
+            address: tag.clone(),
+        });
+    }
+    rec.capacity = prefill_capacity(&handle);
+    let reg = Registration::start(env.registry.clone(), rec, env.registration.clone(), engine_stop.clone())
+        .await
+        .context("registering the prefill worker")?;
+    let reg = Arc::new(reg);
+    let publisher = {
+        let handle = handle.clone();
+        let reg_status = reg.clone();
+        let stop = engine_stop.clone();
+        async move {
+            let mut tick = tokio::time::interval(CAPACITY_POLL);
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => reg_status.update_capacity(prefill_capacity(&handle)),
+                }
+            }
+        }
+    };
+    tokio::spawn(publisher);
+    println!("duet: prefill worker {id} serving gRPC on {grpc_addr}");
+    let routes = tonic::service::Routes::new(PrefillService::new(handle, id).into_server());
+    serve_until(env, routes, "duet.v1.Prefill", reg, shutdown).await
+}
+
+fn prefill_capacity(h: &PrefillHandle) -> Capacity {
+    let s = h.status();
+    Capacity {
+        kv_blocks_total: s.kv_blocks_total,
+        kv_blocks_free: s.kv_blocks_free,
+        block_size: super::args::BLOCK_SIZE as u32,
+        running: s.running,
+        waiting: s.queued,
+        queued_prefill_tokens: s.queued_prefill_tokens,
+        max_batch: 0,
+        tokens_per_second: s.tokens_per_second,
+    }
+}

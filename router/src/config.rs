@@ -1,0 +1,48 @@
+//! Router settings.
+
+use std::time::Duration;
+
+/// How prefill and decode are placed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Long prompts on prefill workers, KV moved to decode workers; prompts up to
+    /// `local_prefill_max_tokens` prefilled on the decode worker itself.
+    Disaggregated,
+    /// Every request on one worker that mixes prefill chunks into its decode batches.
+    Colocated,
+}
+
+/// Router settings (the CLI fills them from flags / `DUET_*` variables).
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    pub mode: Mode,
+    /// Prompts up to this many tokens are prefilled on the decode worker (0: never).
+    pub local_prefill_max_tokens: usize,
+    /// Requests waiting for placement, per priority class, before RESOURCE_EXHAUSTED.
+    pub max_queued_per_priority: usize,
+    /// How long a request may wait for a worker with room before it fails.
+    pub max_queue_wait: Duration,
+    /// Lifetime of a decode reservation waiting for its KV.
+    pub reservation_ttl: Duration,
+    /// Attempts on other workers before the first token was sent.
+    pub max_attempts: usize,
+    /// Generated tokens counted when checking a decode worker's free blocks.
+    pub decode_headroom_tokens: usize,
+    /// Served model name (what clients put in `model`).
+    pub model_name: String,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            mode: Mode::Disaggregated,
+            local_prefill_max_tokens: 32,
+            max_queued_per_priority: 1024,
+            max_queue_wait: Duration::from_secs(30),
+            reservation_ttl: Duration::from_secs(30),
+            max_attempts: 3,
+            decode_headroom_tokens: 64,
+            model_name: "default".into(),
+        }
+    }
+}

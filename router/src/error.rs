@@ -1,0 +1,72 @@
+//! The router's error type, classified once into the shared error classes.
+
+use duet_engine::{EngineError, ErrorClass};
+
+/// What can go wrong while serving a request.
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("invalid {field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+    #[error("unknown model `{0}`")]
+    UnknownModel(String),
+    #[error("too many {priority} requests queued ({queued}); retry after {retry_after_ms} ms")]
+    QueueFull {
+        priority: &'static str,
+        queued: usize,
+        retry_after_ms: u64,
+    },
+    #[error("no {role} worker available: {reason}")]
+    NoWorker { role: &'static str, reason: String },
+    #[error("{worker}: {status}")]
+    Worker {
+        worker: String,
+        #[source]
+        status: tonic::Status,
+    },
+    #[error("deadline exceeded {0}")]
+    Deadline(&'static str),
+}
+
+impl RouterError {
+    pub fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
+        RouterError::Invalid {
+            field,
+            reason: reason.into(),
+        }
+    }
+
+    /// The class that becomes the gRPC status and the metric label.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            RouterError::Engine(e) => e.class(),
+            RouterError::Invalid { .. } => ErrorClass::InvalidArgument,
+            RouterError::UnknownModel(_) => ErrorClass::NotFound,
+            RouterError::QueueFull { .. } => ErrorClass::ResourceExhausted,
+            RouterError::NoWorker { .. } => ErrorClass::Unavailable,
+            RouterError::Worker { status, .. } => duet_serving::status::class_of(status.code()),
+            RouterError::Deadline(_) => ErrorClass::DeadlineExceeded,
+        }
+    }
+
+    /// Whether another worker pair might succeed (before any token was sent).
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self.class(),
+            ErrorClass::Unavailable | ErrorClass::ResourceExhausted
+        ) && !matches!(self, RouterError::QueueFull { .. })
+            || matches!(self, RouterError::Worker { status, .. } if status.code() == tonic::Code::NotFound)
+    }
+
+    /// As a gRPC status (queue-full carries a retry hint in `retry-after-ms`).
+    pub fn status(&self) -> tonic::Status {
+        let mut s = duet_serving::status::status(self.class(), self.to_string());
+        if let RouterError::QueueFull { retry_after_ms, .. } = self {
+            if let Ok(v) = retry_after_ms.to_string().parse() {
+                s.metadata_mut().insert("retry-after-ms", v);
+            }
+        }
+        s
+    }
+}

@@ -1,0 +1,123 @@
+//! Choosing workers from the registry snapshot. Pure functions over worker records plus
+//! the router's own count of requests it sent each worker since (records lag a little).
+//!
+//! Decode worker: same model, not draining, enough free KV blocks for the prompt plus
+//! some generated tokens, least loaded. Prefill worker: same model fingerprint as the
+//! chosen decode worker, fewest queued prefill tokens.
+
+use std::collections::HashMap;
+
+use duet_discovery::{Role, Snapshot, WorkerRecord};
+
+/// Requests this router placed on a worker that are still running, by worker id.
+pub type InFlight = HashMap<String, u32>;
+
+/// Decode candidates in preference order.
+pub fn decode_candidates<'a>(
+    snap: &'a Snapshot,
+    model: &str,
+    prompt_tokens: usize,
+    headroom_tokens: usize,
+    inflight: &InFlight,
+) -> Vec<&'a WorkerRecord> {
+    let mut v: Vec<(&WorkerRecord, (u64, u64))> = snap
+        .workers(Role::Decode)
+        .filter(|w| !w.draining && w.model == model)
+        .filter(|w| {
+            let bs = u64::from(w.capacity.block_size.max(1));
+            let need = (prompt_tokens + headroom_tokens) as u64;
+            w.capacity.kv_blocks_free * bs >= need
+        })
+        .map(|w| {
+            let mine = u64::from(inflight.get(&w.id).copied().unwrap_or(0));
+            let load = u64::from(w.capacity.running + w.capacity.waiting).max(mine);
+            // Least loaded first; then most free blocks.
+            (w, (load, u64::MAX - w.capacity.kv_blocks_free))
+        })
+        .collect();
+    v.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.id.cmp(&b.0.id)));
+    v.into_iter().map(|(w, _)| w).collect()
+}
+
+/// Prefill candidates for a decode worker with `fingerprint`, in preference order.
+pub fn prefill_candidates<'a>(
+    snap: &'a Snapshot,
+    model: &str,
+    fingerprint: &str,
+    inflight_tokens: &HashMap<String, u64>,
+) -> Vec<&'a WorkerRecord> {
+    let mut v: Vec<(&WorkerRecord, u64)> = snap
+        .workers(Role::Prefill)
+        .filter(|w| !w.draining && w.model == model && w.fingerprint == fingerprint)
+        .map(|w| {
+            let mine = inflight_tokens.get(&w.id).copied().unwrap_or(0);
+            (w, w.capacity.queued_prefill_tokens.max(mine))
+        })
+        .collect();
+    v.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.id.cmp(&b.0.id)));
+    v.into_iter().map(|(w, _)| w).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use duet_discovery::{Capacity, WorkerRecord};
+
+    fn worker(role: Role, id: &str, free: u64, load: u32, queued: u64) -> WorkerRecord {
+        let mut w = WorkerRecord::new("c", role, id, "http://127.0.0.1:1");
+        w.model = "m".into();
+        w.fingerprint = "f".into();
+        w.capacity = Capacity {
+            kv_blocks_total: 100,
+            kv_blocks_free: free,
+            block_size: 16,
+            running: load,
+            queued_prefill_tokens: queued,
+            ..Capacity::default()
+        };
+        w
+    }
+
+    fn snap(ws: Vec<WorkerRecord>) -> Snapshot {
+        Snapshot {
+            workers: ws.into_iter().map(|w| (w.key(), w)).collect(),
+            revision: 1,
+            stale: false,
+            stale_since: None,
+        }
+    }
+
+    #[test]
+    fn decode_prefers_least_loaded_with_room_and_skips_full_or_draining() {
+        let mut draining = worker(Role::Decode, "d", 100, 0, 0);
+        draining.draining = true;
+        let s = snap(vec![
+            worker(Role::Decode, "a", 100, 5, 0),
+            worker(Role::Decode, "b", 100, 1, 0),
+            worker(Role::Decode, "full", 2, 0, 0),
+            draining,
+        ]);
+        let c = decode_candidates(&s, "m", 100, 16, &InFlight::new());
+        let ids: Vec<&str> = c.iter().map(|w| w.id.as_str()).collect();
+        assert_eq!(ids, ["b", "a"]);
+        // The router's own in-flight count outweighs a stale record.
+        let inflight = InFlight::from([("b".to_string(), 9)]);
+        let c = decode_candidates(&s, "m", 100, 16, &inflight);
+        assert_eq!(c[0].id, "a");
+        assert!(decode_candidates(&s, "other", 1, 0, &InFlight::new()).is_empty());
+    }
+
+    #[test]
+    fn prefill_prefers_fewest_queued_tokens_with_same_fingerprint() {
+        let mut other = worker(Role::Prefill, "x", 0, 0, 0);
+        other.fingerprint = "g".into();
+        let s = snap(vec![
+            worker(Role::Prefill, "p1", 0, 0, 900),
+            worker(Role::Prefill, "p2", 0, 0, 100),
+            other,
+        ]);
+        let c = prefill_candidates(&s, "m", "f", &HashMap::new());
+        let ids: Vec<&str> = c.iter().map(|w| w.id.as_str()).collect();
+        assert_eq!(ids, ["p2", "p1"]);
+    }
+}

@@ -1,0 +1,409 @@
+//! One request's life after admission: placement, prefill (remote or local), and relaying
+//! the decode worker's token stream to the client.
+//!
+//! Cancellation: the client's stream closing is watched at every await; then the decode
+//! worker's reservation or sequence is released and a running remote prefill cancelled.
+//! Retries: a failure that another worker pair might not have (unavailable, exhausted,
+//! reservation lost) is retried up to `max_attempts` times, only while no token has
+//! reached the client.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use duet_discovery::{ClusterView, Role, WorkerRecord};
+use duet_proto::v1 as pb;
+use duet_serving::convert::sampling_to_proto;
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use crate::admission::QueueSlot;
+use crate::config::{Mode, RouterConfig};
+use crate::error::RouterError;
+use crate::frontend::Prepared;
+use crate::placement::{decode_candidates, prefill_candidates};
+use crate::workers::Workers;
+
+/// What every request shares.
+pub struct Shared {
+    pub cfg: RouterConfig,
+    pub view: ClusterView,
+    pub workers: Arc<Workers>,
+}
+
+pub type Out = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
+
+/// One request.
+pub struct Job {
+    pub request_id: u64,
+    pub client_id: String,
+    pub prep: Prepared,
+    pub slot: QueueSlot,
+    pub arrival: Instant,
+    pub deadline: Option<Instant>,
+}
+
+#[derive(Default)]
+struct Progress {
+    tokens_sent: u32,
+    first_token_at: Option<Instant>,
+}
+
+enum Outcome {
+    Finished,
+    ClientGone,
+}
+
+/// Drives `job` to completion, sending its events on `out`.
+pub async fn run(shared: Arc<Shared>, mut job: Job, out: Out) {
+    let mut progress = Progress::default();
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match attempt_once(&shared, &mut job, &out, &mut progress).await {
+            Ok(Outcome::Finished) | Ok(Outcome::ClientGone) => return,
+            Err(e) => {
+                let retry =
+                    e.retryable() && progress.tokens_sent == 0 && attempt < shared.cfg.max_attempts;
+                tracing::warn!(error = %e, attempt, retry, "attempt failed");
+                if !retry {
+                    let _ = out.send(Err(e.status())).await;
+                    return;
+                }
+            }
+        }
+    }
+}
+
+fn response(id: &str, ev: pb::generate_response::Event) -> pb::GenerateResponse {
+    pb::GenerateResponse {
+        request_id: id.to_string(),
+        event: Some(ev),
+    }
+}
+
+/// Waits for a decode worker with room (the queue), bounded by the deadline and
+/// `max_queue_wait`. `None`: the client went away.
+async fn wait_for_decode(
+    shared: &Shared,
+    job: &Job,
+    out: &Out,
+) -> Result<Option<Vec<WorkerRecord>>, RouterError> {
+    let mut view = shared.view.clone();
+    let give_up = Instant::now() + shared.cfg.max_queue_wait;
+    loop {
+        let snap = view.snapshot();
+        let inflight = shared.workers.inflight();
+        let c: Vec<WorkerRecord> = decode_candidates(
+            &snap,
+            &shared.cfg.model_name,
+            job.prep.prompt.len(),
+            shared.cfg.decode_headroom_tokens,
+            &inflight,
+        )
+        .into_iter()
+        .cloned()
+        .collect();
+        if !c.is_empty() {
+            return Ok(Some(c));
+        }
+        let now = Instant::now();
+        if job.deadline.is_some_and(|d| now >= d) {
+            return Err(RouterError::Deadline("waiting for a decode worker"));
+        }
+        if now >= give_up {
+            let known = snap.workers(Role::Decode).count();
+            return Err(RouterError::NoWorker {
+                role: "decode",
+                reason: format!(
+                    "{known} decode workers known, none with room for {} prompt tokens{}",
+                    job.prep.prompt.len(),
+                    if snap.stale { " (registry unreachable: routing on the last view)" } else { "" }
+                ),
+            });
+        }
+        tokio::select! {
+            _ = out.closed() => return Ok(None),
+            _ = view.changed() => {}
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+    }
+}
+
+fn with_deadline<T>(
+    deadline: Option<Instant>,
+    mut req: tonic::Request<T>,
+) -> tonic::Request<T> {
+    if let Some(d) = deadline {
+        req.set_timeout(d.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)));
+    }
+    req
+}
+
+fn worker_err(w: &WorkerRecord, status: Status) -> RouterError {
+    RouterError::Worker {
+        worker: format!("{} {}", w.role, w.id),
+        status,
+    }
+}
+
+/// The KV endpoint a prefill worker should use to reach `offered`: the in-process one when
+/// both workers live in the same process, else tcp.
+fn kv_endpoint_for(offered: &[pb::KvEndpoint], prefill: &WorkerRecord) -> Option<pb::KvEndpoint> {
+    let local_process = prefill
+        .kv_endpoints
+        .iter()
+        .find(|e| e.transport == "local")
+        .map(|e| e.address.clone());
+    if let Some(p) = local_process {
+        if let Some(e) = offered
+            .iter()
+            .find(|e| e.transport == "local" && e.address.split('/').next() == Some(p.as_str()))
+        {
+            return Some(e.clone());
+        }
+    }
+    offered.iter().find(|e| e.transport == "tcp").cloned()
+}
+
+async fn attempt_once(
+    shared: &Shared,
+    job: &mut Job,
+    out: &Out,
+    progress: &mut Progress,
+) -> Result<Outcome, RouterError> {
+    let Some(decoders) = wait_for_decode(shared, job, out).await? else {
+        return Ok(Outcome::ClientGone);
+    };
+    let prompt_len = job.prep.prompt.len();
+    let snap = shared.view.snapshot();
+    let placement = match shared.cfg.mode {
+        Mode::Colocated => pb::PrefillPlacement::Colocated,
+        Mode::Disaggregated if prompt_len <= shared.cfg.local_prefill_max_tokens => {
+            pb::PrefillPlacement::Local
+        }
+        Mode::Disaggregated => pb::PrefillPlacement::Remote,
+    };
+    let mut reason = match placement {
+        pb::PrefillPlacement::Colocated => "colocated mode".to_string(),
+        pb::PrefillPlacement::Local => format!(
+            "prompt of {prompt_len} tokens <= local prefill limit {}",
+            shared.cfg.local_prefill_max_tokens
+        ),
+        _ => format!("prompt of {prompt_len} tokens prefilled remotely"),
+    };
+    let mut placement = placement;
+    let mut prefill_choice = None;
+    if placement == pb::PrefillPlacement::Remote {
+        let fp = decoders[0].fingerprint.clone();
+        let tokens = shared.workers.prefill_tokens();
+        match prefill_candidates(&snap, &shared.cfg.model_name, &fp, &tokens).first() {
+            Some(p) => prefill_choice = Some((*p).clone()),
+            None => {
+                placement = pb::PrefillPlacement::Local;
+                reason = "no prefill worker with the decode worker's model: prefilled locally".into();
+            }
+        }
+    }
+    // Reserve on the first decode worker that accepts (remote), or just pick the first.
+    let mut chosen = None;
+    let mut last_err = None;
+    for d in &decoders {
+        if placement != pb::PrefillPlacement::Remote {
+            chosen = Some((d.clone(), None));
+            break;
+        }
+        let mut client = shared.workers.decode(&d.grpc_addr)?;
+        let req = with_deadline(
+            job.deadline,
+            tonic::Request::new(pb::ReserveRequest {
+                request_id: job.request_id,
+                prompt_tokens: prompt_len as u32,
+                ttl_ms: shared.cfg.reservation_ttl.as_millis() as u32,
+            }),
+        );
+        match client.reserve(req).await {
+            Ok(r) => {
+                chosen = Some((d.clone(), Some(r.into_inner())));
+                break;
+            }
+            Err(s) => last_err = Some(worker_err(d, s)),
+        }
+    }
+    let Some((decoder, reservation)) = chosen else {
+        return Err(last_err.unwrap_or(RouterError::NoWorker {
+            role: "decode",
+            reason: "no decode worker accepted the reservation".into(),
+        }));
+    };
+    job.slot.release();
+    let queue_seconds = job.arrival.elapsed().as_secs_f64();
+    let _decode_tracked = shared.workers.track_decode(&decoder.id);
+    let mut dclient = shared.workers.decode(&decoder.grpc_addr)?;
+    let release = |id: u64, addr: String, workers: Arc<Workers>| async move {
+        if let Ok(mut c) = workers.decode(&addr) {
+            let mut req = tonic::Request::new(pb::ReleaseRequest { request_id: id });
+            req.set_timeout(Duration::from_secs(2));
+            let _ = c.release(req).await;
+        }
+    };
+
+    let mut timings = pb::Timings {
+        queue_seconds,
+        placement: placement as i32,
+        decode_worker: decoder.id.clone(),
+        routing_reason: reason,
+        ..Default::default()
+    };
+    let sampling = Some(sampling_to_proto(&job.prep.params.sampling));
+    let prefill = if let (Some(p), Some(res)) = (&prefill_choice, &reservation) {
+        timings.prefill_worker = p.id.clone();
+        let Some(endpoint) = kv_endpoint_for(&res.kv_endpoints, p) else {
+            release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+            return Err(RouterError::NoWorker {
+                role: "decode",
+                reason: format!("decode worker {} offers no KV endpoint the prefill worker reaches", decoder.id),
+            });
+        };
+        let _tracked = shared
+            .workers
+            .track_prefill(&p.id, prompt_len as u64);
+        let mut pclient = shared.workers.prefill(&p.grpc_addr)?;
+        let req = with_deadline(
+            job.deadline,
+            tonic::Request::new(pb::PrefillRequest {
+                request_id: job.request_id,
+                prompt: job.prep.prompt.clone(),
+                sampling,
+                kv_endpoint: Some(endpoint),
+                dst_blocks: res.block_ids.clone(),
+                priority: job.prep.priority as i32,
+            }),
+        );
+        let r = tokio::select! {
+            r = pclient.prefill(req) => r,
+            _ = out.closed() => {
+                let mut c = pclient.clone();
+                let _ = c.cancel(pb::ReleaseRequest { request_id: job.request_id }).await;
+                release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                return Ok(Outcome::ClientGone);
+            }
+        };
+        match r {
+            Ok(r) => {
+                let r = r.into_inner();
+                timings.prefill_seconds = r.prefill_seconds;
+                timings.kv_transfer_seconds = r.kv_transfer_seconds;
+                pb::decode_request::Prefill::Remote(pb::RemotePrefill {
+                    first_token: r.first_token,
+                })
+            }
+            Err(s) => {
+                release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                return Err(worker_err(p, s));
+            }
+        }
+    } else {
+        pb::decode_request::Prefill::Local(pb::LocalPrefill {})
+    };
+
+    let req = with_deadline(
+        job.deadline,
+        tonic::Request::new(pb::DecodeRequest {
+            request_id: job.request_id,
+            prompt: job.prep.prompt.clone(),
+            sampling: Some(sampling_to_proto(&job.prep.params.sampling)),
+            max_tokens: job.prep.params.max_tokens as u32,
+            stop: job.prep.params.stop.clone(),
+            priority: job.prep.priority as i32,
+            prefill: Some(prefill),
+        }),
+    );
+    let mut stream = match dclient.generate(req).await {
+        Ok(s) => s.into_inner(),
+        Err(s) => {
+            release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+            return Err(worker_err(&decoder, s));
+        }
+    };
+    let deadline = async {
+        match job.deadline {
+            Some(d) => tokio::time::sleep_until(d.into()).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(deadline);
+    loop {
+        let msg = tokio::select! {
+            m = stream.message() => m,
+            _ = out.closed() => {
+                drop(stream);
+                release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                return Ok(Outcome::ClientGone);
+            }
+            _ = &mut deadline => {
+                drop(stream);
+                release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                return Err(RouterError::Deadline("while generating"));
+            }
+        };
+        let ev = match msg {
+            Ok(Some(pb::DecodeEvent { event: Some(ev) })) => ev,
+            Ok(Some(pb::DecodeEvent { event: None })) => continue,
+            Ok(None) => {
+                release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                return Err(RouterError::Worker {
+                    worker: format!("decode {}", decoder.id),
+                    status: Status::unavailable("stream ended without a final message"),
+                });
+            }
+            Err(s) => {
+                release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                return Err(worker_err(&decoder, s));
+            }
+        };
+        match ev {
+            pb::decode_event::Event::Token(t) => {
+                if progress.first_token_at.is_none() {
+                    progress.first_token_at = Some(Instant::now());
+                }
+                progress.tokens_sent += 1;
+                let r = response(&job.client_id, pb::generate_response::Event::Token(t));
+                if out.send(Ok(r)).await.is_err() {
+                    drop(stream);
+                    release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                    return Ok(Outcome::ClientGone);
+                }
+            }
+            pb::decode_event::Event::Done(d) => {
+                if placement != pb::PrefillPlacement::Remote {
+                    timings.prefill_seconds = d.prefill_seconds;
+                }
+                timings.time_to_first_token_seconds = progress
+                    .first_token_at
+                    .map_or(0.0, |t| t.duration_since(job.arrival).as_secs_f64());
+                timings.total_seconds = job.arrival.elapsed().as_secs_f64();
+                let fin = pb::FinalMessage {
+                    finish_reason: d.finish_reason,
+                    usage: Some(pb::Usage {
+                        prompt_tokens: prompt_len as u32,
+                        completion_tokens: d.completion_tokens,
+                        truncated_tokens: job.prep.truncated as u32,
+                    }),
+                    timings: Some(timings),
+                    text: d.text,
+                };
+                tracing::info!(
+                    decode = %decoder.id,
+                    prefill = ?prefill_choice.as_ref().map(|p| &p.id),
+                    placement = ?placement,
+                    completion_tokens = d.completion_tokens,
+                    "finished"
+                );
+                let _ = out
+                    .send(Ok(response(&job.client_id, pb::generate_response::Event::Final(fin))))
+                    .await;
+                return Ok(Outcome::Finished);
+            }
+        }
+    }
+}

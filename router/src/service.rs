@@ -1,0 +1,156 @@
+//! The public `duet.v1.Generation` service.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use duet_discovery::{ClusterView, Role};
+use duet_engine::{ChatMessage, TextFrontend};
+use duet_proto::v1 as pb;
+use futures::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use crate::admission::Admission;
+use crate::config::RouterConfig;
+use crate::error::RouterError;
+use crate::frontend::prepare;
+use crate::relay::{self, Job, Shared};
+use crate::workers::Workers;
+
+/// `duet.v1.Generation`.
+#[derive(Clone)]
+pub struct GenerationService {
+    front: Arc<TextFrontend>,
+    shared: Arc<Shared>,
+    admission: Arc<Admission>,
+}
+
+impl GenerationService {
+    pub fn new(front: Arc<TextFrontend>, cfg: RouterConfig, view: ClusterView) -> Self {
+        let admission = Admission::new(cfg.max_queued_per_priority);
+        GenerationService {
+            front,
+            shared: Arc::new(Shared {
+                cfg,
+                view,
+                workers: Workers::new(),
+            }),
+            admission,
+        }
+    }
+
+    /// The tonic server wrapper.
+    pub fn into_server(self) -> pb::generation_server::GenerationServer<Self> {
+        pb::generation_server::GenerationServer::new(self)
+    }
+
+    /// The registry view the router routes on.
+    pub fn view(&self) -> &ClusterView {
+        &self.shared.view
+    }
+}
+
+/// Parses the `grpc-timeout` header (`<digits><H|M|S|m|u|n>`).
+pub fn grpc_timeout(meta: &tonic::metadata::MetadataMap) -> Option<Duration> {
+    let v = meta.get("grpc-timeout")?.to_str().ok()?;
+    let (num, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = num.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+type GenStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::generation_server::Generation for GenerationService {
+    type GenerateStream = GenStream;
+
+    async fn generate(
+        &self,
+        req: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let arrival = Instant::now();
+        let deadline = grpc_timeout(req.metadata()).map(|d| arrival + d);
+        let req = req.into_inner();
+        let prep = prepare(&self.front, &self.shared.cfg.model_name, &req).map_err(|e| e.status())?;
+        let slot = self.admission.enter(prep.priority).map_err(|e| e.status())?;
+        let request_id: u64 = rand::random();
+        let client_id = if req.request_id.is_empty() {
+            format!("{request_id:016x}")
+        } else {
+            req.request_id.clone()
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let span = tracing::info_span!("generate", request_id, client_id = %client_id, prompt_tokens = prep.prompt.len());
+        let job = Job {
+            request_id,
+            client_id,
+            prep,
+            slot,
+            arrival,
+            deadline,
+        };
+        tokio::spawn(relay::run(self.shared.clone(), job, tx).instrument(span));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn tokenize(
+        &self,
+        req: Request<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        let r = req.into_inner();
+        if !r.model.is_empty() && r.model != self.shared.cfg.model_name {
+            return Err(RouterError::UnknownModel(r.model).status());
+        }
+        let ids = match r.input {
+            Some(pb::tokenize_request::Input::Text(t)) => self.front.tokenizer.encode(&t, false),
+            Some(pb::tokenize_request::Input::Chat(c)) => {
+                let msgs: Vec<ChatMessage> = c
+                    .messages
+                    .iter()
+                    .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
+                    .collect();
+                self.front.chat_tokens(&msgs)
+            }
+            None => return Err(RouterError::invalid("input", "missing (text or chat)").status()),
+        }
+        .map_err(|e| duet_serving::status::engine_status(&e))?;
+        Ok(Response::new(pb::TokenizeResponse {
+            count: ids.len() as u32,
+            ids,
+            max_context: self.front.config.context_length as u32,
+        }))
+    }
+
+    async fn list_models(
+        &self,
+        _: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let snap = self.shared.view.snapshot();
+        let name = &self.shared.cfg.model_name;
+        let count = |role| snap.workers(role).filter(|w| &w.model == name).count() as u32;
+        let fingerprint = snap
+            .workers(Role::Decode)
+            .find(|w| &w.model == name)
+            .map(|w| w.fingerprint.clone())
+            .unwrap_or_default();
+        Ok(Response::new(pb::ListModelsResponse {
+            models: vec![pb::ModelInfo {
+                name: name.clone(),
+                fingerprint,
+                context_length: self.front.config.context_length as u32,
+                prefill_workers: count(Role::Prefill),
+                decode_workers: count(Role::Decode),
+            }],
+        }))
+    }
+}

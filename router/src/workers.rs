@@ -1,0 +1,115 @@
+//! gRPC clients of the workers (one lazily connected channel per address) and the router's
+//! own in-flight accounting per worker, which placement adds to the published load.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use duet_proto::v1::decode_client::DecodeClient;
+use duet_proto::v1::prefill_client::PrefillClient;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::RouterError;
+use crate::placement::InFlight;
+
+/// Channels and counters shared by every request.
+#[derive(Debug, Default)]
+pub struct Workers {
+    channels: Mutex<HashMap<String, Channel>>,
+    inflight: Mutex<InFlight>,
+    prefill_tokens: Mutex<HashMap<String, u64>>,
+}
+
+impl Workers {
+    pub fn new() -> Arc<Workers> {
+        Arc::new(Workers::default())
+    }
+
+    fn channel(&self, addr: &str) -> Result<Channel, RouterError> {
+        let mut m = self
+            .channels
+            .lock()
+            .map_err(|_| RouterError::invalid("worker address", "channel table poisoned"))?;
+        if let Some(c) = m.get(addr) {
+            return Ok(c.clone());
+        }
+        let c = Endpoint::from_shared(addr.to_string())
+            .map_err(|e| RouterError::NoWorker {
+                role: "any",
+                reason: format!("bad worker address {addr}: {e}"),
+            })?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .connect_lazy();
+        m.insert(addr.to_string(), c.clone());
+        Ok(c)
+    }
+
+    pub fn decode(&self, addr: &str) -> Result<DecodeClient<Channel>, RouterError> {
+        Ok(DecodeClient::new(self.channel(addr)?))
+    }
+
+    pub fn prefill(&self, addr: &str) -> Result<PrefillClient<Channel>, RouterError> {
+        Ok(PrefillClient::new(self.channel(addr)?))
+    }
+
+    /// Snapshot of in-flight requests per decode worker.
+    pub fn inflight(&self) -> InFlight {
+        self.inflight.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+
+    /// Snapshot of prompt tokens in flight per prefill worker.
+    pub fn prefill_tokens(&self) -> HashMap<String, u64> {
+        self.prefill_tokens.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+
+    /// Counts a request on decode worker `id` until the guard drops.
+    pub fn track_decode(self: &Arc<Self>, id: &str) -> Tracked {
+        if let Ok(mut m) = self.inflight.lock() {
+            *m.entry(id.to_string()).or_default() += 1;
+        }
+        Tracked {
+            workers: self.clone(),
+            id: id.to_string(),
+            prefill_tokens: 0,
+        }
+    }
+
+    /// Counts `tokens` on prefill worker `id` until the guard drops.
+    pub fn track_prefill(self: &Arc<Self>, id: &str, tokens: u64) -> Tracked {
+        if let Ok(mut m) = self.prefill_tokens.lock() {
+            *m.entry(id.to_string()).or_default() += tokens;
+        }
+        Tracked {
+            workers: self.clone(),
+            id: id.to_string(),
+            prefill_tokens: tokens,
+        }
+    }
+}
+
+/// Undoes a `track_*` on drop.
+#[derive(Debug)]
+pub struct Tracked {
+    workers: Arc<Workers>,
+    id: String,
+    prefill_tokens: u64,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        if self.prefill_tokens > 0 {
+            if let Ok(mut m) = self.workers.prefill_tokens.lock() {
+                if let Some(v) = m.get_mut(&self.id) {
+                    *v = v.saturating_sub(self.prefill_tokens);
+                }
+            }
+        } else if let Ok(mut m) = self.workers.inflight.lock() {
+            if let Some(v) = m.get_mut(&self.id) {
+                *v = v.saturating_sub(1);
+            }
+        }
+    }
+}
