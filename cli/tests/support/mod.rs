@@ -1,0 +1,303 @@
+//! Real processes for the cluster tests: `duet` subcommands started on free ports (each
+//! prints the address it serves, which the test reads instead of guessing), a real etcd,
+//! and a gRPC client of the public door.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use duet_proto::v1 as pb;
+use duet_proto::v1::generation_client::GenerationClient;
+
+#[path = "../../../discovery/tests/support/mod.rs"]
+pub mod etcd;
+
+pub fn model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// A running `duet` process; killed (SIGKILL) on drop.
+pub struct Proc {
+    pub child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+    pub name: String,
+}
+
+impl Proc {
+    /// Starts `duet <args>` with the default model and a small KV pool.
+    pub fn start(name: &str, args: &[&str]) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_duet"))
+            .args(args)
+            .env("DUET_MODEL", model())
+            .env_remove("DUET_ETCD")
+            .env(
+                "DUET_LOG",
+                std::env::var("DUET_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start duet");
+        let out = child.stdout.take().expect("stdout");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(l);
+            }
+        });
+        Proc {
+            child,
+            lines,
+            name: name.to_string(),
+        }
+    }
+
+    /// Every stdout line so far that contains `marker`: the word after it.
+    pub fn found(&self, marker: &str) -> Vec<String> {
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|l| {
+                let i = l.find(marker)?;
+                let rest = l[i + marker.len()..].trim_start();
+                Some(
+                    rest.split(|c: char| c.is_whitespace() || c == ',')
+                        .next()
+                        .unwrap_or("")
+                        .to_string(),
+                )
+            })
+            .collect()
+    }
+
+    /// Waits for a stdout line containing `marker` and returns the word after it.
+    pub fn wait_for(&self, marker: &str, timeout: Duration) -> String {
+        let end = Instant::now() + timeout;
+        loop {
+            if let Some(w) = self.found(marker).into_iter().next() {
+                return w;
+            }
+            if Instant::now() > end {
+                panic!("{}: no line with {marker:?} within {timeout:?}", self.name);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// gRPC addresses of the decode (or prefill) workers this process announced.
+    pub fn workers(&self, role: &str) -> Vec<String> {
+        let tag = format!("duet: {role} worker ");
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.starts_with(&tag))
+            .filter_map(|l| {
+                let i = l.find("serving gRPC on ")?;
+                let rest = &l[i + "serving gRPC on ".len()..];
+                Some(rest.split([',', ' ']).next().unwrap_or("").to_string())
+            })
+            .collect()
+    }
+
+    /// Waits until every decode worker's pool is empty again (no sequence, no reservation,
+    /// all blocks free); panics with the last status otherwise.
+    pub async fn assert_decode_pools_empty(&self, within: Duration) {
+        for addr in self.workers("decode") {
+            assert_pool_empty(&addr, within).await;
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .args([sig, &self.pid().to_string()])
+            .status();
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM; waits up to `timeout` for the exit and returns its status code.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<i32> {
+        self.signal("-TERM");
+        let end = Instant::now() + timeout;
+        while Instant::now() < end {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return s.code();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Load times of a debug test binary on a loaded 2-core machine are generous.
+pub const START: Duration = Duration::from_secs(120);
+
+/// `duet up` on free ports; returns the process and the router URL.
+pub fn up(extra: &[&str]) -> (Proc, String) {
+    let mut args = vec!["up", "--listen", "127.0.0.1:0", "--kv-pool", "64MiB"];
+    args.extend_from_slice(extra);
+    let p = Proc::start("up", &args);
+    let url = p.wait_for("router listening on", START);
+    (p, url)
+}
+
+/// What one streamed completion produced.
+#[derive(Debug, Clone, Default)]
+pub struct Completion {
+    pub ids: Vec<u32>,
+    pub text: String,
+    pub fin: Option<pb::FinalMessage>,
+}
+
+impl Completion {
+    pub fn timings(&self) -> pb::Timings {
+        self.fin.clone().and_then(|f| f.timings).unwrap_or_default()
+    }
+}
+
+pub fn greedy(prompt: pb::generate_request::Prompt, max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        prompt: Some(prompt),
+        max_tokens,
+        ..Default::default()
+    }
+}
+
+pub fn text(t: &str) -> pb::generate_request::Prompt {
+    pb::generate_request::Prompt::Text(t.to_string())
+}
+
+pub fn tokens(ids: &[u32]) -> pb::generate_request::Prompt {
+    pb::generate_request::Prompt::Tokens(pb::TokenIds { ids: ids.to_vec() })
+}
+
+pub async fn client(url: &str) -> GenerationClient<tonic::transport::Channel> {
+    let end = Instant::now() + START;
+    loop {
+        match GenerationClient::connect(url.to_string()).await {
+            Ok(c) => return c,
+            Err(e) if Instant::now() > end => panic!("connect {url}: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// Streams one request to completion.
+pub async fn generate(
+    c: &mut GenerationClient<tonic::transport::Channel>,
+    req: pb::GenerateRequest,
+) -> Result<Completion, tonic::Status> {
+    let mut s = c.generate(req).await?.into_inner();
+    let mut out = Completion::default();
+    while let Some(m) = s.message().await? {
+        match m.event {
+            Some(pb::generate_response::Event::Token(t)) => {
+                out.ids.push(t.id);
+                out.text.push_str(&t.text);
+            }
+            Some(pb::generate_response::Event::Final(f)) => {
+                out.text.push_str(&f.text);
+                out.fin = Some(f);
+                return Ok(out);
+            }
+            None => {}
+        }
+    }
+    Err(tonic::Status::internal(
+        "stream ended without a final message",
+    ))
+}
+
+/// `duet run --json` for a text prompt: the reference the cluster must equal.
+pub fn run_reference(prompt: &str, chat: bool, max_tokens: u32) -> Vec<u32> {
+    let mut args = vec![
+        "run".to_string(),
+        "--prompt".into(),
+        prompt.into(),
+        "--max-tokens".into(),
+        max_tokens.to_string(),
+        "--json".into(),
+    ];
+    if chat {
+        args.push("--chat".into());
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_duet"))
+        .args(&args)
+        .env("DUET_MODEL", model())
+        .output()
+        .expect("duet run");
+    assert!(
+        o.status.success(),
+        "duet run: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    v["ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// Worker status over its internal gRPC service.
+pub async fn decode_status(addr: &str) -> pb::WorkerStatus {
+    let mut c = duet_proto::v1::decode_client::DecodeClient::connect(addr.to_string())
+        .await
+        .expect("connect decode");
+    c.status(pb::StatusRequest {})
+        .await
+        .expect("status")
+        .into_inner()
+}
+
+pub async fn prefill_status(addr: &str) -> pb::WorkerStatus {
+    let mut c = duet_proto::v1::prefill_client::PrefillClient::connect(addr.to_string())
+        .await
+        .expect("connect prefill");
+    c.status(pb::StatusRequest {})
+        .await
+        .expect("status")
+        .into_inner()
+}
+
+/// Waits until the decode worker at `addr` holds nothing.
+pub async fn assert_pool_empty(addr: &str, within: Duration) {
+    let end = Instant::now() + within;
+    loop {
+        let s = decode_status(addr).await;
+        if s.kv_blocks_free == s.kv_blocks_total
+            && s.running == 0
+            && s.waiting == 0
+            && s.reservations == 0
+        {
+            return;
+        }
+        if Instant::now() > end {
+            panic!("decode worker {addr} still holds KV after {within:?}: {s:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
