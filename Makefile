@@ -1,5 +1,5 @@
 # duet: the two entry points a newcomer needs, plus helpers.
-#   make up    fetch the model if missing, build release, run duet
+#   make up    fetch the model if missing, build release, start the all-in-one server
 #   make test  install what the suite needs, fetch the model, run every test
 
 SHELL := /bin/bash
@@ -9,14 +9,13 @@ CARGO ?= cargo
 
 .PHONY: up test model deps build lint fmt bench-engine clean-results
 
-up: model
+up: deps model
 	$(CARGO) build --release -p duet
 	@echo
-	@echo "duet is built: ./target/release/duet --help"
-	@echo "one-shot generation:  ./target/release/duet run --chat --prompt 'your question'"
-	@echo "running: duet run --chat --prompt '$(PROMPT)'"
+	@echo "starting duet up (router + 1 prefill + 1 decode worker, one process); Ctrl-C stops it"
+	@echo "call it from another shell:  ./target/release/duet generate --chat --prompt '$(PROMPT)'"
 	@echo
-	./target/release/duet run --model $(MODEL) --chat --prompt "$(PROMPT)"
+	./target/release/duet up --model $(MODEL)
 
 test: deps model
 	$(CARGO) test --workspace --no-fail-fast

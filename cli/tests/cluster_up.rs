@@ -37,21 +37,31 @@ fn check_mode(extra: &[&str], expect_long: pb::PrefillPlacement, reference: &[Ve
         for ((prompt, is_chat), want) in PROMPTS.iter().zip(reference) {
             let p = if *is_chat { chat(prompt) } else { text(prompt) };
             let got = generate(&mut c, greedy(p, 24)).await.expect("generate");
-            assert_eq!(&got.ids, want, "{extra:?}: tokens for {prompt:?} differ from duet run");
+            assert_eq!(
+                &got.ids, want,
+                "{extra:?}: tokens for {prompt:?} differ from duet run"
+            );
             let fin = got.fin.clone().expect("final");
             assert_eq!(fin.usage.unwrap().completion_tokens as usize, got.ids.len());
             let t = got.timings();
-            assert!(t.time_to_first_token_seconds > 0.0 && t.total_seconds >= t.time_to_first_token_seconds);
+            assert!(
+                t.time_to_first_token_seconds > 0.0
+                    && t.total_seconds >= t.time_to_first_token_seconds
+            );
             let prompt_tokens = fin.usage.unwrap().prompt_tokens;
             // Short prompts are prefilled on the decode worker in disaggregated mode.
-            let want_placement = if expect_long == pb::PrefillPlacement::Remote && prompt_tokens <= 32 {
-                pb::PrefillPlacement::Local
-            } else {
-                expect_long
-            };
+            let want_placement =
+                if expect_long == pb::PrefillPlacement::Remote && prompt_tokens <= 32 {
+                    pb::PrefillPlacement::Local
+                } else {
+                    expect_long
+                };
             assert_eq!(placement(&got), want_placement, "{prompt:?}: {t:?}");
             if want_placement == pb::PrefillPlacement::Remote {
-                assert!(!t.prefill_worker.is_empty() && t.kv_transfer_seconds > 0.0, "{t:?}");
+                assert!(
+                    !t.prefill_worker.is_empty() && t.kv_transfer_seconds > 0.0,
+                    "{t:?}"
+                );
             }
         }
     });
@@ -97,9 +107,24 @@ fn up_follows_the_reference_rule() {
         let mut c = client(&url).await;
         let mut kept = 0;
         for case in &cases {
-            let ids: Vec<u32> = case["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-            let want: Vec<u32> = case["greedy_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-            let margins: Vec<f64> = case["top2_margin"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+            let ids: Vec<u32> = case["prompt_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            let want: Vec<u32> = case["greedy_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            let margins: Vec<f64> = case["top2_margin"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect();
             let got = generate(&mut c, greedy(support::tokens(&ids), want.len() as u32))
                 .await
                 .expect("generate");
@@ -123,7 +148,8 @@ fn cancelled_streams_free_their_blocks() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let mut c = client(&url).await;
-        let long = "Tell me a long story about a dragon who learns to cook, with many details. ".repeat(4);
+        let long =
+            "Tell me a long story about a dragon who learns to cook, with many details. ".repeat(4);
         let mut s = c
             .generate(greedy(text(&long), 200))
             .await

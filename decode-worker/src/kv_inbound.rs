@@ -12,11 +12,10 @@
 //! (the router retries elsewhere, the blocks are freed).
 
 use bytes::Bytes;
-use duet_kv_transfer::{
-    AnyReceiver, KvKind as WireKind, KvReceiver, KvSink, LocalHub, SinkError,
-    TransferConfig,
-};
 use duet_kv_transfer::backend::tcp::TcpReceiver;
+use duet_kv_transfer::{
+    AnyReceiver, KvKind as WireKind, KvReceiver, KvSink, LocalHub, SinkError, TransferConfig,
+};
 use tokio_util::sync::CancellationToken;
 
 use crate::handle::DecodeHandle;

@@ -676,7 +676,7 @@ impl Scheduler {
             Err(e) => {
                 tracing::error!(error = %e, "forward failed; ending the batch's sequences");
                 let mut idx: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
-                idx.sort_unstable_by(|a, b| b.cmp(a));
+                idx.sort_unstable_by_key(|x| std::cmp::Reverse(*x));
                 for i in idx {
                     let s = self.active.swap_remove(i);
                     self.cache.free_sequence(s.id);
@@ -731,7 +731,7 @@ impl Scheduler {
             }
         }
         // Apply steps; remove finished sequences from the back so indices stay valid.
-        ended.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        ended.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
         for (i, step) in ended {
             let Some(step) = step else { continue };
             let finished = step.finished;

@@ -291,7 +291,8 @@ impl Engine {
             if self.running[i].watch.is_closed() {
                 let r = self.running.swap_remove(i);
                 self.cache.free_sequence(r.job.request_id);
-                let _ = r.tx.send(Msg::Fail(PrefillError::Cancelled(r.job.request_id)));
+                let _ =
+                    r.tx.send(Msg::Fail(PrefillError::Cancelled(r.job.request_id)));
             } else {
                 i += 1;
             }
@@ -307,7 +308,9 @@ impl Engine {
                     .cache
                     .sequence_blocks(r.job.request_id)
                     .map_or(0, |b| b.len());
-                self.cache.blocks_for(r.job.prompt.len()).saturating_sub(have)
+                self.cache
+                    .blocks_for(r.job.prompt.len())
+                    .saturating_sub(have)
             })
             .sum()
     }
@@ -445,7 +448,7 @@ impl Engine {
             Ok(l) => l,
             Err(e) => {
                 let mut idx: Vec<usize> = plan.iter().map(|p| p.0).collect();
-                idx.sort_unstable_by(|a, b| b.cmp(a));
+                idx.sort_unstable_by_key(|x| std::cmp::Reverse(*x));
                 for i in idx {
                     let r = self.running.swap_remove(i);
                     self.cache.free_sequence(r.job.request_id);
@@ -468,7 +471,7 @@ impl Engine {
                 .map(|mut s| s.sample(&mut logits[k], &r.job.prompt));
             finished.push((i, first_token));
         }
-        finished.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        finished.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
         for (i, first) in finished {
             let r = self.running.swap_remove(i);
             self.cache.free_sequence(r.job.request_id);

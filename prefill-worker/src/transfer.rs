@@ -18,7 +18,11 @@ use crate::error::PrefillError;
 
 pub(crate) enum Msg {
     Begin(TransferDesc),
-    Layer { layer: u32, k: Vec<Bytes>, v: Vec<Bytes> },
+    Layer {
+        layer: u32,
+        k: Vec<Bytes>,
+        v: Vec<Bytes>,
+    },
     Finish,
     Complete(PrefillResult),
     Fail(PrefillError),
@@ -84,12 +88,14 @@ async fn run(
                 }
             }
             Msg::Finish => match sender.as_mut() {
-                Some(s) => s.finish().await.map(|receipt| bytes += receipt.payload_bytes),
+                Some(s) => s
+                    .finish()
+                    .await
+                    .map(|receipt| bytes += receipt.payload_bytes),
                 None => Ok(()),
             },
             Msg::Complete(mut result) => {
-                result.kv_transfer_seconds =
-                    first_layer.map_or(0.0, |t| t.elapsed().as_secs_f64());
+                result.kv_transfer_seconds = first_layer.map_or(0.0, |t| t.elapsed().as_secs_f64());
                 result.kv_bytes = bytes;
                 if let Some(s) = sender.take() {
                     connector.checkin(&endpoint, s);

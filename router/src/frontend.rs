@@ -27,7 +27,12 @@ pub fn prepare(
     }
     let ctx = front.config.context_length;
     let mut prompt = match &req.prompt {
-        None => return Err(RouterError::invalid("prompt", "missing (text, chat or tokens)")),
+        None => {
+            return Err(RouterError::invalid(
+                "prompt",
+                "missing (text, chat or tokens)",
+            ))
+        }
         Some(pb::generate_request::Prompt::Text(t)) => {
             if t.is_empty() {
                 return Err(RouterError::invalid("prompt", "empty text"));
@@ -101,7 +106,12 @@ pub fn prepare(
     let priority = match pb::Priority::try_from(req.priority) {
         Ok(pb::Priority::Batch) => pb::Priority::Batch,
         Ok(_) => pb::Priority::Interactive,
-        Err(_) => return Err(RouterError::invalid("priority", format!("unknown value {}", req.priority))),
+        Err(_) => {
+            return Err(RouterError::invalid(
+                "priority",
+                format!("unknown value {}", req.priority),
+            ))
+        }
     };
     Ok(Prepared {
         prompt,

@@ -117,7 +117,11 @@ async fn wait_for_decode(
                 reason: format!(
                     "{known} decode workers known, none with room for {} prompt tokens{}",
                     job.prep.prompt.len(),
-                    if snap.stale { " (registry unreachable: routing on the last view)" } else { "" }
+                    if snap.stale {
+                        " (registry unreachable: routing on the last view)"
+                    } else {
+                        ""
+                    }
                 ),
             });
         }
@@ -129,12 +133,12 @@ async fn wait_for_decode(
     }
 }
 
-fn with_deadline<T>(
-    deadline: Option<Instant>,
-    mut req: tonic::Request<T>,
-) -> tonic::Request<T> {
+fn with_deadline<T>(deadline: Option<Instant>, mut req: tonic::Request<T>) -> tonic::Request<T> {
     if let Some(d) = deadline {
-        req.set_timeout(d.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)));
+        req.set_timeout(
+            d.saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1)),
+        );
     }
     req
 }
@@ -193,14 +197,20 @@ async fn attempt_once(
     };
     let mut placement = placement;
     let mut prefill_choice = None;
+    let mut prefill_tracked = None;
     if placement == pb::PrefillPlacement::Remote {
         let fp = decoders[0].fingerprint.clone();
         let tokens = shared.workers.prefill_tokens();
         match prefill_candidates(&snap, &shared.cfg.model_name, &fp, &tokens).first() {
-            Some(p) => prefill_choice = Some((*p).clone()),
+            Some(p) => {
+                // Counted at once, so that concurrent requests spread before records update.
+                prefill_tracked = Some(shared.workers.track_prefill(&p.id, prompt_len as u64));
+                prefill_choice = Some((*p).clone());
+            }
             None => {
                 placement = pb::PrefillPlacement::Local;
-                reason = "no prefill worker with the decode worker's model: prefilled locally".into();
+                reason =
+                    "no prefill worker with the decode worker's model: prefilled locally".into();
             }
         }
     }
@@ -208,8 +218,10 @@ async fn attempt_once(
     let mut chosen = None;
     let mut last_err = None;
     for d in &decoders {
+        // Counted before any await, so that concurrent requests spread across workers.
+        let tracked = shared.workers.track_decode(&d.id);
         if placement != pb::PrefillPlacement::Remote {
-            chosen = Some((d.clone(), None));
+            chosen = Some((d.clone(), None, tracked));
             break;
         }
         let mut client = shared.workers.decode(&d.grpc_addr)?;
@@ -223,13 +235,13 @@ async fn attempt_once(
         );
         match client.reserve(req).await {
             Ok(r) => {
-                chosen = Some((d.clone(), Some(r.into_inner())));
+                chosen = Some((d.clone(), Some(r.into_inner()), tracked));
                 break;
             }
             Err(s) => last_err = Some(worker_err(d, s)),
         }
     }
-    let Some((decoder, reservation)) = chosen else {
+    let Some((decoder, reservation, _decode_tracked)) = chosen else {
         return Err(last_err.unwrap_or(RouterError::NoWorker {
             role: "decode",
             reason: "no decode worker accepted the reservation".into(),
@@ -237,7 +249,6 @@ async fn attempt_once(
     };
     job.slot.release();
     let queue_seconds = job.arrival.elapsed().as_secs_f64();
-    let _decode_tracked = shared.workers.track_decode(&decoder.id);
     let mut dclient = shared.workers.decode(&decoder.grpc_addr)?;
     let release = |id: u64, addr: String, workers: Arc<Workers>| async move {
         if let Ok(mut c) = workers.decode(&addr) {
@@ -258,15 +269,20 @@ async fn attempt_once(
     let prefill = if let (Some(p), Some(res)) = (&prefill_choice, &reservation) {
         timings.prefill_worker = p.id.clone();
         let Some(endpoint) = kv_endpoint_for(&res.kv_endpoints, p) else {
-            release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+            release(
+                job.request_id,
+                decoder.grpc_addr.clone(),
+                shared.workers.clone(),
+            )
+            .await;
             return Err(RouterError::NoWorker {
                 role: "decode",
-                reason: format!("decode worker {} offers no KV endpoint the prefill worker reaches", decoder.id),
+                reason: format!(
+                    "decode worker {} offers no KV endpoint the prefill worker reaches",
+                    decoder.id
+                ),
             });
         };
-        let _tracked = shared
-            .workers
-            .track_prefill(&p.id, prompt_len as u64);
         let mut pclient = shared.workers.prefill(&p.grpc_addr)?;
         let req = with_deadline(
             job.deadline,
@@ -290,6 +306,7 @@ async fn attempt_once(
         };
         match r {
             Ok(r) => {
+                drop(prefill_tracked);
                 let r = r.into_inner();
                 timings.prefill_seconds = r.prefill_seconds;
                 timings.kv_transfer_seconds = r.kv_transfer_seconds;
@@ -298,7 +315,12 @@ async fn attempt_once(
                 })
             }
             Err(s) => {
-                release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                release(
+                    job.request_id,
+                    decoder.grpc_addr.clone(),
+                    shared.workers.clone(),
+                )
+                .await;
                 return Err(worker_err(p, s));
             }
         }
@@ -321,7 +343,12 @@ async fn attempt_once(
     let mut stream = match dclient.generate(req).await {
         Ok(s) => s.into_inner(),
         Err(s) => {
-            release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+            release(
+                job.request_id,
+                decoder.grpc_addr.clone(),
+                shared.workers.clone(),
+            )
+            .await;
             return Err(worker_err(&decoder, s));
         }
     };
@@ -350,14 +377,24 @@ async fn attempt_once(
             Ok(Some(pb::DecodeEvent { event: Some(ev) })) => ev,
             Ok(Some(pb::DecodeEvent { event: None })) => continue,
             Ok(None) => {
-                release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                release(
+                    job.request_id,
+                    decoder.grpc_addr.clone(),
+                    shared.workers.clone(),
+                )
+                .await;
                 return Err(RouterError::Worker {
                     worker: format!("decode {}", decoder.id),
                     status: Status::unavailable("stream ended without a final message"),
                 });
             }
             Err(s) => {
-                release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                release(
+                    job.request_id,
+                    decoder.grpc_addr.clone(),
+                    shared.workers.clone(),
+                )
+                .await;
                 return Err(worker_err(&decoder, s));
             }
         };
@@ -370,7 +407,12 @@ async fn attempt_once(
                 let r = response(&job.client_id, pb::generate_response::Event::Token(t));
                 if out.send(Ok(r)).await.is_err() {
                     drop(stream);
-                    release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                    release(
+                        job.request_id,
+                        decoder.grpc_addr.clone(),
+                        shared.workers.clone(),
+                    )
+                    .await;
                     return Ok(Outcome::ClientGone);
                 }
             }
@@ -400,7 +442,10 @@ async fn attempt_once(
                     "finished"
                 );
                 let _ = out
-                    .send(Ok(response(&job.client_id, pb::generate_response::Event::Final(fin))))
+                    .send(Ok(response(
+                        &job.client_id,
+                        pb::generate_response::Event::Final(fin),
+                    )))
                     .await;
                 return Ok(Outcome::Finished);
             }

@@ -81,8 +81,12 @@ impl pb::generation_server::Generation for GenerationService {
         let arrival = Instant::now();
         let deadline = grpc_timeout(req.metadata()).map(|d| arrival + d);
         let req = req.into_inner();
-        let prep = prepare(&self.front, &self.shared.cfg.model_name, &req).map_err(|e| e.status())?;
-        let slot = self.admission.enter(prep.priority).map_err(|e| e.status())?;
+        let prep =
+            prepare(&self.front, &self.shared.cfg.model_name, &req).map_err(|e| e.status())?;
+        let slot = self
+            .admission
+            .enter(prep.priority)
+            .map_err(|e| e.status())?;
         let request_id: u64 = rand::random();
         let client_id = if req.request_id.is_empty() {
             format!("{request_id:016x}")

@@ -62,7 +62,10 @@ impl Workers {
 
     /// Snapshot of prompt tokens in flight per prefill worker.
     pub fn prefill_tokens(&self) -> HashMap<String, u64> {
-        self.prefill_tokens.lock().map(|m| m.clone()).unwrap_or_default()
+        self.prefill_tokens
+            .lock()
+            .map(|m| m.clone())
+            .unwrap_or_default()
     }
 
     /// Counts a request on decode worker `id` until the guard drops.

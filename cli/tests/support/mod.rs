@@ -106,6 +106,11 @@ impl Proc {
             .collect()
     }
 
+    /// The gRPC address this worker process announced.
+    pub fn workers_addr(&self) -> String {
+        self.wait_for("serving gRPC on", START)
+    }
+
     /// Waits until every decode worker's pool is empty again (no sequence, no reservation,
     /// all blocks free); panics with the last status otherwise.
     pub async fn assert_decode_pools_empty(&self, within: Duration) {
@@ -299,5 +304,116 @@ pub async fn assert_pool_empty(addr: &str, within: Duration) {
             panic!("decode worker {addr} still holds KV after {within:?}: {s:?}");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A cluster of separate processes registered in a real etcd.
+pub struct Cluster {
+    pub etcd: etcd::EtcdServer,
+    pub cluster: String,
+    pub router: Proc,
+    pub url: String,
+    pub prefill: Vec<Proc>,
+    pub decode: Vec<Proc>,
+}
+
+/// Lease TTL of the workers in cluster tests.
+pub const TTL: &str = "2s";
+
+impl Cluster {
+    pub fn worker(etcd: &etcd::EtcdServer, cluster: &str, role: &str, id: &str) -> Proc {
+        let ep = etcd.endpoint();
+        let p = Proc::start(
+            id,
+            &[
+                role,
+                "--etcd",
+                &ep,
+                "--cluster",
+                cluster,
+                "--lease-ttl",
+                TTL,
+                "--id",
+                id,
+                "--kv-pool",
+                "64MiB",
+            ],
+        );
+        p.wait_for("serving gRPC on", START);
+        p
+    }
+
+    pub fn start(prefill: usize, decode: usize, router_args: &[&str]) -> Cluster {
+        let etcd = etcd::EtcdServer::start();
+        let cluster = format!("t{:08x}", rand::random::<u32>());
+        let decode: Vec<Proc> = (0..decode)
+            .map(|i| Cluster::worker(&etcd, &cluster, "decode", &format!("decode-{i}")))
+            .collect();
+        let prefill: Vec<Proc> = (0..prefill)
+            .map(|i| Cluster::worker(&etcd, &cluster, "prefill", &format!("prefill-{i}")))
+            .collect();
+        let ep = etcd.endpoint();
+        let mut args = vec!["router", "--etcd", &ep, "--cluster", &cluster];
+        args.extend_from_slice(router_args);
+        let router = Proc::start("router", &args);
+        let url = router.wait_for("router listening on", START);
+        Cluster {
+            etcd,
+            cluster,
+            router,
+            url,
+            prefill,
+            decode,
+        }
+    }
+
+    /// Waits until the router sees exactly this many workers.
+    pub async fn wait_workers(&self, prefill: u32, decode: u32, within: Duration) {
+        let mut c = client(&self.url).await;
+        let end = Instant::now() + within;
+        loop {
+            let m = c
+                .list_models(pb::ListModelsRequest {})
+                .await
+                .expect("list models")
+                .into_inner();
+            let m = &m.models[0];
+            if m.prefill_workers == prefill && m.decode_workers == decode {
+                return;
+            }
+            if Instant::now() > end {
+                panic!(
+                    "router sees {} prefill / {} decode workers, want {prefill} / {decode}",
+                    m.prefill_workers, m.decode_workers
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Worker ids registered in etcd, read with `duet status`.
+    pub fn registered(&self) -> Vec<String> {
+        let o = Command::new(env!("CARGO_BIN_EXE_duet"))
+            .args([
+                "status",
+                "--etcd",
+                &self.etcd.endpoint(),
+                "--cluster",
+                &self.cluster,
+            ])
+            .output()
+            .expect("duet status");
+        assert!(
+            o.status.success(),
+            "duet status: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).expect("record json");
+                v["id"].as_str().unwrap_or_default().to_string()
+            })
+            .collect()
     }
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
-use duet_discovery::{EtcdOptions, EtcdRegistry, Registry, RegistrationOptions};
+use duet_discovery::{EtcdOptions, EtcdRegistry, RegistrationOptions, Registry};
 use duet_engine::{KvCacheConfig, KvDtype, Model};
 use duet_kv_transfer::{SharedSecret, TransferConfig};
 
@@ -60,7 +60,11 @@ pub struct KvArgs {
     #[arg(long, env = "DUET_KV_DTYPE", default_value = "f32")]
     pub kv_dtype: KvDtype,
     /// Shared secret every worker of the cluster proves at the KV handshake.
-    #[arg(long, env = "DUET_KV_SECRET", default_value = "duet-dev-secret-change-me")]
+    #[arg(
+        long,
+        env = "DUET_KV_SECRET",
+        default_value = "duet-dev-secret-change-me"
+    )]
     pub kv_secret: String,
 }
 
@@ -82,8 +86,12 @@ impl KvArgs {
         if self.kv_secret.len() < 8 {
             bail!("--kv-secret: at least 8 bytes");
         }
-        let layout = duet_serving::convert::transfer_layout(&model.kv_layout(BLOCK_SIZE, self.kv_dtype))?;
-        Ok(TransferConfig::new(layout, SharedSecret::new(&self.kv_secret)?))
+        let layout =
+            duet_serving::convert::transfer_layout(&model.kv_layout(BLOCK_SIZE, self.kv_dtype))?;
+        Ok(TransferConfig::new(
+            layout,
+            SharedSecret::new(&self.kv_secret)?,
+        ))
     }
 }
 
@@ -108,9 +116,13 @@ impl From<ModeArg> for duet_router::Mode {
 /// `500ms`, `5s`, `2m`, or plain seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let v: f64 = num.parse().map_err(|_| format!("`{s}` is not a duration"))?;
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a duration"))?;
     let secs = match unit {
         "" | "s" => v,
         "ms" => v / 1e3,
@@ -140,7 +152,8 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "GB" => 1_000_000_000,
         other => return Err(format!("`{s}`: unknown unit `{other}` (KiB, MiB, GiB)")),
     };
-    v.checked_mul(mul).ok_or_else(|| format!("`{s}` is too large"))
+    v.checked_mul(mul)
+        .ok_or_else(|| format!("`{s}` is too large"))
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use duet_decode_worker::DecodeConfig;
-use duet_discovery::{MemoryRegistry, Registry, RegistrationOptions};
+use duet_discovery::{MemoryRegistry, RegistrationOptions, Registry};
 use duet_engine::{Model, TextFrontend};
 use duet_kv_transfer::LocalHub;
 use duet_prefill_worker::PrefillConfig;
@@ -111,7 +111,10 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
     let dcfg = a.decode.config()?;
     let pcfg = a.prefill.config()?;
     let name = model_name(&a.model.model, &a.routing.served_model_name);
-    let front = Arc::new(TextFrontend::load(&a.model.model).with_context(|| format!("reading {}", a.model.model.display()))?);
+    let front = Arc::new(
+        TextFrontend::load(&a.model.model)
+            .with_context(|| format!("reading {}", a.model.model.display()))?,
+    );
     let rt = runtime()?;
     rt.block_on(async move {
         let shutdown = duet_serving::server::shutdown_on_signal();
@@ -137,13 +140,24 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             let grpc = TcpListener::bind("127.0.0.1:0").await?;
             let kv = TcpListener::bind("127.0.0.1:0").await?;
             let e = env(model, grpc);
-            tasks.spawn(run_decode(e, format!("decode-{i}"), dcfg.clone(), Some(kv), shutdown.clone()));
+            tasks.spawn(run_decode(
+                e,
+                format!("decode-{i}"),
+                dcfg.clone(),
+                Some(kv),
+                shutdown.clone(),
+            ));
         }
         for i in 0..a.prefill_workers {
             let model = load(&a.model)?;
             let grpc = TcpListener::bind("127.0.0.1:0").await?;
             let e = env(model, grpc);
-            tasks.spawn(run_prefill(e, format!("prefill-{i}"), pcfg.clone(), shutdown.clone()));
+            tasks.spawn(run_prefill(
+                e,
+                format!("prefill-{i}"),
+                pcfg.clone(),
+                shutdown.clone(),
+            ));
         }
         let listener = TcpListener::bind(a.listen)
             .await
@@ -155,8 +169,18 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             a.prefill_workers, a.decode_workers, a.routing.mode
         );
         println!("duet up: router listening on http://{addr}");
-        println!("duet up: try  duet generate --router http://{addr} --prompt 'Why is the sky blue?'");
-        tasks.spawn(run_router(front, cfg, registry.clone(), cluster.clone(), listener, shutdown.clone(), a.drain));
+        println!(
+            "duet up: try  duet generate --router http://{addr} --prompt 'Why is the sky blue?'"
+        );
+        tasks.spawn(run_router(
+            front,
+            cfg,
+            registry.clone(),
+            cluster.clone(),
+            listener,
+            shutdown.clone(),
+            a.drain,
+        ));
         wait_all(tasks, shutdown).await
     })
 }
@@ -322,8 +346,20 @@ pub fn router(a: RouterCmd) -> anyhow::Result<()> {
         let listener = TcpListener::bind(a.process.listen)
             .await
             .with_context(|| format!("binding {}", a.process.listen))?;
-        println!("duet: router listening on http://{}", listener.local_addr()?);
+        println!(
+            "duet: router listening on http://{}",
+            listener.local_addr()?
+        );
         let cfg = a.routing.config(name);
-        run_router(front, cfg, registry, a.process.registry.cluster.clone(), listener, shutdown, a.process.drain).await
+        run_router(
+            front,
+            cfg,
+            registry,
+            a.process.registry.cluster.clone(),
+            listener,
+            shutdown,
+            a.process.drain,
+        )
+        .await
     })
 }

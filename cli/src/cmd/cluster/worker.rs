@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use duet_decode_worker::{kv_inbound, service::DecodeService, DecodeConfig, DecodeHandle};
-use duet_discovery::{Capacity, KvEndpoint, Registration, RegistrationOptions, Registry, Role, WorkerRecord};
+use duet_discovery::{
+    Capacity, KvEndpoint, Registration, RegistrationOptions, Registry, Role, WorkerRecord,
+};
 use duet_engine::Model;
 use duet_kv_transfer::{Connector, LocalHub};
 use duet_prefill_worker::{service::PrefillService, PrefillConfig, PrefillHandle};
@@ -80,11 +82,18 @@ pub async fn run_decode(
     let handle = DecodeHandle::start(
         env.model.clone(),
         env.kv.cache_config(&env.model),
-        DecodeConfig { id: id.clone(), ..cfg },
+        DecodeConfig {
+            id: id.clone(),
+            ..cfg
+        },
         engine_stop.clone(),
     )?;
     let tcfg = env.kv.transfer_config(&env.model)?;
-    let grpc_addr = format!("http://{}:{}", env.advertise_host, env.grpc.local_addr()?.port());
+    let grpc_addr = format!(
+        "http://{}:{}",
+        env.advertise_host,
+        env.grpc.local_addr()?.port()
+    );
     let mut endpoints = Vec::new();
     if let Some(l) = &kv_tcp {
         endpoints.push(KvEndpoint {
@@ -92,20 +101,34 @@ pub async fn run_decode(
             address: format!("{}:{}", env.advertise_host, l.local_addr()?.port()),
         });
     }
-    let local = env.hub.as_ref().map(|(h, tag)| (h.clone(), format!("{tag}/{id}")));
+    let local = env
+        .hub
+        .as_ref()
+        .map(|(h, tag)| (h.clone(), format!("{tag}/{id}")));
     if let Some((_, name)) = &local {
         endpoints.push(KvEndpoint {
             transport: "local".into(),
             address: name.clone(),
         });
     }
-    tokio::spawn(kv_inbound::serve(kv_tcp, local, tcfg, handle.clone(), engine_stop.clone()));
+    tokio::spawn(kv_inbound::serve(
+        kv_tcp,
+        local,
+        tcfg,
+        handle.clone(),
+        engine_stop.clone(),
+    ));
     let mut rec = record(&env, Role::Decode, &id, &grpc_addr);
     rec.kv_endpoints = endpoints.clone();
     rec.capacity = decode_capacity(&handle);
-    let reg = Registration::start(env.registry.clone(), rec, env.registration.clone(), engine_stop.clone())
-        .await
-        .context("registering the decode worker")?;
+    let reg = Registration::start(
+        env.registry.clone(),
+        rec,
+        env.registration.clone(),
+        engine_stop.clone(),
+    )
+    .await
+    .context("registering the decode worker")?;
     let reg = Arc::new(reg);
     let publisher = {
         let handle = handle.clone();
@@ -169,16 +192,26 @@ pub async fn run_prefill(
     let engine_stop = CancellationToken::new();
     let _stop_engine = engine_stop.clone().drop_guard();
     let tcfg = env.kv.transfer_config(&env.model)?;
-    let connector = Arc::new(Connector::new(tcfg, env.hub.as_ref().map(|(h, _)| h.clone())));
+    let connector = Arc::new(Connector::new(
+        tcfg,
+        env.hub.as_ref().map(|(h, _)| h.clone()),
+    ));
     let handle = PrefillHandle::start(
         env.model.clone(),
         env.kv.cache_config(&env.model),
-        PrefillConfig { id: id.clone(), ..cfg },
+        PrefillConfig {
+            id: id.clone(),
+            ..cfg
+        },
         connector,
         tokio::runtime::Handle::current(),
         engine_stop.clone(),
     )?;
-    let grpc_addr = format!("http://{}:{}", env.advertise_host, env.grpc.local_addr()?.port());
+    let grpc_addr = format!(
+        "http://{}:{}",
+        env.advertise_host,
+        env.grpc.local_addr()?.port()
+    );
     let mut rec = record(&env, Role::Prefill, &id, &grpc_addr);
     if let Some((_, tag)) = &env.hub {
         // "Reaches the local KV listeners of process `tag`".
@@ -188,9 +221,14 @@ pub async fn run_prefill(
         });
     }
     rec.capacity = prefill_capacity(&handle);
-    let reg = Registration::start(env.registry.clone(), rec, env.registration.clone(), engine_stop.clone())
-        .await
-        .context("registering the prefill worker")?;
+    let reg = Registration::start(
+        env.registry.clone(),
+        rec,
+        env.registration.clone(),
+        engine_stop.clone(),
+    )
+    .await
+    .context("registering the prefill worker")?;
     let reg = Arc::new(reg);
     let publisher = {
         let handle = handle.clone();
