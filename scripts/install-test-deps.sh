@@ -5,7 +5,11 @@
 set -euo pipefail
 
 need_apt=()
-command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
+if ! command -v python3 >/dev/null; then
+  need_apt+=(python3 python3-pip)
+elif ! python3 -m pip --version >/dev/null 2>&1; then
+  need_apt+=(python3-pip)
+fi
 command -v protoc >/dev/null || need_apt+=(protobuf-compiler)
 command -v iperf3 >/dev/null || need_apt+=(iperf3)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
@@ -18,5 +22,13 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
+# Python gRPC client packages for cli/tests/python_client.rs (stubs generated from proto/
+# with grpcio-tools; health checked with grpcio-health-checking). Pinned together: the four
+# are released in lockstep and grpcio-tools 1.85 needs protobuf 7.x. A Debian python3 is
+# "externally managed": PIP_BREAK_SYSTEM_PACKAGES lets pip install there (older pips ignore it).
+PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet --disable-pip-version-check \
+  'grpcio==1.85.1' 'grpcio-tools==1.85.1' 'grpcio-health-checking==1.85.1' 'protobuf==7.36.2'
+python3 -c 'import grpc, grpc_tools.protoc, grpc_health.v1.health_pb2' \
+  || { echo "install-test-deps: the Python gRPC packages do not import" >&2; exit 1; }
 command -v cargo >/dev/null || { echo "install-test-deps: cargo not found (install Rust with rustup)" >&2; exit 1; }
 echo "install-test-deps: ok"

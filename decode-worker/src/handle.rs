@@ -49,6 +49,9 @@ pub struct Done {
     pub prefill_seconds: f64,
     pub kv_wait_seconds: f64,
     pub preemptions: u32,
+    /// Tokens generated when the sequence was first preempted (its KV was recomputed from
+    /// the prompt and those tokens).
+    pub first_preempted_at: Option<u32>,
 }
 
 /// What a generating sequence streams.

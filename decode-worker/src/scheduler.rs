@@ -60,6 +60,7 @@ struct Seq {
     prefill_seconds: f64,
     kv_wait_seconds: f64,
     preemptions: u32,
+    first_preempted_at: Option<u32>,
     span: tracing::Span,
 }
 
@@ -67,7 +68,10 @@ struct Reservation {
     blocks: Vec<u32>,
     prompt_tokens: usize,
     received: usize,
+    /// Unclaimed reservations expire; every piece of KV that arrives extends the lifetime
+    /// by `ttl`, so a long prefill streaming its KV keeps its blocks.
     expires: Instant,
+    ttl: Duration,
     failed: Option<String>,
     /// Claimed by Generate: (sequence, first token, claim time).
     claim: Option<(Seq, u32, Instant)>,
@@ -184,11 +188,15 @@ impl Scheduler {
                 ttl,
                 reply,
             } => {
-                let _ = reply.send(self.reserve(request_id, prompt_tokens, ttl));
+                let r = self.reserve(request_id, prompt_tokens, ttl);
+                // Status is current before the caller hears back.
+                self.publish();
+                let _ = reply.send(r);
             }
             Cmd::Generate { job, events } => self.generate(job, events),
             Cmd::Release { request_id, reply } => {
                 let found = self.release(request_id);
+                self.publish();
                 if let Some(r) = reply {
                     let _ = r.send(found);
                 }
@@ -198,9 +206,11 @@ impl Scheduler {
                 layer,
                 regions,
             } => {
-                let Some(r) = self.reservations.get(&request_id) else {
+                let Some(r) = self.reservations.get_mut(&request_id) else {
                     return;
                 };
+                r.expires = Instant::now() + r.ttl;
+                let r = &*r;
                 for (block, kind, data) in regions {
                     if !r.blocks.contains(&block) {
                         continue;
@@ -217,6 +227,7 @@ impl Scheduler {
             } => {
                 if let Some(r) = self.reservations.get_mut(&request_id) {
                     r.received = r.received.max(token_end);
+                    r.expires = Instant::now() + r.ttl;
                 }
             }
             Cmd::TransferFailed { request_id, reason } => {
@@ -252,6 +263,7 @@ impl Scheduler {
                 prompt_tokens: tokens,
                 received: 0,
                 expires: Instant::now() + ttl.min(self.cfg.max_reservation_ttl),
+                ttl: ttl.min(self.cfg.max_reservation_ttl),
                 failed: None,
                 claim: None,
             },
@@ -288,6 +300,7 @@ impl Scheduler {
             prefill_seconds: 0.0,
             kv_wait_seconds: 0.0,
             preemptions: 0,
+            first_preempted_at: None,
             span: job.span,
         })
     }
@@ -482,12 +495,15 @@ impl Scheduler {
 
     fn finish(&mut self, seq: Seq, finish: FinishReason) {
         self.cache.free_sequence(seq.id);
+        // A client that saw Done and then reads the status sees the blocks free.
+        self.publish();
         let _ = seq.events.send(Event::Done(Done {
             finish,
             completion_tokens: seq.gen.generated().len() as u32,
             prefill_seconds: seq.prefill_seconds,
             kv_wait_seconds: seq.kv_wait_seconds,
             preemptions: seq.preemptions,
+            first_preempted_at: seq.first_preempted_at,
         }));
     }
 
@@ -622,6 +638,8 @@ impl Scheduler {
             },
         };
         s.preemptions += 1;
+        s.first_preempted_at
+            .get_or_insert(s.gen.generated().len() as u32);
         tracing::info!(parent: &s.span, request_id = s.id, "preempted: KV pool full");
         self.enqueue(s, true);
         true

@@ -50,6 +50,8 @@ pub struct PrefillJob {
     pub endpoint: Endpoint,
     /// Destination blocks reserved by the decode worker, in sequence order.
     pub dst_blocks: Vec<u32>,
+    /// Batch requests queue behind interactive ones.
+    pub batch: bool,
     pub span: tracing::Span,
 }
 
@@ -59,7 +61,10 @@ pub struct PrefillResult {
     pub first_token: u32,
     pub queue_seconds: f64,
     pub prefill_seconds: f64,
+    /// Exposed transfer time: end of the last forward -> the decode worker's acknowledgement.
     pub kv_transfer_seconds: f64,
+    /// First layer handed to the transport -> acknowledgement (overlaps the compute).
+    pub kv_stream_seconds: f64,
     pub kv_bytes: u64,
 }
 
@@ -262,11 +267,23 @@ impl Engine {
                 } else if self.queue.len() >= self.cfg.max_queue {
                     let _ = reply.send(Err(PrefillError::QueueFull(self.queue.len())));
                 } else {
-                    self.queue.push_back(Queued {
-                        job,
-                        reply,
-                        enqueued: Instant::now(),
-                    });
+                    // Interactive before batch; FIFO within a class.
+                    let at = match job.batch {
+                        true => self.queue.len(),
+                        false => self
+                            .queue
+                            .iter()
+                            .position(|q| q.job.batch)
+                            .unwrap_or(self.queue.len()),
+                    };
+                    self.queue.insert(
+                        at,
+                        Queued {
+                            job,
+                            reply,
+                            enqueued: Instant::now(),
+                        },
+                    );
                 }
             }
             Cmd::Cancel(id) => {
@@ -288,7 +305,8 @@ impl Engine {
         self.queue.retain(|q| !q.reply.is_closed());
         let mut i = 0;
         while i < self.running.len() {
-            if self.running[i].watch.is_closed() {
+            // The caller went away, or the transfer failed (its task ended).
+            if self.running[i].watch.is_closed() || self.running[i].tx.is_closed() {
                 let r = self.running.swap_remove(i);
                 self.cache.free_sequence(r.job.request_id);
                 let _ =
@@ -459,6 +477,7 @@ impl Engine {
                 return;
             }
         };
+        let compute_done = Instant::now();
         let mut finished = Vec::new();
         for (k, &(i, start, n)) in plan.iter().enumerate() {
             let r = &mut self.running[i];
@@ -476,13 +495,17 @@ impl Engine {
             let r = self.running.swap_remove(i);
             self.cache.free_sequence(r.job.request_id);
             let msg = match first {
-                Ok(first_token) => Msg::Complete(PrefillResult {
-                    first_token,
-                    queue_seconds: r.started.duration_since(r.enqueued).as_secs_f64(),
-                    prefill_seconds: r.started.elapsed().as_secs_f64(),
-                    kv_transfer_seconds: 0.0,
-                    kv_bytes: 0,
-                }),
+                Ok(first_token) => Msg::Complete(
+                    PrefillResult {
+                        first_token,
+                        queue_seconds: r.started.duration_since(r.enqueued).as_secs_f64(),
+                        prefill_seconds: r.started.elapsed().as_secs_f64(),
+                        kv_transfer_seconds: 0.0,
+                        kv_stream_seconds: 0.0,
+                        kv_bytes: 0,
+                    },
+                    compute_done,
+                ),
                 Err(e) => Msg::Fail(e.into()),
             };
             let _ = r.tx.send(msg);

@@ -54,6 +54,7 @@ impl pb::prefill_server::Prefill for PrefillService {
                 sampling,
                 endpoint,
                 dst_blocks: r.dst_blocks,
+                batch: r.priority == pb::Priority::Batch as i32,
                 span,
             })
             .await
@@ -64,6 +65,7 @@ impl pb::prefill_server::Prefill for PrefillService {
             prefill_seconds: res.prefill_seconds,
             kv_transfer_seconds: res.kv_transfer_seconds,
             kv_bytes: res.kv_bytes,
+            kv_stream_seconds: res.kv_stream_seconds,
         }))
     }
 

@@ -3,8 +3,9 @@
 //! The engine thread never waits on the network: it sends `Begin` / `Layer` / `Finish`
 //! for each chunk and `Complete` (or `Fail`) at the end; this task pushes them through a
 //! pooled sender and answers the caller once the decode worker acknowledged every chunk.
-//! On any error the sender is aborted and dropped (never returned to the pool), later
-//! messages are drained, and the caller gets the error.
+//! On any error the sender is aborted and dropped (never returned to the pool), the task
+//! ends (its closed channel makes the engine drop the prefill at its next step), and the
+//! caller gets the error.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -24,7 +25,8 @@ pub(crate) enum Msg {
         v: Vec<Bytes>,
     },
     Finish,
-    Complete(PrefillResult),
+    /// The result, and when the last forward ended (the exposed transfer time starts).
+    Complete(PrefillResult, Instant),
     Fail(PrefillError),
 }
 
@@ -74,7 +76,7 @@ async fn run(
     while let Some(msg) = rx.recv().await {
         if failed.is_some() {
             match msg {
-                Msg::Complete(_) | Msg::Fail(_) => break,
+                Msg::Complete(..) | Msg::Fail(_) => break,
                 _ => continue,
             }
         }
@@ -94,8 +96,12 @@ async fn run(
                     .map(|receipt| bytes += receipt.payload_bytes),
                 None => Ok(()),
             },
-            Msg::Complete(mut result) => {
-                result.kv_transfer_seconds = first_layer.map_or(0.0, |t| t.elapsed().as_secs_f64());
+            Msg::Complete(mut result, compute_done) => {
+                // What the transfer adds to time-to-first-token: from the end of the last
+                // forward until the decode worker acknowledged the last layer (earlier layers
+                // travelled while later ones computed).
+                result.kv_transfer_seconds = compute_done.elapsed().as_secs_f64();
+                result.kv_stream_seconds = first_layer.map_or(0.0, |t| t.elapsed().as_secs_f64());
                 result.kv_bytes = bytes;
                 if let Some(s) = sender.take() {
                     connector.checkin(&endpoint, s);
@@ -109,7 +115,9 @@ async fn run(
             }
         };
         if let Err(e) = r {
+            // Stop at once: dropping the channel tells the engine to abandon the prefill.
             failed = Some(PrefillError::Transfer(e));
+            break;
         }
     }
     if let Some(mut s) = sender.take() {

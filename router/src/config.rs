@@ -30,6 +30,17 @@ pub struct RouterConfig {
     pub decode_headroom_tokens: usize,
     /// Served model name (what clients put in `model`).
     pub model_name: String,
+    /// Longest sequence (prompt + generated) accepted, below the model's context length
+    /// (vLLM's `--max-model-len`); `None`: the model's.
+    pub max_model_len: Option<usize>,
+}
+
+impl RouterConfig {
+    /// The context length requests are held to.
+    pub fn context_length(&self, model_context: usize) -> usize {
+        self.max_model_len
+            .map_or(model_context, |m| m.min(model_context))
+    }
 }
 
 impl Default for RouterConfig {
@@ -43,6 +54,7 @@ impl Default for RouterConfig {
             max_attempts: 3,
             decode_headroom_tokens: 64,
             model_name: "default".into(),
+            max_model_len: None,
         }
     }
 }

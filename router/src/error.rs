@@ -27,6 +27,12 @@ pub enum RouterError {
     },
     #[error("deadline exceeded {0}")]
     Deadline(&'static str),
+    #[error("invalid prompt: {tokens} tokens (with {headroom} for generation) exceed the largest decode KV pool ({largest} tokens)")]
+    PromptExceedsPools {
+        tokens: usize,
+        headroom: usize,
+        largest: u64,
+    },
 }
 
 impl RouterError {
@@ -47,16 +53,21 @@ impl RouterError {
             RouterError::NoWorker { .. } => ErrorClass::Unavailable,
             RouterError::Worker { status, .. } => duet_serving::status::class_of(status.code()),
             RouterError::Deadline(_) => ErrorClass::DeadlineExceeded,
+            RouterError::PromptExceedsPools { .. } => ErrorClass::InvalidArgument,
         }
     }
 
-    /// Whether another worker pair might succeed (before any token was sent).
+    /// Whether another worker pair might succeed (before any token was sent): a worker
+    /// that failed or lost the reservation. Not a full queue, not a wait for room that
+    /// already lasted `max_queue_wait`.
     pub fn retryable(&self) -> bool {
-        matches!(
-            self.class(),
-            ErrorClass::Unavailable | ErrorClass::ResourceExhausted
-        ) && !matches!(self, RouterError::QueueFull { .. })
-            || matches!(self, RouterError::Worker { status, .. } if status.code() == tonic::Code::NotFound)
+        match self {
+            RouterError::Worker { status, .. } => matches!(
+                duet_serving::status::class_of(status.code()),
+                ErrorClass::Unavailable | ErrorClass::ResourceExhausted | ErrorClass::NotFound
+            ),
+            _ => false,
+        }
     }
 
     /// As a gRPC status (queue-full carries a retry hint in `retry-after-ms`).

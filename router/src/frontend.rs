@@ -17,15 +17,16 @@ pub struct Prepared {
 }
 
 /// Validates and tokenizes `req` against the served model.
+/// `ctx`: the context length requests are held to.
 pub fn prepare(
     front: &TextFrontend,
     model_name: &str,
+    ctx: usize,
     req: &pb::GenerateRequest,
 ) -> Result<Prepared, RouterError> {
     if !req.model.is_empty() && req.model != model_name {
         return Err(RouterError::UnknownModel(req.model.clone()));
     }
-    let ctx = front.config.context_length;
     let mut prompt = match &req.prompt {
         None => {
             return Err(RouterError::invalid(
@@ -89,7 +90,8 @@ pub fn prepare(
                 return Err(RouterError::invalid(
                     "prompt",
                     format!(
-                        "{} tokens exceed the context length {ctx} (truncation: error)",
+                        "{} tokens leave no room to generate: the context holds {ctx} tokens, \
+                         so a prompt may have at most {room} (truncation: error)",
                         prompt.len()
                     ),
                 ))

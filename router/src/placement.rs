@@ -25,7 +25,11 @@ pub fn decode_candidates<'a>(
         .filter(|w| !w.draining && w.model == model)
         .filter(|w| {
             let bs = u64::from(w.capacity.block_size.max(1));
-            let need = (prompt_tokens + headroom_tokens) as u64;
+            // Room for the prompt and some generated tokens, but never more than the pool
+            // (a long prompt still fits an empty worker).
+            let need = ((prompt_tokens + headroom_tokens) as u64)
+                .min(w.capacity.kv_blocks_total * bs)
+                .max(prompt_tokens as u64 + 1);
             w.capacity.kv_blocks_free * bs >= need
         })
         .map(|w| {

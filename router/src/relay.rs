@@ -106,6 +106,22 @@ async fn wait_for_decode(
         if !c.is_empty() {
             return Ok(Some(c));
         }
+        // A prompt no decode worker could ever hold fails at once instead of waiting.
+        let largest = snap
+            .workers(Role::Decode)
+            .filter(|w| w.model == shared.cfg.model_name)
+            .map(|w| w.capacity.kv_blocks_total * u64::from(w.capacity.block_size.max(1)))
+            .max();
+        if let Some(largest) = largest {
+            let need = job.prep.prompt.len() + 1;
+            if need as u64 > largest {
+                return Err(RouterError::PromptExceedsPools {
+                    tokens: job.prep.prompt.len(),
+                    headroom: 1,
+                    largest,
+                });
+            }
+        }
         let now = Instant::now();
         if job.deadline.is_some_and(|d| now >= d) {
             return Err(RouterError::Deadline("waiting for a decode worker"));
@@ -310,6 +326,8 @@ async fn attempt_once(
                 let r = r.into_inner();
                 timings.prefill_seconds = r.prefill_seconds;
                 timings.kv_transfer_seconds = r.kv_transfer_seconds;
+                timings.kv_stream_seconds = r.kv_stream_seconds;
+                timings.kv_bytes = r.kv_bytes;
                 pb::decode_request::Prefill::Remote(pb::RemotePrefill {
                     first_token: r.first_token,
                 })

@@ -46,6 +46,13 @@ impl GenerationService {
         pb::generation_server::GenerationServer::new(self)
     }
 
+    /// The context length requests are held to.
+    fn context(&self) -> usize {
+        self.shared
+            .cfg
+            .context_length(self.front.config.context_length)
+    }
+
     /// The registry view the router routes on.
     pub fn view(&self) -> &ClusterView {
         &self.shared.view
@@ -81,8 +88,13 @@ impl pb::generation_server::Generation for GenerationService {
         let arrival = Instant::now();
         let deadline = grpc_timeout(req.metadata()).map(|d| arrival + d);
         let req = req.into_inner();
-        let prep =
-            prepare(&self.front, &self.shared.cfg.model_name, &req).map_err(|e| e.status())?;
+        let prep = prepare(
+            &self.front,
+            &self.shared.cfg.model_name,
+            self.context(),
+            &req,
+        )
+        .map_err(|e| e.status())?;
         let slot = self
             .admission
             .enter(prep.priority)
@@ -131,7 +143,7 @@ impl pb::generation_server::Generation for GenerationService {
         Ok(Response::new(pb::TokenizeResponse {
             count: ids.len() as u32,
             ids,
-            max_context: self.front.config.context_length as u32,
+            max_context: self.context() as u32,
         }))
     }
 
@@ -151,7 +163,7 @@ impl pb::generation_server::Generation for GenerationService {
             models: vec![pb::ModelInfo {
                 name: name.clone(),
                 fingerprint,
-                context_length: self.front.config.context_length as u32,
+                context_length: self.context() as u32,
                 prefill_workers: count(Role::Prefill),
                 decode_workers: count(Role::Decode),
             }],

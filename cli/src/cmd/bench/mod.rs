@@ -3,6 +3,7 @@
 //! engine, llama.cpp, is driven by `scripts/bench-engine.sh`).
 
 mod engine;
+mod router;
 mod transfer;
 
 use clap::Subcommand;
@@ -11,6 +12,8 @@ use clap::Subcommand;
 pub enum BenchCommand {
     /// Prefill and batched-decode throughput of the engine.
     Engine(engine::EngineBenchArgs),
+    /// Requests per second per core the router sustains, with instant fake workers.
+    Router(router::RouterBenchArgs),
     /// KV transfer throughput and latency beside iperf3 / memcpy.
     Transfer(transfer::TransferBenchArgs),
 }
@@ -19,6 +22,7 @@ pub fn run(c: BenchCommand) -> anyhow::Result<()> {
     match c {
         BenchCommand::Engine(a) => engine::run(a),
         BenchCommand::Transfer(a) => transfer::run(a),
+        BenchCommand::Router(a) => router::run(a),
     }
 }
 

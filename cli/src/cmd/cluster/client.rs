@@ -119,6 +119,8 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
                                 "queue_seconds": t.queue_seconds,
                                 "prefill_seconds": t.prefill_seconds,
                                 "kv_transfer_seconds": t.kv_transfer_seconds,
+                                "kv_stream_seconds": t.kv_stream_seconds,
+                                "kv_bytes": t.kv_bytes,
                                 "time_to_first_token_seconds": t.time_to_first_token_seconds,
                                 "total_seconds": t.total_seconds,
                                 "placement": pb::PrefillPlacement::try_from(t.placement).map(|p| p.as_str_name().trim_start_matches("PREFILL_PLACEMENT_").to_lowercase()).unwrap_or_default(),

@@ -34,12 +34,19 @@ pub struct RoutingArgs {
     /// Model name clients use (default: the GGUF file name without extension).
     #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
+    /// Longest prompt + generation accepted, below the model's context (like vLLM's
+    /// --max-model-len); default: the model's context length.
+    #[arg(long, env = "DUET_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
 }
 
 impl RoutingArgs {
     pub fn validate(&self) -> anyhow::Result<()> {
         if self.max_queued == 0 {
             anyhow::bail!("--max-queued: at least 1");
+        }
+        if self.max_model_len.is_some_and(|m| m < 2) {
+            anyhow::bail!("--max-model-len: at least 2");
         }
         if self.max_attempts == 0 {
             anyhow::bail!("--max-attempts: at least 1");
@@ -55,6 +62,7 @@ impl RoutingArgs {
             max_queue_wait: self.max_queue_wait,
             max_attempts: self.max_attempts,
             model_name,
+            max_model_len: self.max_model_len,
             ..RouterConfig::default()
         }
     }

@@ -1,0 +1,188 @@
+//! The decode scheduler with the real model: continuous batching gives every sequence the
+//! tokens it gets alone (with quantized weights, whose kernels do not depend on the batch); when the KV pool runs out the newest sequence is preempted,
+//! recomputed later, and still produces the same tokens; every block is free at the end.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use duet_decode_worker::{
+    handle::Done, DecodeConfig, DecodeHandle, Event, GenerateJob, PrefillSource, Priority,
+};
+use duet_engine::{GenerationParams, KvCacheConfig, KvDtype, LoadOptions, Model, WeightMode};
+use tokio_util::sync::CancellationToken;
+
+fn model() -> Arc<Model> {
+    let p = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.exists(), "{} missing: run make test", p.display());
+    // Quantized weights: every row takes the same kernels whatever else shares the batch
+    // (hybrid switches to dense GEMM for large batches, which moves the last bits).
+    Arc::new(
+        Model::load(
+            &p,
+            LoadOptions {
+                threads: 1,
+                weight_mode: WeightMode::Quantized,
+            },
+        )
+        .expect("load model"),
+    )
+}
+
+fn start(m: &Arc<Model>, blocks: usize, watermark: usize) -> (DecodeHandle, CancellationToken) {
+    let cancel = CancellationToken::new();
+    let h = DecodeHandle::start(
+        m.clone(),
+        KvCacheConfig {
+            block_size: 16,
+            num_blocks: blocks,
+            dtype: KvDtype::F32,
+        },
+        DecodeConfig {
+            admit_watermark_blocks: watermark,
+            ..DecodeConfig::default()
+        },
+        cancel.clone(),
+    )
+    .expect("start");
+    (h, cancel)
+}
+
+async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> (Vec<u32>, Done) {
+    let mut ids = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Token { id, .. } => ids.push(id),
+            Event::Done(d) => return (ids, d),
+            Event::Error(e) => panic!("sequence failed: {e}"),
+        }
+    }
+    panic!("event stream ended without Done");
+}
+
+fn job(m: &Model, id: u64, prompt: &str, max_tokens: usize, priority: Priority) -> GenerateJob {
+    GenerateJob {
+        request_id: id,
+        prompt: m.tokenizer.encode(prompt, false).expect("encode"),
+        params: GenerationParams {
+            max_tokens,
+            ..GenerationParams::default()
+        },
+        priority,
+        prefill: PrefillSource::Local,
+        span: tracing::Span::none(),
+    }
+}
+
+fn job_ids(m: &Model, id: u64, prompt: Vec<u32>, max_tokens: usize) -> GenerateJob {
+    let _ = m;
+    GenerateJob {
+        request_id: id,
+        prompt,
+        params: GenerationParams {
+            max_tokens,
+            ..GenerationParams::default()
+        },
+        priority: Priority::Interactive,
+        prefill: PrefillSource::Local,
+        span: tracing::Span::none(),
+    }
+}
+
+#[test]
+fn preemption_recomputes_and_keeps_tokens_and_frees_every_block() {
+    let m = model();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let prompts = [
+            "The capital of France is",
+            "Water boils at a temperature of",
+        ];
+        // Alone, with plenty of blocks.
+        let (h, stop) = start(&m, 64, 4);
+        let mut alone = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            alone.push(
+                collect(h.generate(job(&m, i as u64, p, 40, Priority::Interactive)))
+                    .await
+                    .0,
+            );
+        }
+        assert_eq!(h.status().kv_blocks_free, 64);
+        stop.cancel();
+
+        // Both together in a pool that holds one grown sequence but not two: each needs
+        // ceil((~7 + 40) / 16) = 3 blocks; 5 blocks and no admission watermark admit both
+        // and force a preemption as they grow.
+        let (h, stop) = start(&m, 5, 0);
+        let a = h.generate(job(&m, 10, prompts[0], 40, Priority::Interactive));
+        let b = h.generate(job(&m, 11, prompts[1], 40, Priority::Batch));
+        let ((ids_a, done_a), (ids_b, done_b)) = tokio::join!(collect(a), collect(b));
+        assert_eq!(ids_a, alone[0], "interactive sequence tokens");
+        // The preempted sequence: identical up to the preemption; after it, its KV was
+        // recomputed by one prefill of prompt + tokens so far, so it continues exactly like
+        // a fresh sequence whose prompt is that text.
+        let at = done_b.first_preempted_at.expect("preempted") as usize;
+        assert_eq!(ids_b[..at], alone[1][..at], "tokens before the preemption");
+        let mut resumed_prompt = m.tokenizer.encode(prompts[1], false).unwrap();
+        resumed_prompt.extend_from_slice(&ids_b[..at.saturating_sub(1)]);
+        let resumed = job_ids(&m, 12, resumed_prompt, 40 - at.saturating_sub(1));
+        let (h2, stop2) = start(&m, 64, 4);
+        let (cont, _) = collect(h2.generate(resumed)).await;
+        stop2.cancel();
+        assert_eq!(
+            ids_b[at.saturating_sub(1)..],
+            cont[..],
+            "tokens after the recompute"
+        );
+        assert_eq!(ids_b.len(), 40);
+        assert_eq!(
+            done_a.preemptions, 0,
+            "the interactive sequence is never the victim"
+        );
+        assert!(
+            done_b.preemptions >= 1,
+            "the batch sequence was preempted: {done_b:?}"
+        );
+        // Everything is free again.
+        let end = std::time::Instant::now() + Duration::from_secs(1);
+        while h.status().kv_blocks_free != 5 {
+            assert!(std::time::Instant::now() < end, "{:?}", h.status());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        stop.cancel();
+    });
+}
+
+#[test]
+fn dropped_receiver_and_expired_reservation_free_their_blocks() {
+    let m = model();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (h, stop) = start(&m, 32, 4);
+        // A reservation nobody claims expires on its own.
+        let blocks = h
+            .reserve(7, 40, Duration::from_millis(100))
+            .await
+            .expect("reserve");
+        assert_eq!(blocks.len(), 3);
+        assert_eq!(h.status().kv_blocks_free, 29);
+        assert_eq!(h.status().reservations, 1);
+        // A generating sequence whose client went away.
+        let mut rx = h.generate(job(&m, 8, "Once upon a time", 200, Priority::Interactive));
+        assert!(matches!(rx.recv().await, Some(Event::Token { .. })));
+        drop(rx);
+        let end = std::time::Instant::now() + Duration::from_secs(2);
+        loop {
+            let s = h.status();
+            if s.kv_blocks_free == 32 && s.reservations == 0 && s.running == 0 {
+                break;
+            }
+            assert!(std::time::Instant::now() < end, "still held: {s:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Release of an unknown request is a no-op.
+        assert!(!h.release(12345).await);
+        stop.cancel();
+    });
+}
