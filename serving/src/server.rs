@@ -73,7 +73,7 @@ pub async fn serve(
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))
         .add_routes(routes)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), {
+        .serve_with_incoming_shutdown(nodelay_incoming(listener), {
             let stopping = stopping.clone();
             async move { stopping.cancelled().await }
         });
@@ -92,6 +92,19 @@ pub async fn serve(
             Ok(())
         }
     }
+}
+
+/// Accepted connections with TCP_NODELAY: small gRPC frames (one token) must not wait for
+/// Nagle's algorithm to meet the peer's delayed ACK (tens of milliseconds per message).
+pub fn nodelay_incoming(
+    listener: TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    TcpListenerStream::new(listener).map(|s| {
+        let s = s?;
+        s.set_nodelay(true)?;
+        Ok(s)
+    })
 }
 
 /// A token cancelled on SIGTERM or Ctrl-C.

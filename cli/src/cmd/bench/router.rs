@@ -165,7 +165,7 @@ async fn serve_fake(
         let _ = tonic::transport::Server::builder()
             .add_routes(routes)
             .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(l),
+                duet_serving::server::nodelay_incoming(l),
                 cancel.cancelled_owned(),
             )
             .await;

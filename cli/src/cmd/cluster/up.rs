@@ -89,6 +89,17 @@ pub struct UpArgs {
     /// How long in-flight requests may finish after SIGTERM.
     #[arg(long, env = "DUET_DRAIN", default_value = "10s", value_parser = parse_duration)]
     pub drain: Duration,
+    /// How KV moves between the workers of this process: handed over in memory (`local`)
+    /// or over loopback tcp, as between hosts (`tcp`, to measure the transport).
+    #[arg(long, env = "DUET_KV_TRANSPORT", value_enum, default_value = "local")]
+    pub kv_transport: KvTransport,
+}
+
+/// KV transport inside `duet up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvTransport {
+    Local,
+    Tcp,
 }
 
 fn load(m: &ModelArgs) -> anyhow::Result<Arc<Model>> {
@@ -132,7 +143,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             registration: RegistrationOptions::default(),
             grpc,
             advertise_host: "127.0.0.1".into(),
-            hub: Some((hub.clone(), tag.clone())),
+            hub: (a.kv_transport == KvTransport::Local).then(|| (hub.clone(), tag.clone())),
             drain: a.drain,
         };
         for i in 0..a.decode_workers {
