@@ -274,6 +274,13 @@ async fn attempt_once(
         }
     };
 
+    let span = tracing::Span::current();
+    span.record("decode_worker", decoder.id.as_str());
+    span.record("placement", placement.as_str_name());
+    span.record("routing_reason", reason.as_str());
+    if let Some(p) = &prefill_choice {
+        span.record("prefill_worker", p.id.as_str());
+    }
     let mut timings = pb::Timings {
         queue_seconds,
         placement: placement as i32,

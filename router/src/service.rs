@@ -106,7 +106,18 @@ impl pb::generation_server::Generation for GenerationService {
             req.request_id.clone()
         };
         let (tx, rx) = tokio::sync::mpsc::channel(64);
-        let span = tracing::info_span!("generate", request_id, client_id = %client_id, prompt_tokens = prep.prompt.len());
+        // The placement fields are filled in when the request is placed, so the decision
+        // (which workers, local or remote prefill, and why) is on the request's span.
+        let span = tracing::info_span!(
+            "generate",
+            request_id,
+            client_id = %client_id,
+            prompt_tokens = prep.prompt.len(),
+            decode_worker = tracing::field::Empty,
+            prefill_worker = tracing::field::Empty,
+            placement = tracing::field::Empty,
+            routing_reason = tracing::field::Empty,
+        );
         let job = Job {
             request_id,
             client_id,
