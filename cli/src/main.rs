@@ -29,7 +29,7 @@ enum Command {
     Decode(cmd::cluster::up::DecodeCmd),
     /// Stream a completion from a running router.
     Generate(cmd::cluster::client::GenerateArgs),
-    /// The workers of a cluster and their capacity (from etcd).
+    /// The workers of a cluster and their capacity (from etcd or from a router).
     Status(cmd::cluster::client::StatusArgs),
     /// Benchmarks.
     #[command(subcommand)]

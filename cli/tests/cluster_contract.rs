@@ -479,3 +479,42 @@ fn prompt_larger_than_every_kv_pool_fails_fast() {
     );
     assert!(s.message().contains("prompt"), "{s:?}");
 }
+
+/// `duet status --router` prints the router's view: one record per worker with its role,
+/// address and published capacity.
+#[test]
+fn status_from_the_router_lists_every_worker_with_capacity() {
+    let url = url();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_duet"))
+        .args(["status", "--router", &url])
+        .output()
+        .expect("duet status");
+    assert!(
+        o.status.success(),
+        "duet status: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let records: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON record per line"))
+        .collect();
+    let roles: Vec<&str> = records
+        .iter()
+        .map(|r| r["role"].as_str().unwrap_or_default())
+        .collect();
+    assert!(
+        roles.contains(&"prefill") && roles.contains(&"decode"),
+        "{records:?}"
+    );
+    for r in &records {
+        assert!(r["grpc_addr"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("http://127.0.0.1:"));
+        assert!(
+            r["capacity"]["kv_blocks_total"].as_u64().unwrap_or(0) > 0,
+            "{r}"
+        );
+        assert_eq!(r["fingerprint"], records[0]["fingerprint"], "one model");
+    }
+}

@@ -20,4 +20,4 @@ pub mod workers;
 
 pub use config::{Mode, RouterConfig};
 pub use error::RouterError;
-pub use service::GenerationService;
+pub use service::{ClusterService, GenerationService};

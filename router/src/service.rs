@@ -181,3 +181,43 @@ impl pb::generation_server::Generation for GenerationService {
         }))
     }
 }
+
+/// `duet.v1.Cluster`: the workers in the router's registry view (what `duet status
+/// --router` prints).
+#[derive(Clone)]
+pub struct ClusterService {
+    view: ClusterView,
+}
+
+impl ClusterService {
+    pub fn new(view: ClusterView) -> Self {
+        ClusterService { view }
+    }
+
+    /// The tonic server wrapper.
+    pub fn into_server(self) -> pb::cluster_server::ClusterServer<Self> {
+        pb::cluster_server::ClusterServer::new(self)
+    }
+}
+
+#[tonic::async_trait]
+impl pb::cluster_server::Cluster for ClusterService {
+    async fn list_workers(
+        &self,
+        _: Request<pb::ListWorkersRequest>,
+    ) -> Result<Response<pb::ListWorkersResponse>, Status> {
+        let snap = self.view.snapshot();
+        let mut records_json = Vec::with_capacity(snap.workers.len());
+        for w in snap.workers.values() {
+            let bytes = w
+                .to_json()
+                .map_err(|e| Status::internal(format!("encoding a worker record: {e}")))?;
+            records_json.push(String::from_utf8_lossy(&bytes).into_owned());
+        }
+        Ok(Response::new(pb::ListWorkersResponse {
+            records_json,
+            stale: snap.stale,
+            revision: snap.revision,
+        }))
+    }
+}

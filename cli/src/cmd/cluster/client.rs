@@ -154,16 +154,38 @@ fn status_err(s: tonic::Status) -> anyhow::Error {
 
 #[derive(Args, Debug)]
 pub struct StatusArgs {
+    /// Ask a router for the workers it routes to (instead of reading etcd).
+    #[arg(long, env = "DUET_ROUTER", conflicts_with = "etcd")]
+    pub router: Option<String>,
     #[command(flatten)]
     pub registry: RegistryArgs,
 }
 
-/// Prints one JSON line per registered worker.
+/// Prints one JSON line per worker (its registry record), from etcd or from a router.
 pub fn status(a: StatusArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async move {
+        if let Some(url) = &a.router {
+            let mut c = duet_proto::v1::cluster_client::ClusterClient::connect(url.clone())
+                .await
+                .with_context(|| format!("connecting to {url}"))?;
+            let r = c
+                .list_workers(pb::ListWorkersRequest {})
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            if r.stale {
+                eprintln!(
+                    "duet status: the router cannot reach its registry; this is its last view"
+                );
+            }
+            for rec in r.records_json {
+                println!("{rec}");
+            }
+            return Ok(());
+        }
         let registry = a.registry.connect().await?;
         let listing = registry
             .list(&workers_prefix(&a.registry.cluster))

@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::Args;
 use duet_discovery::{ClusterView, Registry};
 use duet_engine::TextFrontend;
-use duet_router::{GenerationService, RouterConfig};
+use duet_router::{ClusterService, GenerationService, RouterConfig};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -88,8 +88,16 @@ pub async fn run_router(
     drain: Duration,
 ) -> anyhow::Result<()> {
     let view = ClusterView::start(registry, cluster, shutdown.child_token());
+    let ops = ClusterService::new(view.clone());
     let svc = GenerationService::new(front, cfg, view);
-    let routes = tonic::service::Routes::new(svc.into_server());
-    duet_serving::server::serve(listener, routes, &["duet.v1.Generation"], shutdown, drain).await?;
+    let routes = tonic::service::Routes::new(svc.into_server()).add_service(ops.into_server());
+    duet_serving::server::serve(
+        listener,
+        routes,
+        &["duet.v1.Generation", "duet.v1.Cluster"],
+        shutdown,
+        drain,
+    )
+    .await?;
     Ok(())
 }
