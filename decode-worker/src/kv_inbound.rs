@@ -23,7 +23,6 @@ use crate::handle::DecodeHandle;
 /// Collects the regions of the layer frame being received.
 pub struct StagingSink {
     handle: DecodeHandle,
-    request: Option<u64>,
     layer: Option<u32>,
     regions: Vec<(u32, duet_engine::KvKind, Vec<u8>)>,
     adopted: Vec<(u32, duet_engine::KvKind, Bytes)>,
@@ -43,7 +42,6 @@ impl StagingSink {
         let region_bytes = handle.layout().region_bytes();
         StagingSink {
             handle,
-            request: None,
             layer: None,
             regions: Vec::new(),
             adopted: Vec::new(),
@@ -101,7 +99,6 @@ impl KvSink for StagingSink {
     }
 
     fn layer_done(&mut self, request_id: u64, layer: u32) {
-        self.request = Some(request_id);
         let mut regions: Vec<(u32, duet_engine::KvKind, Bytes)> = std::mem::take(&mut self.adopted);
         regions.extend(
             self.regions

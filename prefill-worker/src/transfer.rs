@@ -74,12 +74,6 @@ async fn run(
     let mut first_layer: Option<Instant> = None;
     let mut bytes = 0u64;
     while let Some(msg) = rx.recv().await {
-        if failed.is_some() {
-            match msg {
-                Msg::Complete(..) | Msg::Fail(_) => break,
-                _ => continue,
-            }
-        }
         let r = match msg {
             Msg::Begin(desc) => begin(&connector, &endpoint, &mut sender, desc).await,
             Msg::Layer { layer, k, v } => {

@@ -185,6 +185,16 @@ fn kv_endpoint_for(offered: &[pb::KvEndpoint], prefill: &WorkerRecord) -> Option
     offered.iter().find(|e| e.transport == "tcp").cloned()
 }
 
+/// Asks decode worker `addr` to free request `id` (bounded wait; errors are ignored: the
+/// worker also frees sequences whose stream closed and reservations that expire).
+async fn release_decode(workers: &Workers, addr: &str, id: u64) {
+    if let Ok(mut c) = workers.decode(addr) {
+        let mut req = tonic::Request::new(pb::ReleaseRequest { request_id: id });
+        req.set_timeout(Duration::from_secs(2));
+        let _ = c.release(req).await;
+    }
+}
+
 async fn attempt_once(
     shared: &Shared,
     job: &mut Job,
@@ -266,13 +276,9 @@ async fn attempt_once(
     job.slot.release();
     let queue_seconds = job.arrival.elapsed().as_secs_f64();
     let mut dclient = shared.workers.decode(&decoder.grpc_addr)?;
-    let release = |id: u64, addr: String, workers: Arc<Workers>| async move {
-        if let Ok(mut c) = workers.decode(&addr) {
-            let mut req = tonic::Request::new(pb::ReleaseRequest { request_id: id });
-            req.set_timeout(Duration::from_secs(2));
-            let _ = c.release(req).await;
-        }
-    };
+    let request_id = job.request_id;
+    // Frees whatever the decode worker holds for this request (idempotent there).
+    let release = || release_decode(&shared.workers, &decoder.grpc_addr, request_id);
 
     let span = tracing::Span::current();
     span.record("decode_worker", decoder.id.as_str());
@@ -292,12 +298,7 @@ async fn attempt_once(
     let prefill = if let (Some(p), Some(res)) = (&prefill_choice, &reservation) {
         timings.prefill_worker = p.id.clone();
         let Some(endpoint) = kv_endpoint_for(&res.kv_endpoints, p) else {
-            release(
-                job.request_id,
-                decoder.grpc_addr.clone(),
-                shared.workers.clone(),
-            )
-            .await;
+            release().await;
             return Err(RouterError::NoWorker {
                 role: "decode",
                 reason: format!(
@@ -323,7 +324,7 @@ async fn attempt_once(
             _ = out.closed() => {
                 let mut c = pclient.clone();
                 let _ = c.cancel(pb::ReleaseRequest { request_id: job.request_id }).await;
-                release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                release().await;
                 return Ok(Outcome::ClientGone);
             }
         };
@@ -340,12 +341,7 @@ async fn attempt_once(
                 })
             }
             Err(s) => {
-                release(
-                    job.request_id,
-                    decoder.grpc_addr.clone(),
-                    shared.workers.clone(),
-                )
-                .await;
+                release().await;
                 return Err(worker_err(p, s));
             }
         }
@@ -358,7 +354,7 @@ async fn attempt_once(
         tonic::Request::new(pb::DecodeRequest {
             request_id: job.request_id,
             prompt: job.prep.prompt.clone(),
-            sampling: Some(sampling_to_proto(&job.prep.params.sampling)),
+            sampling,
             max_tokens: job.prep.params.max_tokens as u32,
             stop: job.prep.params.stop.clone(),
             priority: job.prep.priority as i32,
@@ -368,12 +364,7 @@ async fn attempt_once(
     let mut stream = match dclient.generate(req).await {
         Ok(s) => s.into_inner(),
         Err(s) => {
-            release(
-                job.request_id,
-                decoder.grpc_addr.clone(),
-                shared.workers.clone(),
-            )
-            .await;
+            release().await;
             return Err(worker_err(&decoder, s));
         }
     };
@@ -389,12 +380,12 @@ async fn attempt_once(
             m = stream.message() => m,
             _ = out.closed() => {
                 drop(stream);
-                release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                release().await;
                 return Ok(Outcome::ClientGone);
             }
             _ = &mut deadline => {
                 drop(stream);
-                release(job.request_id, decoder.grpc_addr.clone(), shared.workers.clone()).await;
+                release().await;
                 return Err(RouterError::Deadline("while generating"));
             }
         };
@@ -402,24 +393,14 @@ async fn attempt_once(
             Ok(Some(pb::DecodeEvent { event: Some(ev) })) => ev,
             Ok(Some(pb::DecodeEvent { event: None })) => continue,
             Ok(None) => {
-                release(
-                    job.request_id,
-                    decoder.grpc_addr.clone(),
-                    shared.workers.clone(),
-                )
-                .await;
+                release().await;
                 return Err(RouterError::Worker {
                     worker: format!("decode {}", decoder.id),
                     status: Status::unavailable("stream ended without a final message"),
                 });
             }
             Err(s) => {
-                release(
-                    job.request_id,
-                    decoder.grpc_addr.clone(),
-                    shared.workers.clone(),
-                )
-                .await;
+                release().await;
                 return Err(worker_err(&decoder, s));
             }
         };
@@ -432,12 +413,7 @@ async fn attempt_once(
                 let r = response(&job.client_id, pb::generate_response::Event::Token(t));
                 if out.send(Ok(r)).await.is_err() {
                     drop(stream);
-                    release(
-                        job.request_id,
-                        decoder.grpc_addr.clone(),
-                        shared.workers.clone(),
-                    )
-                    .await;
+                    release().await;
                     return Ok(Outcome::ClientGone);
                 }
             }

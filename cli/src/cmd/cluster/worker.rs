@@ -69,6 +69,46 @@ async fn serve_until(
     Ok(())
 }
 
+/// Registers `rec` with its current capacity, then hands the live numbers to the
+/// registration every [`CAPACITY_POLL`] (it coalesces them) until `stop` fires.
+async fn register_and_publish(
+    env: &WorkerEnv,
+    mut rec: WorkerRecord,
+    stop: CancellationToken,
+    capacity: impl Fn() -> Capacity + Send + 'static,
+) -> Result<Arc<Registration>, duet_discovery::Error> {
+    rec.capacity = capacity();
+    let reg = Arc::new(
+        Registration::start(
+            env.registry.clone(),
+            rec,
+            env.registration.clone(),
+            stop.clone(),
+        )
+        .await?,
+    );
+    let publisher = reg.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(CAPACITY_POLL);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => publisher.update_capacity(capacity()),
+            }
+        }
+    });
+    Ok(reg)
+}
+
+/// The address routers reach this worker's gRPC service at.
+fn grpc_addr(env: &WorkerEnv) -> std::io::Result<String> {
+    Ok(format!(
+        "http://{}:{}",
+        env.advertise_host,
+        env.grpc.local_addr()?.port()
+    ))
+}
+
 /// Runs a decode worker until `shutdown` fires.
 pub async fn run_decode(
     env: WorkerEnv,
@@ -89,11 +129,7 @@ pub async fn run_decode(
         engine_stop.clone(),
     )?;
     let tcfg = env.kv.transfer_config(&env.model)?;
-    let grpc_addr = format!(
-        "http://{}:{}",
-        env.advertise_host,
-        env.grpc.local_addr()?.port()
-    );
+    let grpc_addr = grpc_addr(&env)?;
     let mut endpoints = Vec::new();
     if let Some(l) = &kv_tcp {
         endpoints.push(KvEndpoint {
@@ -120,31 +156,12 @@ pub async fn run_decode(
     ));
     let mut rec = record(&env, Role::Decode, &id, &grpc_addr);
     rec.kv_endpoints = endpoints.clone();
-    rec.capacity = decode_capacity(&handle);
-    let reg = Registration::start(
-        env.registry.clone(),
-        rec,
-        env.registration.clone(),
-        engine_stop.clone(),
-    )
+    let reg = register_and_publish(&env, rec, engine_stop.clone(), {
+        let handle = handle.clone();
+        move || decode_capacity(&handle)
+    })
     .await
     .context("registering the decode worker")?;
-    let reg = Arc::new(reg);
-    let publisher = {
-        let handle = handle.clone();
-        let reg_status = reg.clone();
-        let stop = engine_stop.clone();
-        async move {
-            let mut tick = tokio::time::interval(CAPACITY_POLL);
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tick.tick() => reg_status.update_capacity(decode_capacity(&handle)),
-                }
-            }
-        }
-    };
-    tokio::spawn(publisher);
     println!(
         "duet: decode worker {id} serving gRPC on {grpc_addr}, KV on {}",
         endpoints
@@ -207,11 +224,7 @@ pub async fn run_prefill(
         tokio::runtime::Handle::current(),
         engine_stop.clone(),
     )?;
-    let grpc_addr = format!(
-        "http://{}:{}",
-        env.advertise_host,
-        env.grpc.local_addr()?.port()
-    );
+    let grpc_addr = grpc_addr(&env)?;
     let mut rec = record(&env, Role::Prefill, &id, &grpc_addr);
     if let Some((_, tag)) = &env.hub {
         // "Reaches the local KV listeners of process `tag`".
@@ -220,31 +233,12 @@ pub async fn run_prefill(
             address: tag.clone(),
         });
     }
-    rec.capacity = prefill_capacity(&handle);
-    let reg = Registration::start(
-        env.registry.clone(),
-        rec,
-        env.registration.clone(),
-        engine_stop.clone(),
-    )
+    let reg = register_and_publish(&env, rec, engine_stop.clone(), {
+        let handle = handle.clone();
+        move || prefill_capacity(&handle)
+    })
     .await
     .context("registering the prefill worker")?;
-    let reg = Arc::new(reg);
-    let publisher = {
-        let handle = handle.clone();
-        let reg_status = reg.clone();
-        let stop = engine_stop.clone();
-        async move {
-            let mut tick = tokio::time::interval(CAPACITY_POLL);
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tick.tick() => reg_status.update_capacity(prefill_capacity(&handle)),
-                }
-            }
-        }
-    };
-    tokio::spawn(publisher);
     println!("duet: prefill worker {id} serving gRPC on {grpc_addr}");
     let routes = tonic::service::Routes::new(PrefillService::new(handle, id).into_server());
     serve_until(env, routes, "duet.v1.Prefill", reg, shutdown).await
