@@ -1,6 +1,7 @@
 # duet: the two entry points a newcomer needs, plus helpers.
 #   make up    fetch the model if missing, build release, start the all-in-one server
-#   make test  install what the suite needs, fetch the model, run every test
+#   make test  install what the suite needs, fetch the model, run every test (Rust suite,
+#              then the offline checks of deploy/: Helm chart, dashboard, alert rules)
 
 SHELL := /bin/bash
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -19,6 +20,7 @@ up: deps model
 
 test: deps model
 	$(CARGO) test --workspace --no-fail-fast
+	./scripts/check-deploy.sh
 
 model:
 	./scripts/fetch-model.sh

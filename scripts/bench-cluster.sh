@@ -24,7 +24,7 @@ measure_up() { # label, extra args...
   local label=$1; shift
   local port; port=$(free_port)
   local log; log=$(mktemp)
-  $BIN up --model $MODEL --listen 127.0.0.1:$port --kv-pool 256MiB "$@" >"$log" 2>&1 &
+  $BIN up --model $MODEL --listen 127.0.0.1:$port --http-listen 127.0.0.1:0 --kv-pool 256MiB "$@" >"$log" 2>&1 &
   local pid=$!
   for _ in $(seq 600); do grep -q "router listening" "$log" && break; sleep 0.1; done
   # Warm-up (first-touch of pools and caches).

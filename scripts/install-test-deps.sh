@@ -13,6 +13,8 @@ fi
 command -v protoc >/dev/null || need_apt+=(protobuf-compiler)
 command -v iperf3 >/dev/null || need_apt+=(iperf3)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
+# Prometheus and promtool: the observability tests scrape a live cluster with them.
+command -v promtool >/dev/null && command -v prometheus >/dev/null || need_apt+=(prometheus)
 
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then

@@ -11,8 +11,23 @@ use clap::{Parser, Subcommand};
     about = "Disaggregated prefill/decode LLM serving"
 )]
 struct Cli {
+    /// Log line format (level filter: DUET_LOG, e.g. `info` or `duet_router=debug`).
+    #[arg(
+        long,
+        global = true,
+        env = "DUET_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    log_format: LogFormatArg,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum LogFormatArg {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -37,16 +52,14 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DUET_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        // Colour codes only on a terminal (not in log files or CI output).
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
+    let format = match cli.log_format {
+        LogFormatArg::Text => duet_telemetry::LogFormat::Text,
+        LogFormatArg::Json => duet_telemetry::LogFormat::Json,
+    };
+    if let Err(e) = duet_telemetry::init_logs(format) {
+        eprintln!("duet: warning: {e}");
+    }
     let res = match cli.command {
         Command::Run(args) => cmd::run::run(args),
         Command::Bench(b) => cmd::bench::run(b),

@@ -66,7 +66,13 @@ const FLAGS: &[&str] = &[
 // never waited on.
 #[allow(clippy::zombie_processes)]
 fn start() -> Cluster {
-    let mut args = vec!["up", "--listen", "127.0.0.1:0"];
+    let mut args = vec![
+        "up",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+    ];
     args.extend_from_slice(FLAGS);
     let p = Proc::start("up", &args);
     let url = p.wait_for("router listening on", support::START);

@@ -16,6 +16,9 @@ use duet_kv_transfer::backend::tcp::TcpReceiver;
 use duet_kv_transfer::{
     AnyReceiver, KvKind as WireKind, KvReceiver, KvSink, LocalHub, SinkError, TransferConfig,
 };
+use duet_telemetry::names::{
+    KV_TRANSFER_BYTES_TOTAL, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_TRANSFERS_TOTAL,
+};
 use tokio_util::sync::CancellationToken;
 
 use crate::handle::DecodeHandle;
@@ -122,9 +125,21 @@ pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: Can
         match r {
             Ok(receipt) => {
                 let d = &receipt.desc;
+                metrics::counter!(KV_TRANSFER_BYTES_TOTAL, "direction" => "received")
+                    .increment(receipt.payload_bytes);
+                metrics::counter!(KV_TRANSFER_TRANSFERS_TOTAL, "direction" => "received")
+                    .increment(1);
                 handle.transfer_done(d.request_id, (d.token_start + d.token_count) as usize);
             }
             Err(e) => {
+                if !matches!(e, duet_kv_transfer::Error::PeerClosed { .. }) {
+                    metrics::counter!(
+                        KV_TRANSFER_FAILURES_TOTAL,
+                        "direction" => "received",
+                        "reason" => e.class().as_str()
+                    )
+                    .increment(1);
+                }
                 if let duet_kv_transfer::Error::Aborted { request_id, .. } = &e {
                     handle.transfer_failed(*request_id, e.to_string());
                     // The connection stays usable after an aborted transfer.

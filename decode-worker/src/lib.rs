@@ -16,6 +16,7 @@ pub mod config;
 pub mod error;
 pub mod handle;
 pub mod kv_inbound;
+mod metrics;
 mod scheduler;
 pub mod service;
 

@@ -31,6 +31,7 @@ use crate::error::DecodeError;
 use crate::handle::{
     secs, Cmd, DecodeStatus, Done, Event, GenerateJob, PrefillSource, Priority, ReservedBlocks,
 };
+use crate::metrics::DecodeMetrics;
 
 /// How long the idle engine thread waits for a command before re-checking deadlines.
 const IDLE_POLL: Duration = Duration::from_millis(20);
@@ -89,6 +90,7 @@ pub(crate) struct Scheduler {
     active: Vec<Seq>,
     waiting: VecDeque<Seq>,
     tokens_per_second: f64,
+    metrics: DecodeMetrics,
 }
 
 impl Scheduler {
@@ -103,6 +105,7 @@ impl Scheduler {
     ) -> Scheduler {
         let layout = model.kv_layout(kv.block_size, kv.dtype);
         let cache = KvCache::new(layout, kv.num_blocks);
+        let cfg_id = cfg.id.clone();
         let s = Scheduler {
             model,
             cache,
@@ -115,6 +118,7 @@ impl Scheduler {
             active: Vec::new(),
             waiting: VecDeque::new(),
             tokens_per_second: 0.0,
+            metrics: DecodeMetrics::new(&cfg_id),
         };
         s.publish();
         s
@@ -172,6 +176,11 @@ impl Scheduler {
                 tokens_per_second: self.tokens_per_second,
             };
         }
+        let m = &self.metrics;
+        m.running.set(self.active.len() as f64);
+        m.waiting.set(self.waiting.len() as f64);
+        m.kv_used.set(self.cache.used_blocks() as f64);
+        m.kv_total.set(self.cache.total_blocks() as f64);
     }
 
     fn known(&self, id: u64) -> bool {
@@ -417,7 +426,10 @@ impl Scheduler {
         let mut ended = Vec::new();
         for (&id, r) in &self.reservations {
             match &r.claim {
-                None if now >= r.expires => ended.push((id, None)),
+                None if now >= r.expires => {
+                    self.metrics.reservations_expired.increment(1);
+                    ended.push((id, None));
+                }
                 Some((seq, _, claimed)) => {
                     if seq.events.is_closed() {
                         ended.push((id, None));
@@ -638,6 +650,7 @@ impl Scheduler {
             },
         };
         s.preemptions += 1;
+        self.metrics.preemptions.increment(1);
         s.first_preempted_at
             .get_or_insert(s.gen.generated().len() as u32);
         tracing::info!(parent: &s.span, request_id = s.id, "preempted: KV pool full");
@@ -686,6 +699,13 @@ impl Scheduler {
                 },
             })
             .collect();
+        // What this step reads: every weight once, and each sequence's whole KV so far.
+        let kv_tokens: usize = plan
+            .iter()
+            .map(|&(i, n)| self.cache.sequence_len(self.active[i].id).unwrap_or(0) + n)
+            .sum();
+        let read_bytes =
+            self.model.weight_bytes_per_step() + kv_tokens * self.cache.layout().bytes_per_token();
         let t0 = Instant::now();
         let result = self.model.forward(&mut self.cache, &chunks);
         drop(chunks);
@@ -709,6 +729,12 @@ impl Scheduler {
             }
         };
         let dt = t0.elapsed().as_secs_f64();
+        self.metrics.batch_size.record(plan.len() as f64);
+        self.metrics.step_seconds.record(dt);
+        self.metrics.read_bytes.increment(read_bytes as u64);
+        if dt > 0.0 {
+            self.metrics.bandwidth.set(read_bytes as f64 / dt);
+        }
         let mut generated = 0usize;
         let ctx = self.model.config.context_length;
         let mut ended: Vec<(usize, Option<TokenStep>)> = Vec::new();
@@ -764,6 +790,7 @@ impl Scheduler {
                 self.finish(s, f);
             }
         }
+        self.metrics.generated.increment(generated as u64);
         if dt > 0.0 {
             let rate = generated as f64 / dt;
             self.tokens_per_second = 0.9 * self.tokens_per_second + 0.1 * rate;

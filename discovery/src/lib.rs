@@ -16,12 +16,11 @@
 //! - Every registry call is bounded by a deadline and every background loop stops on its
 //!   [`CancellationToken`](tokio_util::sync::CancellationToken).
 //! - This crate never installs a metrics exporter; it records through the `metrics` facade
-//!   under the names in [`metrics_names`].
+//!   under the names in `duet_telemetry::names`.
 
 mod error;
 mod etcd;
 mod memory;
-pub mod metrics_names;
 mod record;
 mod registration;
 mod registry;
@@ -30,7 +29,6 @@ mod view;
 pub use error::{BoxError, Error, ErrorClass, Result};
 pub use etcd::{EtcdOptions, EtcdRegistry};
 pub use memory::{MemoryRegistry, DEFAULT_HISTORY_LIMIT};
-pub use metrics_names::describe_metrics;
 pub use record::{
     now_ms, parse_worker_key, role_prefix, worker_key, workers_prefix, Capacity, KvEndpoint, Role,
     WorkerRecord, RECORD_VERSION,

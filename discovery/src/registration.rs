@@ -32,9 +32,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::error::{Error, Result};
-use crate::metrics_names::{LEASE_FAILURES_TOTAL, LEASE_RENEWALS_TOTAL, REGISTRATIONS_TOTAL};
 use crate::record::{now_ms, Capacity, WorkerRecord, RECORD_VERSION};
 use crate::registry::{with_timeout, Lease, LeaseId, Registry};
+use duet_telemetry::names::{LEASE_FAILURES_TOTAL, LEASE_RENEWALS_TOTAL, REGISTRATIONS_TOTAL};
 
 /// Tuning of a [`Registration`].
 #[derive(Debug, Clone)]

@@ -25,9 +25,9 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{debug, info, warn};
 
 use crate::error::{Error, Result};
-use crate::metrics_names::{VIEW_STALE, VIEW_WORKERS, WATCH_RESTARTS_TOTAL};
 use crate::record::{parse_worker_key, workers_prefix, Role, WorkerRecord};
 use crate::registry::{with_timeout, Listing, Registry, WatchEvent, WatchStream};
+use duet_telemetry::names::{ROUTER_WORKERS, VIEW_STALE, WATCH_RESTARTS_TOTAL};
 
 /// Tuning of a [`ClusterView`].
 #[derive(Debug, Clone)]
@@ -218,8 +218,12 @@ impl ViewTask {
     fn export_gauges(&self) {
         metrics::gauge!(VIEW_STALE).set(if self.snap.stale { 1.0 } else { 0.0 });
         for role in Role::ALL {
-            let n = self.snap.workers(role).count();
-            metrics::gauge!(VIEW_WORKERS, "role" => role.as_str()).set(n as f64);
+            let draining = self.snap.workers(role).filter(|w| w.draining).count();
+            let ready = self.snap.workers(role).count() - draining;
+            for (state, n) in [("ready", ready), ("draining", draining)] {
+                metrics::gauge!(ROUTER_WORKERS, "role" => role.as_str(), "state" => state)
+                    .set(n as f64);
+            }
         }
     }
 

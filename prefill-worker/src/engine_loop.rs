@@ -20,6 +20,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::PrefillError;
+use crate::metrics::PrefillMetrics;
 use crate::transfer::{self, Msg, Reply};
 
 /// Prefill worker settings.
@@ -118,6 +119,7 @@ impl PrefillHandle {
             queue: VecDeque::new(),
             running: Vec::new(),
             tokens_per_second: 0.0,
+            metrics: PrefillMetrics::new(&cfg.id),
         };
         std::thread::Builder::new()
             .name(format!("{}-engine", cfg.id))
@@ -188,6 +190,7 @@ struct Engine {
     queue: VecDeque<Queued>,
     running: Vec<Running>,
     tokens_per_second: f64,
+    metrics: PrefillMetrics,
 }
 
 const IDLE_POLL: Duration = Duration::from_millis(20);
@@ -221,21 +224,27 @@ impl Engine {
         }
     }
 
-    fn publish(&self) {
+    fn publish(&mut self) {
+        let queued_prefill_tokens: u64 = self
+            .queue
+            .iter()
+            .map(|q| q.job.prompt.len() as u64)
+            .chain(
+                self.running
+                    .iter()
+                    .map(|r| (r.job.prompt.len() - r.done) as u64),
+            )
+            .sum();
+        self.metrics
+            .queue_depth
+            .set((self.queue.len() + self.running.len()) as f64);
+        self.metrics.queued_tokens.set(queued_prefill_tokens as f64);
+        self.metrics.tick();
         if let Ok(mut s) = self.status.lock() {
             *s = PrefillStatus {
                 queued: self.queue.len() as u32,
                 running: self.running.len() as u32,
-                queued_prefill_tokens: self
-                    .queue
-                    .iter()
-                    .map(|q| q.job.prompt.len() as u64)
-                    .chain(
-                        self.running
-                            .iter()
-                            .map(|r| (r.job.prompt.len() - r.done) as u64),
-                    )
-                    .sum(),
+                queued_prefill_tokens,
                 kv_blocks_total: self.cache.total_blocks() as u64,
                 kv_blocks_free: self.cache.free_blocks() as u64,
                 tokens_per_second: self.tokens_per_second,
@@ -457,8 +466,10 @@ impl Engine {
         };
         let result = self.model.forward_with(&mut self.cache, &chunks, &mut hook);
         drop(chunks);
-        let dt = t0.elapsed().as_secs_f64();
+        let elapsed = t0.elapsed();
+        let dt = elapsed.as_secs_f64();
         let tokens: usize = plan.iter().map(|p| p.2).sum();
+        self.metrics.forward(tokens, elapsed);
         if dt > 0.0 {
             self.tokens_per_second = 0.8 * self.tokens_per_second + 0.2 * tokens as f64 / dt;
         }

@@ -57,8 +57,18 @@ impl pb::prefill_server::Prefill for PrefillService {
                 batch: r.priority == pb::Priority::Batch as i32,
                 span,
             })
-            .await
-            .map_err(|e| e.status())?;
+            .await;
+        let res = match res {
+            Ok(r) => {
+                let total = r.queue_seconds + r.prefill_seconds + r.kv_transfer_seconds;
+                crate::metrics::request_done(&self.id, "ok", Some(total));
+                r
+            }
+            Err(e) => {
+                crate::metrics::request_done(&self.id, e.class().label(), None);
+                return Err(e.status());
+            }
+        };
         Ok(Response::new(pb::PrefillResponse {
             first_token: res.first_token,
             queue_seconds: res.queue_seconds,

@@ -14,6 +14,11 @@ use bytes::Bytes;
 use duet_kv_transfer::{AnySender, Connector, Endpoint, KvSender, TransferDesc};
 use tokio::sync::{mpsc, oneshot};
 
+use duet_telemetry::names::{
+    KV_TRANSFER_BYTES_TOTAL, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_SECONDS,
+    KV_TRANSFER_TRANSFERS_TOTAL,
+};
+
 use crate::engine_loop::PrefillResult;
 use crate::error::PrefillError;
 
@@ -84,10 +89,13 @@ async fn run(
                 }
             }
             Msg::Finish => match sender.as_mut() {
-                Some(s) => s
-                    .finish()
-                    .await
-                    .map(|receipt| bytes += receipt.payload_bytes),
+                Some(s) => s.finish().await.map(|receipt| {
+                    bytes += receipt.payload_bytes;
+                    metrics::counter!(KV_TRANSFER_BYTES_TOTAL, "direction" => "sent")
+                        .increment(receipt.payload_bytes);
+                    metrics::counter!(KV_TRANSFER_TRANSFERS_TOTAL, "direction" => "sent")
+                        .increment(1);
+                }),
                 None => Ok(()),
             },
             Msg::Complete(mut result, compute_done) => {
@@ -97,6 +105,7 @@ async fn run(
                 result.kv_transfer_seconds = compute_done.elapsed().as_secs_f64();
                 result.kv_stream_seconds = first_layer.map_or(0.0, |t| t.elapsed().as_secs_f64());
                 result.kv_bytes = bytes;
+                metrics::histogram!(KV_TRANSFER_SECONDS).record(result.kv_stream_seconds);
                 if let Some(s) = sender.take() {
                     connector.checkin(&endpoint, s);
                 }
@@ -109,6 +118,12 @@ async fn run(
             }
         };
         if let Err(e) = r {
+            metrics::counter!(
+                KV_TRANSFER_FAILURES_TOTAL,
+                "direction" => "sent",
+                "reason" => e.class().as_str()
+            )
+            .increment(1);
             // Stop at once: dropping the channel tells the engine to abandon the prefill.
             failed = Some(PrefillError::Transfer(e));
             break;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use duet_proto::v1::Priority;
 
 use crate::error::RouterError;
+use duet_telemetry::names::ROUTER_QUEUED;
 
 /// Waiting counts per class.
 #[derive(Debug)]
@@ -29,6 +30,7 @@ impl QueueSlot {
     pub fn release(&mut self) {
         if std::mem::take(&mut self.held) {
             self.adm.waiting[self.class].fetch_sub(1, Ordering::SeqCst);
+            metrics::gauge!(ROUTER_QUEUED, "priority" => CLASS_NAMES[self.class]).decrement(1.0);
         }
     }
 }
@@ -39,11 +41,12 @@ impl Drop for QueueSlot {
     }
 }
 
-fn class(p: Priority) -> (usize, &'static str) {
-    match p {
-        Priority::Batch => (1, "batch"),
-        _ => (0, "interactive"),
-    }
+const CLASS_NAMES: [&str; 2] = ["interactive", "batch"];
+
+/// The class index and bounded label of a priority.
+pub fn class(p: Priority) -> (usize, &'static str) {
+    let c = usize::from(p == Priority::Batch);
+    (c, CLASS_NAMES[c])
 }
 
 impl Admission {
@@ -66,6 +69,7 @@ impl Admission {
                 retry_after_ms: 500,
             });
         }
+        metrics::gauge!(ROUTER_QUEUED, "priority" => name).increment(1.0);
         Ok(QueueSlot {
             adm: self.clone(),
             class: c,

@@ -13,8 +13,10 @@ pub mod admission;
 pub mod config;
 pub mod error;
 pub mod frontend;
+pub mod http;
 pub mod placement;
 pub mod relay;
+pub mod request_metrics;
 pub mod service;
 pub mod workers;
 

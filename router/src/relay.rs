@@ -21,6 +21,7 @@ use crate::config::{Mode, RouterConfig};
 use crate::error::RouterError;
 use crate::frontend::Prepared;
 use crate::placement::{decode_candidates, prefill_candidates};
+use crate::request_metrics::RequestMetrics;
 use crate::workers::Workers;
 
 /// What every request shares.
@@ -40,6 +41,7 @@ pub struct Job {
     pub slot: QueueSlot,
     pub arrival: Instant,
     pub deadline: Option<Instant>,
+    pub metrics: RequestMetrics,
 }
 
 #[derive(Default)]
@@ -60,15 +62,19 @@ pub async fn run(shared: Arc<Shared>, mut job: Job, out: Out) {
     loop {
         attempt += 1;
         match attempt_once(&shared, &mut job, &out, &mut progress).await {
-            Ok(Outcome::Finished) | Ok(Outcome::ClientGone) => return,
+            Ok(Outcome::Finished) => return job.metrics.finish(Ok(())),
+            // Dropping the job's metrics counts the request as cancelled.
+            Ok(Outcome::ClientGone) => return,
             Err(e) => {
                 let retry =
                     e.retryable() && progress.tokens_sent == 0 && attempt < shared.cfg.max_attempts;
                 tracing::warn!(error = %e, attempt, retry, "attempt failed");
                 if !retry {
+                    job.metrics.finish(Err(e.class()));
                     let _ = out.send(Err(e.status())).await;
                     return;
                 }
+                metrics::counter!(duet_telemetry::names::ROUTER_RETRIES_TOTAL).increment(1);
             }
         }
     }
@@ -185,6 +191,15 @@ fn kv_endpoint_for(offered: &[pb::KvEndpoint], prefill: &WorkerRecord) -> Option
     offered.iter().find(|e| e.transport == "tcp").cloned()
 }
 
+/// The bounded metric label of a placement.
+fn placement_label(p: pb::PrefillPlacement) -> &'static str {
+    match p {
+        pb::PrefillPlacement::Local => "local",
+        pb::PrefillPlacement::Colocated => "colocated",
+        _ => "remote",
+    }
+}
+
 /// Asks decode worker `addr` to free request `id` (bounded wait; errors are ignored: the
 /// worker also frees sequences whose stream closed and reservations that expire).
 async fn release_decode(workers: &Workers, addr: &str, id: u64) {
@@ -274,6 +289,7 @@ async fn attempt_once(
         }));
     };
     job.slot.release();
+    job.metrics.placed(placement_label(placement));
     let queue_seconds = job.arrival.elapsed().as_secs_f64();
     let mut dclient = shared.workers.decode(&decoder.grpc_addr)?;
     let request_id = job.request_id;
@@ -410,6 +426,7 @@ async fn attempt_once(
                     progress.first_token_at = Some(Instant::now());
                 }
                 progress.tokens_sent += 1;
+                job.metrics.token();
                 let r = response(&job.client_id, pb::generate_response::Event::Token(t));
                 if out.send(Ok(r)).await.is_err() {
                     drop(stream);

@@ -8,6 +8,7 @@ use duet_discovery::{ClusterView, Role};
 use duet_engine::{ChatMessage, TextFrontend};
 use duet_proto::v1 as pb;
 use futures::Stream;
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -17,6 +18,7 @@ use crate::config::RouterConfig;
 use crate::error::RouterError;
 use crate::frontend::prepare;
 use crate::relay::{self, Job, Shared};
+use crate::request_metrics::{count_refused, Door, RequestMetrics};
 use crate::workers::Workers;
 
 /// `duet.v1.Generation`.
@@ -53,6 +55,73 @@ impl GenerationService {
             .context_length(self.front.config.context_length)
     }
 
+    /// Validates, admits and starts one generation; its events arrive on the returned
+    /// channel (tokens, then a final message or an error). Dropping the receiver cancels the
+    /// request and frees whatever it holds on the workers. Both doors (gRPC and HTTP) enter
+    /// here, so routing, admission, cancellation and metrics are the same for both.
+    pub fn start(
+        &self,
+        req: pb::GenerateRequest,
+        arrival: Instant,
+        deadline: Option<Instant>,
+        door: Door,
+    ) -> Result<mpsc::Receiver<Result<pb::GenerateResponse, Status>>, RouterError> {
+        let refused = |e: RouterError| {
+            count_refused(door, e.class());
+            e
+        };
+        let prep = prepare(
+            &self.front,
+            &self.shared.cfg.model_name,
+            self.context(),
+            &req,
+        )
+        .map_err(refused)?;
+        let slot = self.admission.enter(prep.priority).map_err(refused)?;
+        let request_id: u64 = rand::random();
+        let client_id = if req.request_id.is_empty() {
+            format!("{request_id:016x}")
+        } else {
+            req.request_id.clone()
+        };
+        let (tx, rx) = mpsc::channel(64);
+        // The placement fields are filled in when the request is placed, so the decision
+        // (which workers, local or remote prefill, and why) is on the request's span.
+        let span = tracing::info_span!(
+            "generate",
+            request_id,
+            client_id = %client_id,
+            door = door.label(),
+            prompt_tokens = prep.prompt.len(),
+            decode_worker = tracing::field::Empty,
+            prefill_worker = tracing::field::Empty,
+            placement = tracing::field::Empty,
+            routing_reason = tracing::field::Empty,
+        );
+        let metrics = RequestMetrics::start(
+            door,
+            crate::admission::class(prep.priority).1,
+            arrival,
+            prep.prompt.len(),
+        );
+        let job = Job {
+            request_id,
+            client_id,
+            prep,
+            slot,
+            arrival,
+            deadline,
+            metrics,
+        };
+        tokio::spawn(relay::run(self.shared.clone(), job, tx).instrument(span));
+        Ok(rx)
+    }
+
+    /// The model name requests must use (or leave empty).
+    pub fn model_name(&self) -> &str {
+        &self.shared.cfg.model_name
+    }
+
     /// The registry view the router routes on.
     pub fn view(&self) -> &ClusterView {
         &self.shared.view
@@ -87,46 +156,9 @@ impl pb::generation_server::Generation for GenerationService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let arrival = Instant::now();
         let deadline = grpc_timeout(req.metadata()).map(|d| arrival + d);
-        let req = req.into_inner();
-        let prep = prepare(
-            &self.front,
-            &self.shared.cfg.model_name,
-            self.context(),
-            &req,
-        )
-        .map_err(|e| e.status())?;
-        let slot = self
-            .admission
-            .enter(prep.priority)
+        let rx = self
+            .start(req.into_inner(), arrival, deadline, Door::Grpc)
             .map_err(|e| e.status())?;
-        let request_id: u64 = rand::random();
-        let client_id = if req.request_id.is_empty() {
-            format!("{request_id:016x}")
-        } else {
-            req.request_id.clone()
-        };
-        let (tx, rx) = tokio::sync::mpsc::channel(64);
-        // The placement fields are filled in when the request is placed, so the decision
-        // (which workers, local or remote prefill, and why) is on the request's span.
-        let span = tracing::info_span!(
-            "generate",
-            request_id,
-            client_id = %client_id,
-            prompt_tokens = prep.prompt.len(),
-            decode_worker = tracing::field::Empty,
-            prefill_worker = tracing::field::Empty,
-            placement = tracing::field::Empty,
-            routing_reason = tracing::field::Empty,
-        );
-        let job = Job {
-            request_id,
-            client_id,
-            prep,
-            slot,
-            arrival,
-            deadline,
-        };
-        tokio::spawn(relay::run(self.shared.clone(), job, tx).instrument(span));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 

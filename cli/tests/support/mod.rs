@@ -15,6 +15,7 @@ use duet_proto::v1::generation_client::GenerationClient;
 
 #[path = "../../../discovery/tests/support/mod.rs"]
 pub mod etcd;
+pub mod prometheus;
 
 pub fn model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -161,7 +162,15 @@ pub const START: Duration = Duration::from_secs(120);
 
 /// `duet up` on free ports; returns the process and the router URL.
 pub fn up(extra: &[&str]) -> (Proc, String) {
-    let mut args = vec!["up", "--listen", "127.0.0.1:0", "--kv-pool", "64MiB"];
+    let mut args = vec![
+        "up",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--kv-pool",
+        "64MiB",
+    ];
     args.extend_from_slice(extra);
     let p = Proc::start("up", &args);
     let url = p.wait_for("router listening on", START);
@@ -416,4 +425,100 @@ impl Cluster {
             })
             .collect()
     }
+}
+
+/// A plain HTTP/1.1 request over std's TcpStream (`Connection: close`): status and body.
+/// Enough for `/metrics`, `/health` and Prometheus's query API; no client library needed.
+pub fn http(method: &str, url: &str, body: Option<(&str, &str)>) -> (u16, String) {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").expect("http:// url");
+    let (host, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    let mut s =
+        std::net::TcpStream::connect(host).unwrap_or_else(|e| panic!("connect {host}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
+    if let Some((ctype, b)) = body {
+        req.push_str(&format!(
+            "Content-Type: {ctype}\r\nContent-Length: {}\r\n",
+            b.len()
+        ));
+        req.push_str("\r\n");
+        req.push_str(b);
+    } else {
+        req.push_str("\r\n");
+    }
+    s.write_all(req.as_bytes()).expect("write request");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read response");
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let chunked = head.lines().any(|l| {
+        l.to_ascii_lowercase()
+            .starts_with("transfer-encoding: chunked")
+    });
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    (status, body)
+}
+
+/// Decodes an HTTP/1.1 chunked body.
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
+    }
+    out
+}
+
+/// `GET url`: status and body.
+pub fn http_get(url: &str) -> (u16, String) {
+    http("GET", url, None)
+}
+
+/// Percent-encodes a query-string value.
+pub fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Sum of the samples of `name` whose labels contain every `label="value"` in `labels`,
+/// from a Prometheus text exposition.
+pub fn scrape_sum(exposition: &str, name: &str, labels: &[&str]) -> f64 {
+    exposition
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (metric, lbls) = match series.find('{') {
+                Some(i) => (&series[..i], &series[i..]),
+                None => (series, ""),
+            };
+            (metric == name && labels.iter().all(|want| lbls.contains(want)))
+                .then(|| value.parse::<f64>().ok())
+                .flatten()
+        })
+        .sum()
 }

@@ -77,27 +77,63 @@ pub fn model_name(path: &std::path::Path, flag: &Option<String>) -> String {
     })
 }
 
-/// Serves the public door on `listener` until `shutdown`.
+/// The router's listeners.
+pub struct RouterListeners {
+    /// The public gRPC door.
+    pub grpc: TcpListener,
+    /// The HTTP door (OpenAI-compatible API, `/health`, `/metrics`).
+    pub http: TcpListener,
+}
+
+/// Serves the public doors until `shutdown`.
 pub async fn run_router(
     front: Arc<TextFrontend>,
     cfg: RouterConfig,
     registry: Arc<dyn Registry>,
     cluster: String,
-    listener: TcpListener,
+    listeners: RouterListeners,
     shutdown: CancellationToken,
     drain: Duration,
 ) -> anyhow::Result<()> {
+    let metrics = duet_telemetry::install()?;
     let view = ClusterView::start(registry, cluster, shutdown.child_token());
     let ops = ClusterService::new(view.clone());
     let svc = GenerationService::new(front, cfg, view);
+    let app = duet_router::http::app(svc.clone(), duet_telemetry::metrics_router(metrics));
+    let http = tokio::spawn(duet_router::http::serve(
+        listeners.http,
+        app,
+        shutdown.clone(),
+        drain,
+    ));
     let routes = tonic::service::Routes::new(svc.into_server()).add_service(ops.into_server());
     duet_serving::server::serve(
-        listener,
+        listeners.grpc,
         routes,
         &["duet.v1.Generation", "duet.v1.Cluster"],
         shutdown,
         drain,
     )
     .await?;
+    http.await??;
+    Ok(())
+}
+
+/// Binds `addr` and serves `/metrics` there until `shutdown` (worker processes; the router
+/// serves it on its HTTP door too).
+pub async fn serve_metrics_on(
+    addr: std::net::SocketAddr,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let handle = duet_telemetry::install()?;
+    let l = TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("binding --metrics-listen {addr}: {e}"))?;
+    println!("duet: metrics on http://{}/metrics", l.local_addr()?);
+    tokio::spawn(async move {
+        if let Err(e) = duet_telemetry::serve_metrics(l, handle, shutdown).await {
+            tracing::error!(error = %e, "metrics endpoint stopped");
+        }
+    });
     Ok(())
 }

@@ -17,7 +17,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use super::args::{parse_duration, KvArgs, RegistryArgs};
-use super::router::{model_name, run_router, RoutingArgs};
+use super::router::{model_name, run_router, serve_metrics_on, RouterListeners, RoutingArgs};
 use super::worker::{run_decode, run_prefill, WorkerEnv};
 use crate::cmd::model_args::ModelArgs;
 
@@ -80,6 +80,9 @@ pub struct UpArgs {
     /// Address of the public gRPC door.
     #[arg(long, env = "DUET_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
+    /// Address of the HTTP door: OpenAI-compatible API, /health and /metrics.
+    #[arg(long, env = "DUET_HTTP_LISTEN", default_value = "127.0.0.1:8000")]
+    pub http_listen: SocketAddr,
     /// Prefill workers (0 with --mode colocated).
     #[arg(long, env = "DUET_PREFILL_WORKERS", default_value_t = 1)]
     pub prefill_workers: usize,
@@ -116,6 +119,8 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 pub fn up(a: UpArgs) -> anyhow::Result<()> {
     a.routing.validate()?;
+    // Before anything records: metric handles taken earlier would go nowhere.
+    duet_telemetry::install()?;
     if a.decode_workers == 0 {
         anyhow::bail!("--decode-workers: at least 1");
     }
@@ -174,12 +179,18 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding {}", a.listen))?;
         let addr = listener.local_addr()?;
+        let http = TcpListener::bind(a.http_listen)
+            .await
+            .with_context(|| format!("binding --http-listen {}", a.http_listen))?;
+        let http_addr = http.local_addr()?;
         let cfg = a.routing.config(name.clone());
         println!(
             "duet up: model {name}, {} prefill + {} decode workers, mode {:?}",
             a.prefill_workers, a.decode_workers, a.routing.mode
         );
         println!("duet up: router listening on http://{addr}");
+        println!("duet up: http listening on http://{http_addr} (OpenAI API under /v1)");
+        println!("duet up: metrics on http://{http_addr}/metrics");
         println!(
             "duet up: try  duet generate --router http://{addr} --prompt 'Why is the sky blue?'"
         );
@@ -188,7 +199,10 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             cfg,
             registry.clone(),
             cluster.clone(),
-            listener,
+            RouterListeners {
+                grpc: listener,
+                http,
+            },
             shutdown.clone(),
             a.drain,
         ));
@@ -229,6 +243,9 @@ pub struct ProcessArgs {
     /// How long in-flight requests may finish after SIGTERM.
     #[arg(long, env = "DUET_DRAIN", default_value = "10s", value_parser = parse_duration)]
     pub drain: Duration,
+    /// Where `/metrics` is served (port 0: any free port, printed at start).
+    #[arg(long, env = "DUET_METRICS_LISTEN", default_value = "127.0.0.1:0")]
+    pub metrics_listen: SocketAddr,
 }
 
 impl ProcessArgs {
@@ -288,6 +305,10 @@ pub struct RouterCmd {
     pub process: ProcessArgs,
     #[command(flatten)]
     pub routing: RoutingArgs,
+    /// Address of the HTTP door: OpenAI-compatible API, /health and /metrics (port 0: any
+    /// free port, printed at start).
+    #[arg(long, env = "DUET_HTTP_LISTEN", default_value = "127.0.0.1:0")]
+    pub http_listen: SocketAddr,
     /// GGUF model file (the router reads only its tokenizer and metadata).
     #[arg(long, env = "DUET_MODEL", default_value = crate::cmd::model_args::DEFAULT_MODEL)]
     pub model: std::path::PathBuf,
@@ -324,6 +345,7 @@ pub fn decode(a: DecodeCmd) -> anyhow::Result<()> {
     let name = model_name(&a.model.model, &a.served_model_name);
     runtime()?.block_on(async move {
         let shutdown = duet_serving::server::shutdown_on_signal();
+        serve_metrics_on(a.process.metrics_listen, shutdown.clone()).await?;
         let env = worker_env(&a.process, model, name, a.kv.clone()).await?;
         let kv = TcpListener::bind(a.kv_listen)
             .await
@@ -339,6 +361,7 @@ pub fn prefill(a: PrefillCmd) -> anyhow::Result<()> {
     let name = model_name(&a.model.model, &a.served_model_name);
     runtime()?.block_on(async move {
         let shutdown = duet_serving::server::shutdown_on_signal();
+        serve_metrics_on(a.process.metrics_listen, shutdown.clone()).await?;
         let env = worker_env(&a.process, model, name, a.kv.clone()).await?;
         run_prefill(env, a.process.id("prefill"), cfg, shutdown).await
     })
@@ -353,13 +376,21 @@ pub fn router(a: RouterCmd) -> anyhow::Result<()> {
     let name = model_name(&a.model, &a.routing.served_model_name);
     runtime()?.block_on(async move {
         let shutdown = duet_serving::server::shutdown_on_signal();
+        serve_metrics_on(a.process.metrics_listen, shutdown.clone()).await?;
         let registry = a.process.registry.connect().await?;
         let listener = TcpListener::bind(a.process.listen)
             .await
             .with_context(|| format!("binding {}", a.process.listen))?;
+        let http = TcpListener::bind(a.http_listen)
+            .await
+            .with_context(|| format!("binding --http-listen {}", a.http_listen))?;
         println!(
             "duet: router listening on http://{}",
             listener.local_addr()?
+        );
+        println!(
+            "duet: http listening on http://{} (OpenAI API under /v1)",
+            http.local_addr()?
         );
         let cfg = a.routing.config(name);
         run_router(
@@ -367,7 +398,10 @@ pub fn router(a: RouterCmd) -> anyhow::Result<()> {
             cfg,
             registry,
             a.process.registry.cluster.clone(),
-            listener,
+            RouterListeners {
+                grpc: listener,
+                http,
+            },
             shutdown,
             a.process.drain,
         )

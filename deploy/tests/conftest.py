@@ -1,0 +1,190 @@
+"""Shared fixtures of the offline deploy checks: the chart, its renders for several value
+sets (rendered once per session with helm-python-sdk, Helm v4's engine, no cluster), and
+small helpers to look inside the rendered objects."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+CHART = REPO / "deploy" / "helm" / "duet"
+sys.path.insert(0, str(HERE))
+
+RELEASE = "duet"
+NAMESPACE = "llm"
+# kubeVersion the renders and lint assume (the chart needs >= 1.30).
+KUBE_VERSION = "v1.32.0"
+
+EXTERNAL_ETCD = ["http://etcd-0.etcd.infra.svc:2379", "https://etcd-1.etcd.infra.svc:2379"]
+
+# Value sets every structural test runs over.
+VALUE_SETS: dict[str, dict] = {
+    "defaults": {},
+    "etcd-3": {"etcd": {"replicas": 3}},
+    "etcd-external": {"etcd": {"enabled": False, "external": {"endpoints": EXTERNAL_ETCD}}},
+    "monitoring": {"monitoring": {"prometheusOperator": {"enabled": True, "labels": {"release": "kps"}}}},
+    "monitoring-servicemonitor": {
+        "monitoring": {"prometheusOperator": {"enabled": True, "monitor": "ServiceMonitor"}}},
+    "gpu-off": {"gpu": {"enabled": False}},
+    "hpa": {"autoscaling": {
+        "prefill": {"enabled": True},
+        "decode": {"enabled": True, "metric": {
+            "type": "External", "name": "namespace:duet_decode_waiting_sequences:sum",
+            "selector": {"namespace": NAMESPACE}, "averageValue": "2"}}}},
+    "model-pvc-tls-drain": {
+        "model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "smollm2"}},
+        "tls": {"enabled": True, "cert": "-----BEGIN CERTIFICATE-----", "key": "-----BEGIN PRIVATE KEY-----"},
+        "kvSecret": {"existingSecret": "duet-kv-managed", "existingSecretKey": "secret"},
+        "config": {"drain": "30s"},
+        "router": {"terminationGracePeriodSeconds": 60},
+        "probes": {"liveness": {"periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5}},
+        "networkPolicy": {"routerFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]},
+    },
+    "model-hostpath-colocated": {
+        "model": {"source": "hostPath", "hostPath": {"path": "/data/models"}},
+        "router": {"mode": "colocated"},
+        "prefill": {"replicas": 0},
+        "gpu": {"runtimeClassName": "nvidia", "prefill": 0, "decode": 2},
+        "etcd": {"replicas": 5, "persistence": {"enabled": False}},
+    },
+}
+
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+DUET_ROLES = ("router", "prefill", "decode")
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def render_raw(chart, values: dict | None = None) -> dict[str, str]:
+    """Render offline. helm-python-sdk's Chart.render() takes no kube version, but the
+    native call under it does (kube_version, like `helm template --kube-version`); use it,
+    falling back to the public API if a future release changes the private module."""
+    try:
+        from helm_python import _native
+        opts = {"name": RELEASE, "namespace": NAMESPACE, "kube_version": KUBE_VERSION, "is_install": True}
+        return json.loads(_native.call_string(
+            "helm_render", chart._raw(), json.dumps(values or {}), json.dumps(opts)))
+    except (ImportError, AttributeError):
+        return chart.render(values=values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def parse_docs(rendered: dict[str, str]) -> list[dict]:
+    docs = []
+    for path, text in sorted(rendered.items()):
+        if not path.endswith((".yaml", ".yml")):
+            continue
+        for d in yaml.safe_load_all(text):
+            if d:
+                docs.append(d)
+    return docs
+
+
+class Rendered:
+    """One value set's render, with look-ups."""
+
+    def __init__(self, name: str, values: dict, raw: dict[str, str], defaults: dict):
+        self.name = name
+        self.values = values
+        self.effective = deep_merge(defaults, values)
+        self.raw = raw
+        self.docs = parse_docs(raw)
+
+    def of_kind(self, kind: str) -> list[dict]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> dict:
+        for d in self.docs:
+            if d["kind"] == kind and d["metadata"]["name"] == name:
+                return d
+        raise KeyError(f"{kind}/{name} not rendered in {self.name}")
+
+    def workloads(self) -> list[dict]:
+        return [d for d in self.docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+    def component(self, d: dict) -> str:
+        return d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+
+    def duet_containers(self):
+        """(workload, container) for every duet container (router, prefill, decode)."""
+        for w in self.of_kind("Deployment"):
+            for c in w["spec"]["template"]["spec"]["containers"]:
+                if c["name"] in DUET_ROLES:
+                    yield w, c
+
+    def env(self, workload: dict, container: dict) -> dict[str, object]:
+        """The container's environment as Kubernetes would build it: envFrom ConfigMaps
+        first, then env (which wins). valueFrom entries stay as their dict."""
+        out: dict[str, object] = {}
+        for src in container.get("envFrom", []) or []:
+            if "configMapRef" in src:
+                cm = self.get("ConfigMap", src["configMapRef"]["name"])
+                out.update({k: str(v) for k, v in (cm.get("data") or {}).items()})
+            else:
+                raise AssertionError(f"unexpected envFrom source {src}")
+        for e in container.get("env", []) or []:
+            out[e["name"]] = e["value"] if "value" in e else e["valueFrom"]
+        return out
+
+
+@pytest.fixture(scope="session")
+def helm():
+    import helm_python
+    return helm_python
+
+
+@pytest.fixture(scope="session")
+def chart(helm):
+    c = helm.Chart.load(str(CHART))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session")
+def chart_defaults(chart) -> dict:
+    return chart.values
+
+
+@pytest.fixture(scope="session")
+def renders(chart, chart_defaults) -> dict[str, Rendered]:
+    return {name: Rendered(name, v, render_raw(chart, v), chart_defaults) for name, v in VALUE_SETS.items()}
+
+
+@pytest.fixture(params=sorted(VALUE_SETS))
+def rendered(request, renders) -> Rendered:
+    return renders[request.param]
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    p = shutil.which("promtool")
+    if not p:
+        pytest.fail("promtool not found: scripts/check-deploy.sh installs it (Debian package prometheus)")
+    return p
+
+
+def duration_seconds(s: str) -> float:
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)?", s.strip())
+    assert m, f"{s!r} is not a duet duration"
+    v = float(m.group(1))
+    return v * {"ms": 1e-3, "s": 1, None: 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def names_rs() -> Path:
+    return REPO / "telemetry" / "src" / "names.rs"

@@ -1,0 +1,45 @@
+//! The router's HTTP door: OpenAI-compatible endpoints, `/health` and `/metrics`.
+//!
+//! Requests enter the same [`GenerationService::start`] as the gRPC door, so validation,
+//! admission, routing, cancellation and metrics are shared: closing the HTTP connection
+//! drops the event receiver, which cancels the request and frees its KV on the workers.
+
+mod health;
+
+use std::future::IntoFuture;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::service::GenerationService;
+
+/// The HTTP door's routes; `extra` (e.g. `/metrics`) is merged in.
+pub fn app(svc: GenerationService, extra: axum::Router) -> axum::Router {
+    axum::Router::new()
+        .route("/health", axum::routing::get(health::health))
+        .with_state(svc)
+        .merge(extra)
+}
+
+/// Serves `app` on `listener` until `shutdown` fires, then lets open responses finish for up
+/// to `drain` (long streams are cut at the deadline).
+pub async fn serve(
+    listener: TcpListener,
+    app: axum::Router,
+    shutdown: CancellationToken,
+    drain: Duration,
+) -> std::io::Result<()> {
+    let stop = shutdown.clone();
+    let server = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
+    tokio::select! {
+        r = server.into_future() => r,
+        _ = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(drain).await;
+        } => {
+            tracing::warn!("HTTP drain deadline passed: closing open responses");
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,134 @@
+//! Per-request metrics as the client sees them: time to first token, inter-token latency,
+//! time per output token, end-to-end latency, queue time, outcome; plus the in-flight and
+//! queued gauges by priority.
+//!
+//! A [`RequestMetrics`] lives as long as the request; whatever path ends the request, its
+//! outcome is counted exactly once (dropping it unfinished counts `cancelled`: the client
+//! went away), and the in-flight gauge is decremented exactly once.
+
+use std::time::Instant;
+
+use duet_engine::ErrorClass;
+use duet_telemetry::names::*;
+
+/// Which door a request came through (a bounded label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Door {
+    Grpc,
+    Http,
+}
+
+impl Door {
+    pub fn label(self) -> &'static str {
+        match self {
+            Door::Grpc => "grpc",
+            Door::Http => "http",
+        }
+    }
+}
+
+/// Counts a request refused before admission (bad input, queue full).
+pub fn count_refused(door: Door, class: ErrorClass) {
+    metrics::counter!(ROUTER_REQUESTS_TOTAL, "door" => door.label(), "outcome" => class.label())
+        .increment(1);
+}
+
+/// The metrics of one admitted request.
+#[derive(Debug)]
+pub struct RequestMetrics {
+    door: Door,
+    priority: &'static str,
+    arrival: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    tokens: u64,
+    done: bool,
+}
+
+impl RequestMetrics {
+    /// Starts tracking an admitted request (in flight from now).
+    pub fn start(
+        door: Door,
+        priority: &'static str,
+        arrival: Instant,
+        prompt_tokens: usize,
+    ) -> Self {
+        metrics::gauge!(ROUTER_IN_FLIGHT, "priority" => priority).increment(1.0);
+        metrics::counter!(ROUTER_PROMPT_TOKENS_TOTAL).increment(prompt_tokens as u64);
+        RequestMetrics {
+            door,
+            priority,
+            arrival,
+            first_token: None,
+            last_token: None,
+            tokens: 0,
+            done: false,
+        }
+    }
+
+    /// The request left the queue for a worker pair placed as `placement`.
+    pub fn placed(&self, placement: &'static str) {
+        metrics::histogram!(ROUTER_QUEUE_SECONDS).record(self.arrival.elapsed().as_secs_f64());
+        metrics::counter!(ROUTER_ROUTING_DECISIONS_TOTAL, "placement" => placement).increment(1);
+    }
+
+    /// A token reached the client's stream.
+    pub fn token(&mut self) {
+        let now = Instant::now();
+        let door = self.door.label();
+        match self.last_token {
+            None => {
+                metrics::histogram!(ROUTER_TTFT_SECONDS, "door" => door)
+                    .record(now.duration_since(self.arrival).as_secs_f64());
+                self.first_token = Some(now);
+            }
+            Some(prev) => {
+                metrics::histogram!(ROUTER_ITL_SECONDS, "door" => door)
+                    .record(now.duration_since(prev).as_secs_f64());
+            }
+        }
+        self.last_token = Some(now);
+        self.tokens += 1;
+        metrics::counter!(ROUTER_GENERATION_TOKENS_TOTAL).increment(1);
+    }
+
+    /// Tokens relayed so far.
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// The request finished: `Ok` or the class of its error.
+    pub fn finish(&mut self, outcome: Result<(), ErrorClass>) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let door = self.door.label();
+        let label = match outcome {
+            Ok(()) => "ok",
+            Err(c) => c.label(),
+        };
+        metrics::counter!(ROUTER_REQUESTS_TOTAL, "door" => door, "outcome" => label).increment(1);
+        metrics::gauge!(ROUTER_IN_FLIGHT, "priority" => self.priority).decrement(1.0);
+        if outcome.is_ok() {
+            metrics::histogram!(ROUTER_E2E_SECONDS, "door" => door)
+                .record(self.arrival.elapsed().as_secs_f64());
+            if let (Some(first), Some(last)) = (self.first_token, self.last_token) {
+                if self.tokens > 1 {
+                    let per = last.duration_since(first).as_secs_f64() / (self.tokens - 1) as f64;
+                    metrics::histogram!(ROUTER_TPOT_SECONDS, "door" => door).record(per);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for RequestMetrics {
+    fn drop(&mut self) {
+        if !self.done {
+            self.done = true;
+            metrics::counter!(ROUTER_REQUESTS_TOTAL, "door" => self.door.label(), "outcome" => "cancelled")
+                .increment(1);
+            metrics::gauge!(ROUTER_IN_FLIGHT, "priority" => self.priority).decrement(1.0);
+        }
+    }
+}

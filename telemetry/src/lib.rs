@@ -1,0 +1,35 @@
+//! duet's telemetry: the one place every metric is named and described ([`names`],
+//! [`describe_all`]), the Prometheus exposition every process serves on `/metrics`
+//! ([`install`], [`metrics_router`]) and log set-up ([`init_logs`]).
+//!
+//! Invariants:
+//! - Library crates only record through the `metrics` facade under the names in [`names`];
+//!   a binary installs the recorder once ([`install`] is idempotent, so `duet up`, which runs
+//!   every role in one process, shares one registry).
+//! - Histograms have explicit buckets chosen per metric ([`exporter`]), never summaries.
+//! - Label values are bounded (see [`names`]); nothing derived from request content is a
+//!   label.
+
+mod describe;
+mod error;
+pub mod exporter;
+mod logs;
+pub mod names;
+
+pub use describe::describe_all;
+pub use error::Error;
+pub use exporter::{install, metrics_router, serve_metrics};
+pub use logs::{init_logs, LogFormat};
+
+/// Outcome label values: `ok` plus one per error class. Every failure is classified once by
+/// its crate; the classes are the same set as the gRPC status mapping.
+pub const OUTCOMES: &[&str] = &[
+    "ok",
+    "cancelled",
+    "invalid_argument",
+    "not_found",
+    "resource_exhausted",
+    "unavailable",
+    "deadline_exceeded",
+    "internal",
+];

@@ -1,0 +1,136 @@
+//! Every metric duet emits, named and described in one place.
+//!
+//! Naming: `duet_<subsystem>_<name>_<unit>`; `_total` only on counters; units are `_seconds`
+//! and `_bytes` (counts carry no unit suffix). Labels are bounded:
+//! - `outcome`: `ok` or an [error class](crate::OUTCOMES) (`invalid_argument`, `not_found`,
+//!   `resource_exhausted`, `unavailable`, `deadline_exceeded`, `cancelled`, `internal`);
+//! - `door`: `grpc` or `http`; `priority`: `interactive` or `batch`;
+//! - `placement`: `remote` (disaggregated), `local` (decode worker prefills), `colocated`;
+//! - `role`: `prefill` or `decode`; `state`: `ready` or `draining`;
+//! - `worker`: the worker id, one value per worker *in this process* (one, except in `duet up`);
+//! - `direction`: `sent` or `received`; `reason`: a transfer error class.
+
+/// What kind of metric a name is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// One entry of the catalogue.
+#[derive(Debug, Clone, Copy)]
+pub struct Metric {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub help: &'static str,
+}
+
+/// Declares each metric once: a `const` with its name (documented by its help text) and an
+/// entry in [`CATALOGUE`], from which [`describe_all`](crate::describe_all) describes them.
+macro_rules! catalogue {
+    ($($kind:ident $konst:ident = $name:literal, $help:literal;)*) => {
+        $(
+            #[doc = $help]
+            pub const $konst: &str = $name;
+        )*
+        /// Every metric duet emits.
+        pub const CATALOGUE: &[Metric] = &[
+            $(Metric { name: $name, kind: Kind::$kind, help: $help },)*
+        ];
+    };
+}
+
+catalogue! {
+    // ---- router -------------------------------------------------------------------------------
+    Counter ROUTER_REQUESTS_TOTAL = "duet_router_requests_total",
+        "Finished requests by `door` and `outcome`.";
+    Histogram ROUTER_TTFT_SECONDS = "duet_router_time_to_first_token_seconds",
+        "Time from arrival to the first token, per request (`door`).";
+    Histogram ROUTER_TPOT_SECONDS = "duet_router_time_per_output_token_seconds",
+        "Mean time per output token after the first, per request (`door`).";
+    Histogram ROUTER_ITL_SECONDS = "duet_router_inter_token_latency_seconds",
+        "Time between consecutive tokens as the client sees them (`door`).";
+    Histogram ROUTER_E2E_SECONDS = "duet_router_e2e_latency_seconds",
+        "Arrival to final message, per request (`door`).";
+    Histogram ROUTER_QUEUE_SECONDS = "duet_router_queue_time_seconds",
+        "Time a request waited for admission and placement before a worker took it.";
+    Gauge ROUTER_IN_FLIGHT = "duet_router_requests_in_flight",
+        "Requests admitted and not finished, by `priority`.";
+    Gauge ROUTER_QUEUED = "duet_router_requests_queued",
+        "Requests waiting for admission, by `priority`.";
+    Counter ROUTER_ROUTING_DECISIONS_TOTAL = "duet_router_routing_decisions_total",
+        "Placement decisions by `placement`.";
+    Counter ROUTER_RETRIES_TOTAL = "duet_router_retries_total",
+        "Attempts re-run on another worker pair after a worker failed before the first token.";
+    Counter ROUTER_PROMPT_TOKENS_TOTAL = "duet_router_prompt_tokens_total",
+        "Prompt tokens of admitted requests (after truncation).";
+    Counter ROUTER_GENERATION_TOKENS_TOTAL = "duet_router_generation_tokens_total",
+        "Tokens streamed to clients.";
+    Gauge ROUTER_WORKERS = "duet_router_workers",
+        "Workers in the router's cluster view, by `role` and `state` (`ready`, `draining`).";
+
+    // ---- prefill worker -----------------------------------------------------------------------
+    Counter PREFILL_PROMPT_TOKENS_TOTAL = "duet_prefill_prompt_tokens_total",
+        "Prompt tokens computed (`worker`).";
+    Counter PREFILL_REQUESTS_TOTAL = "duet_prefill_requests_total",
+        "Prompt requests finished (`worker`, `outcome`).";
+    Histogram PREFILL_BATCH_TOKENS = "duet_prefill_batch_size_tokens",
+        "Tokens in one forward batch (`worker`).";
+    Histogram PREFILL_BATCH_SECONDS = "duet_prefill_batch_duration_seconds",
+        "Duration of one forward batch (`worker`).";
+    Histogram PREFILL_REQUEST_SECONDS = "duet_prefill_request_duration_seconds",
+        "Arrival to last KV layer handed to the transport, per request (`worker`).";
+    Gauge PREFILL_QUEUE_DEPTH = "duet_prefill_queue_depth",
+        "Requests waiting or running on the engine (`worker`).";
+    Gauge PREFILL_QUEUED_TOKENS = "duet_prefill_queued_tokens",
+        "Prompt tokens not yet computed (`worker`).";
+    Gauge PREFILL_BUSY_RATIO = "duet_prefill_busy_ratio",
+        "Share of the last second the engine computed, 0..1 (`worker`): the CPU stand-in for GPU utilisation.";
+
+    // ---- decode worker ------------------------------------------------------------------------
+    Gauge DECODE_RUNNING = "duet_decode_running_sequences",
+        "Sequences in the running batch (`worker`).";
+    Gauge DECODE_WAITING = "duet_decode_waiting_sequences",
+        "Sequences admitted but not yet running: waiting for KV or for room (`worker`).";
+    Histogram DECODE_BATCH_SIZE = "duet_decode_batch_size",
+        "Sequences in one engine step (`worker`).";
+    Histogram DECODE_STEP_SECONDS = "duet_decode_step_duration_seconds",
+        "Duration of one engine step (`worker`).";
+    Counter DECODE_GENERATED_TOKENS_TOTAL = "duet_decode_generated_tokens_total",
+        "Tokens generated (`worker`).";
+    Gauge DECODE_KV_BLOCKS_USED = "duet_decode_kv_blocks_used",
+        "KV blocks held by sequences or reservations (`worker`).";
+    Gauge DECODE_KV_BLOCKS_CAPACITY = "duet_decode_kv_blocks_capacity",
+        "KV blocks in the pool (`worker`).";
+    Counter DECODE_PREEMPTIONS_TOTAL = "duet_decode_preemptions_total",
+        "Sequences preempted (KV freed, recomputed later) (`worker`).";
+    Counter DECODE_RESERVATIONS_EXPIRED_TOTAL = "duet_decode_reservations_expired_total",
+        "Reservations that expired before their KV arrived (`worker`).";
+    Counter DECODE_READ_BYTES_TOTAL = "duet_decode_read_bytes_total",
+        "Bytes of weights and KV a step reads, summed over steps (`worker`).";
+    Gauge DECODE_BANDWIDTH_BYTES_PER_SECOND = "duet_decode_memory_bandwidth_bytes_per_second",
+        "Weights + KV bytes read by the last decode step divided by its duration (`worker`): the CPU stand-in for HBM bandwidth.";
+
+    // ---- kv-transfer --------------------------------------------------------------------------
+    Counter KV_TRANSFER_BYTES_TOTAL = "duet_kv_transfer_bytes_total",
+        "KV payload bytes by `direction`.";
+    Counter KV_TRANSFER_TRANSFERS_TOTAL = "duet_kv_transfer_transfers_total",
+        "Completed transfers (one per prompt chunk) by `direction`.";
+    Histogram KV_TRANSFER_SECONDS = "duet_kv_transfer_duration_seconds",
+        "First layer handed to the transport to the end frame acknowledged, sender side.";
+    Counter KV_TRANSFER_FAILURES_TOTAL = "duet_kv_transfer_failures_total",
+        "Failed transfers by `direction` and `reason`.";
+
+    // ---- registry (discovery) -----------------------------------------------------------------
+    Counter LEASE_RENEWALS_TOTAL = "duet_registry_lease_renewals_total",
+        "Successful lease renewals.";
+    Counter LEASE_FAILURES_TOTAL = "duet_registry_lease_failures_total",
+        "Failed lease renewals (timeouts, unreachable registry, lease lost).";
+    Counter REGISTRATIONS_TOTAL = "duet_registry_registrations_total",
+        "Successful (re-)registrations: a new lease granted and the record put under it.";
+    Counter WATCH_RESTARTS_TOTAL = "duet_registry_watch_restarts_total",
+        "Times a cluster view dropped its watch and listed again (break, compaction, outage).";
+    Gauge VIEW_STALE = "duet_registry_view_stale",
+        "1 while a cluster view routes on a view it could not confirm against the registry.";
+}
