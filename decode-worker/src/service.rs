@@ -89,6 +89,7 @@ impl pb::decode_server::Decode for DecodeService {
             max_tokens: r.max_tokens as usize,
             stop: r.stop,
             stop_token_ids: Vec::new(),
+            ignore_eos: r.ignore_eos,
         };
         let span = tracing::info_span!("decode", request_id = r.request_id, worker = %self.id);
         let mut rx = self.handle.generate(GenerateJob {

@@ -24,8 +24,12 @@ pub struct GenerationParams {
     pub max_tokens: usize,
     /// Strings that end generation; not included in the output.
     pub stop: Vec<String>,
-    /// Extra token ids that end generation (EOS and end-of-turn always do).
+    /// Extra token ids that end generation (EOS and end-of-turn do too, unless
+    /// `ignore_eos`).
     pub stop_token_ids: Vec<u32>,
+    /// Keep generating past EOS / end-of-turn until `max_tokens` or a stop string
+    /// (benchmarks use it for exact output lengths, like vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 impl Default for GenerationParams {
@@ -35,6 +39,7 @@ impl Default for GenerationParams {
             max_tokens: 128,
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
+            ignore_eos: false,
         }
     }
 }
@@ -112,7 +117,10 @@ pub struct Generation {
 impl Generation {
     pub fn new(tokenizer: &Tokenizer, prompt: &[u32], params: GenerationParams) -> Result<Self> {
         let sampler = Sampler::new(params.sampling.clone())?;
-        let mut stop_ids = tokenizer.stop_token_ids().to_vec();
+        let mut stop_ids = match params.ignore_eos {
+            true => Vec::new(),
+            false => tokenizer.stop_token_ids().to_vec(),
+        };
         stop_ids.extend_from_slice(&params.stop_token_ids);
         Ok(Self {
             params,

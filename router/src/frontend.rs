@@ -103,6 +103,7 @@ pub fn prepare(
         max_tokens,
         stop: req.stop.clone(),
         stop_token_ids: Vec::new(),
+        ignore_eos: req.ignore_eos,
     };
     params.validate(ctx)?;
     let priority = match pb::Priority::try_from(req.priority) {

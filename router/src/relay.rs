@@ -375,6 +375,7 @@ async fn attempt_once(
             stop: job.prep.params.stop.clone(),
             priority: job.prep.priority as i32,
             prefill: Some(prefill),
+            ignore_eos: job.prep.params.ignore_eos,
         }),
     );
     let mut stream = match dclient.generate(req).await {

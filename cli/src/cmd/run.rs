@@ -64,6 +64,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         max_tokens: a.max_tokens,
         stop: a.stop.clone(),
         stop_token_ids: Vec::new(),
+        ignore_eos: false,
     };
     // Reject bad parameters before spending time on loading.
     params.sampling.validate()?;
