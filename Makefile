@@ -15,6 +15,7 @@ up: deps model
 	@echo
 	@echo "starting duet up (router + 1 prefill + 1 decode worker, one process); Ctrl-C stops it"
 	@echo "call it from another shell:  ./target/release/duet generate --chat --prompt '$(PROMPT)'"
+	@echo "or over HTTP (OpenAI API):    curl localhost:8000/v1/chat/completions -H 'content-type: application/json' -d '{\"messages\":[{\"role\":\"user\",\"content\":\"$(PROMPT)\"}]}'"
 	@echo
 	./target/release/duet up --model $(MODEL)
 

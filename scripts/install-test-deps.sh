@@ -12,6 +12,7 @@ elif ! python3 -m pip --version >/dev/null 2>&1; then
 fi
 command -v protoc >/dev/null || need_apt+=(protobuf-compiler)
 command -v iperf3 >/dev/null || need_apt+=(iperf3)
+command -v curl >/dev/null || need_apt+=(curl)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
 # Prometheus and promtool: the observability tests scrape a live cluster with them.
 command -v promtool >/dev/null && command -v prometheus >/dev/null || need_apt+=(prometheus)
@@ -28,9 +29,11 @@ fi
 # with grpcio-tools; health checked with grpcio-health-checking). Pinned together: the four
 # are released in lockstep and grpcio-tools 1.85 needs protobuf 7.x. A Debian python3 is
 # "externally managed": PIP_BREAK_SYSTEM_PACKAGES lets pip install there (older pips ignore it).
+# The official `openai` package drives the OpenAI-compatible door (cli/tests/openai_http.rs).
 PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet --disable-pip-version-check \
-  'grpcio==1.85.1' 'grpcio-tools==1.85.1' 'grpcio-health-checking==1.85.1' 'protobuf==7.36.2'
-python3 -c 'import grpc, grpc_tools.protoc, grpc_health.v1.health_pb2' \
-  || { echo "install-test-deps: the Python gRPC packages do not import" >&2; exit 1; }
+  'grpcio==1.85.1' 'grpcio-tools==1.85.1' 'grpcio-health-checking==1.85.1' 'protobuf==7.36.2' \
+  'openai==3.57.0'
+python3 -c 'import grpc, grpc_tools.protoc, grpc_health.v1.health_pb2, openai' \
+  || { echo "install-test-deps: the Python gRPC / openai packages do not import" >&2; exit 1; }
 command -v cargo >/dev/null || { echo "install-test-deps: cargo not found (install Rust with rustup)" >&2; exit 1; }
 echo "install-test-deps: ok"

@@ -204,3 +204,68 @@ async fn prometheus_sees_what_the_requests_did_in_each_phase() {
         within,
     );
 }
+
+/// JSON log lines of `p` (non-JSON lines are ignored).
+fn json_logs(p: &Proc) -> Vec<serde_json::Value> {
+    p.log_lines()
+        .iter()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_trace_id_follows_a_request_through_every_process_and_no_prompt_is_logged() {
+    let env = [("DUET_LOG", "info"), ("DUET_LOG_FORMAT", "json")];
+    let c = Cluster::start_logged(1, 1, &["--local-prefill-max-tokens", "0"], &env);
+    c.wait_workers(1, 1, START).await;
+    // A word that appears only in the prompt: it must not reach any log.
+    let secret = "Zanzibarquetzal";
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut req = tonic::Request::new(greedy(
+        text(&format!(
+            "My password is {secret} and the weather today is quite pleasant outside."
+        )),
+        4,
+    ));
+    req.metadata_mut().insert(
+        "traceparent",
+        format!("00-{trace}-00f067aa0ba902b7-01")
+            .parse()
+            .expect("ascii"),
+    );
+    let mut g = client(&c.url).await;
+    let mut s = g.generate(req).await.expect("generate").into_inner();
+    while let Some(m) = s.message().await.expect("stream") {
+        if matches!(
+            m.event,
+            Some(duet_proto::v1::generate_response::Event::Final(_))
+        ) {
+            break;
+        }
+    }
+    // Each process logs the request under the client's trace id.
+    for (what, p, span) in [
+        ("router", &c.router, "generate"),
+        ("prefill worker", &c.prefill[0], "prefill"),
+        ("decode worker", &c.decode[0], "decode"),
+    ] {
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let found = json_logs(p)
+                .iter()
+                .any(|l| l["span"]["name"] == span && l["span"]["trace_id"] == trace);
+            if found {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < end,
+                "no JSON log line of the {what} in span {span:?} with trace_id {trace}:\n{}",
+                p.log_lines().join("\n")
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for line in p.log_lines() {
+            assert!(!line.contains(secret), "{what} logged the prompt: {line}");
+        }
+    }
+}

@@ -509,6 +509,13 @@ impl Scheduler {
         self.cache.free_sequence(seq.id);
         // A client that saw Done and then reads the status sees the blocks free.
         self.publish();
+        tracing::info!(
+            parent: &seq.span,
+            completion_tokens = seq.gen.generated().len(),
+            finish = ?finish,
+            preemptions = seq.preemptions,
+            "sequence finished"
+        );
         let _ = seq.events.send(Event::Done(Done {
             finish,
             completion_tokens: seq.gen.generated().len() as u32,

@@ -6,6 +6,7 @@ use std::time::Duration;
 use duet_engine::{EngineError, GenerationParams};
 use duet_proto::v1 as pb;
 use duet_serving::convert::{finish_to_proto, sampling_from_proto};
+use duet_serving::trace_context::TraceContext;
 use futures::Stream;
 use tonic::{Request, Response, Status};
 
@@ -71,6 +72,7 @@ impl pb::decode_server::Decode for DecodeService {
         &self,
         req: Request<pb::DecodeRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        let trace = TraceContext::extract(req.metadata());
         let r = req.into_inner();
         let prefill = match r.prefill {
             Some(pb::decode_request::Prefill::Remote(p)) => PrefillSource::Remote {
@@ -91,7 +93,14 @@ impl pb::decode_server::Decode for DecodeService {
             stop_token_ids: Vec::new(),
             ignore_eos: r.ignore_eos,
         };
-        let span = tracing::info_span!("decode", request_id = r.request_id, worker = %self.id);
+        // One trace with the router's span: the caller's trace id and span id.
+        let span = tracing::info_span!(
+            "decode",
+            request_id = r.request_id,
+            worker = %self.id,
+            trace_id = %trace.map(|t| t.trace_hex()).unwrap_or_default(),
+            parent_span_id = %trace.map(|t| t.span_hex()).unwrap_or_default(),
+        );
         let mut rx = self.handle.generate(GenerateJob {
             request_id: r.request_id,
             prompt: r.prompt,

@@ -3,6 +3,7 @@
 use duet_kv_transfer::Endpoint;
 use duet_proto::v1 as pb;
 use duet_serving::convert::sampling_from_proto;
+use duet_serving::trace_context::TraceContext;
 use tonic::{Request, Response, Status};
 
 use crate::engine_loop::{PrefillHandle, PrefillJob};
@@ -32,6 +33,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         &self,
         req: Request<pb::PrefillRequest>,
     ) -> Result<Response<pb::PrefillResponse>, Status> {
+        let trace = TraceContext::extract(req.metadata());
         let r = req.into_inner();
         let ep = r.kv_endpoint.unwrap_or_default();
         let offered = Endpoint::parse(&ep.transport, &ep.address)
@@ -45,7 +47,16 @@ impl pb::prefill_server::Prefill for PrefillService {
         sampling
             .validate()
             .map_err(|e| duet_serving::status::engine_status(&e))?;
-        let span = tracing::info_span!("prefill", request_id = r.request_id, worker = %self.id);
+        // One trace with the router's span: the caller's trace id and span id.
+        let span = tracing::info_span!(
+            "prefill",
+            request_id = r.request_id,
+            worker = %self.id,
+            trace_id = %trace.map(|t| t.trace_hex()).unwrap_or_default(),
+            parent_span_id = %trace.map(|t| t.span_hex()).unwrap_or_default(),
+        );
+        let done_span = span.clone();
+        let prompt_tokens = r.prompt.len();
         let res = self
             .handle
             .prefill(PrefillJob {
@@ -62,6 +73,13 @@ impl pb::prefill_server::Prefill for PrefillService {
             Ok(r) => {
                 let total = r.queue_seconds + r.prefill_seconds + r.kv_transfer_seconds;
                 crate::metrics::request_done(&self.id, "ok", Some(total));
+                tracing::info!(
+                    parent: &done_span,
+                    prompt_tokens,
+                    prefill_seconds = r.prefill_seconds,
+                    kv_bytes = r.kv_bytes,
+                    "prefilled"
+                );
                 r
             }
             Err(e) => {

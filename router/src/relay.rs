@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use duet_discovery::{ClusterView, Role, WorkerRecord};
 use duet_proto::v1 as pb;
 use duet_serving::convert::sampling_to_proto;
+use duet_serving::trace_context::TraceContext;
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -42,6 +43,8 @@ pub struct Job {
     pub arrival: Instant,
     pub deadline: Option<Instant>,
     pub metrics: RequestMetrics,
+    /// The request's trace; worker calls carry children of it.
+    pub trace: TraceContext,
 }
 
 #[derive(Default)]
@@ -87,6 +90,9 @@ fn response(id: &str, ev: pb::generate_response::Event) -> pb::GenerateResponse 
     }
 }
 
+/// How long a request waits when no decode worker for its model is known at all.
+const NO_WORKER_GRACE: Duration = Duration::from_secs(1);
+
 /// Waits for a decode worker with room (the queue), bounded by the deadline and
 /// `max_queue_wait`. `None`: the client went away.
 async fn wait_for_decode(
@@ -95,7 +101,8 @@ async fn wait_for_decode(
     out: &Out,
 ) -> Result<Option<Vec<WorkerRecord>>, RouterError> {
     let mut view = shared.view.clone();
-    let give_up = Instant::now() + shared.cfg.max_queue_wait;
+    let started = Instant::now();
+    let give_up = started + shared.cfg.max_queue_wait;
     loop {
         let snap = view.snapshot();
         let inflight = shared.workers.inflight();
@@ -132,7 +139,10 @@ async fn wait_for_decode(
         if job.deadline.is_some_and(|d| now >= d) {
             return Err(RouterError::Deadline("waiting for a decode worker"));
         }
-        if now >= give_up {
+        // With no decode worker at all (beyond a short grace for workers that are just
+        // registering), waiting cannot help: say so at once (HTTP 503, UNAVAILABLE).
+        let none_known = largest.is_none();
+        if now >= give_up || (none_known && now >= started + NO_WORKER_GRACE) {
             let known = snap.workers(Role::Decode).count();
             return Err(RouterError::NoWorker {
                 role: "decode",
@@ -155,8 +165,11 @@ async fn wait_for_decode(
     }
 }
 
-fn with_deadline<T>(deadline: Option<Instant>, mut req: tonic::Request<T>) -> tonic::Request<T> {
-    if let Some(d) = deadline {
+/// An outgoing call of `job`: its remaining deadline and a child of its trace context.
+fn outgoing<T>(job: &Job, msg: T) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(msg);
+    job.trace.child().inject(&mut req);
+    if let Some(d) = job.deadline {
         req.set_timeout(
             d.saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(1)),
@@ -266,13 +279,13 @@ async fn attempt_once(
             break;
         }
         let mut client = shared.workers.decode(&d.grpc_addr)?;
-        let req = with_deadline(
-            job.deadline,
-            tonic::Request::new(pb::ReserveRequest {
+        let req = outgoing(
+            job,
+            pb::ReserveRequest {
                 request_id: job.request_id,
                 prompt_tokens: prompt_len as u32,
                 ttl_ms: shared.cfg.reservation_ttl.as_millis() as u32,
-            }),
+            },
         );
         match client.reserve(req).await {
             Ok(r) => {
@@ -324,16 +337,16 @@ async fn attempt_once(
             });
         };
         let mut pclient = shared.workers.prefill(&p.grpc_addr)?;
-        let req = with_deadline(
-            job.deadline,
-            tonic::Request::new(pb::PrefillRequest {
+        let req = outgoing(
+            job,
+            pb::PrefillRequest {
                 request_id: job.request_id,
                 prompt: job.prep.prompt.clone(),
                 sampling,
                 kv_endpoint: Some(endpoint),
                 dst_blocks: res.block_ids.clone(),
                 priority: job.prep.priority as i32,
-            }),
+            },
         );
         let r = tokio::select! {
             r = pclient.prefill(req) => r,
@@ -365,9 +378,9 @@ async fn attempt_once(
         pb::decode_request::Prefill::Local(pb::LocalPrefill {})
     };
 
-    let req = with_deadline(
-        job.deadline,
-        tonic::Request::new(pb::DecodeRequest {
+    let req = outgoing(
+        job,
+        pb::DecodeRequest {
             request_id: job.request_id,
             prompt: job.prep.prompt.clone(),
             sampling,
@@ -376,7 +389,7 @@ async fn attempt_once(
             priority: job.prep.priority as i32,
             prefill: Some(prefill),
             ignore_eos: job.prep.params.ignore_eos,
-        }),
+        },
     );
     let mut stream = match dclient.generate(req).await {
         Ok(s) => s.into_inner(),

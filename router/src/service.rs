@@ -20,6 +20,7 @@ use crate::frontend::prepare;
 use crate::relay::{self, Job, Shared};
 use crate::request_metrics::{count_refused, Door, RequestMetrics};
 use crate::workers::Workers;
+use duet_serving::trace_context::TraceContext;
 
 /// `duet.v1.Generation`.
 #[derive(Clone)]
@@ -65,6 +66,7 @@ impl GenerationService {
         arrival: Instant,
         deadline: Option<Instant>,
         door: Door,
+        trace: Option<TraceContext>,
     ) -> Result<mpsc::Receiver<Result<pb::GenerateResponse, Status>>, RouterError> {
         let refused = |e: RouterError| {
             count_refused(door, e.class());
@@ -85,6 +87,8 @@ impl GenerationService {
             req.request_id.clone()
         };
         let (tx, rx) = mpsc::channel(64);
+        // The client's trace when it sent one, else a new one.
+        let trace = trace.map_or_else(TraceContext::new_root, |t| t.child());
         // The placement fields are filled in when the request is placed, so the decision
         // (which workers, local or remote prefill, and why) is on the request's span.
         let span = tracing::info_span!(
@@ -92,6 +96,7 @@ impl GenerationService {
             request_id,
             client_id = %client_id,
             door = door.label(),
+            trace_id = %trace.trace_hex(),
             prompt_tokens = prep.prompt.len(),
             decode_worker = tracing::field::Empty,
             prefill_worker = tracing::field::Empty,
@@ -112,9 +117,15 @@ impl GenerationService {
             arrival,
             deadline,
             metrics,
+            trace,
         };
         tokio::spawn(relay::run(self.shared.clone(), job, tx).instrument(span));
         Ok(rx)
+    }
+
+    /// The context length requests are held to (prompt + generated tokens).
+    pub fn context_length(&self) -> usize {
+        self.context()
     }
 
     /// The model name requests must use (or leave empty).
@@ -156,8 +167,9 @@ impl pb::generation_server::Generation for GenerationService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let arrival = Instant::now();
         let deadline = grpc_timeout(req.metadata()).map(|d| arrival + d);
+        let trace = TraceContext::extract(req.metadata());
         let rx = self
-            .start(req.into_inner(), arrival, deadline, Door::Grpc)
+            .start(req.into_inner(), arrival, deadline, Door::Grpc, trace)
             .map_err(|e| e.status())?;
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }

@@ -4,10 +4,13 @@
 //!   the engine's KV layout as kv-transfer describes it;
 //! - [`status`]: the one mapping from an error class to a gRPC status code;
 //! - [`server`]: serving a tonic router with `grpc.health.v1`, server reflection and
-//!   graceful shutdown (health NOT_SERVING, stop accepting, drain with a deadline).
+//!   graceful shutdown (health NOT_SERVING, stop accepting, drain with a deadline);
+//! - [`trace_context`]: W3C `traceparent` in gRPC metadata, one trace id per request across
+//!   the router and the workers.
 //!
 //! The conversions live here once so that the router and both workers agree on them.
 
 pub mod convert;
 pub mod server;
 pub mod status;
+pub mod trace_context;

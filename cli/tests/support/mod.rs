@@ -25,37 +25,65 @@ pub fn model() -> PathBuf {
 pub struct Proc {
     pub child: Child,
     lines: Arc<Mutex<Vec<String>>>,
+    errs: Arc<Mutex<Vec<String>>>,
     pub name: String,
 }
 
 impl Proc {
-    /// Starts `duet <args>` with the default model and a small KV pool.
+    /// Starts `duet <args>` with the default model; stderr goes to the test's stderr.
     pub fn start(name: &str, args: &[&str]) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_duet"))
-            .args(args)
+        Proc::spawn(name, args, &[], false)
+    }
+
+    /// Starts `duet <args>` with extra environment variables, keeping its stderr (logs) in
+    /// [`Proc::log_lines`].
+    pub fn start_logged(name: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
+        Proc::spawn(name, args, env, true)
+    }
+
+    fn spawn(name: &str, args: &[&str], env: &[(&str, &str)], keep_stderr: bool) -> Proc {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_duet"));
+        cmd.args(args)
             .env("DUET_MODEL", model())
             .env_remove("DUET_ETCD")
             .env(
                 "DUET_LOG",
                 std::env::var("DUET_TEST_LOG").unwrap_or_else(|_| "warn".into()),
             )
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start duet");
-        let out = child.stdout.take().expect("stdout");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let sink = lines.clone();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                sink.lock().unwrap().push(l);
-            }
-        });
+            .stderr(if keep_stderr {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            });
+        let mut child = cmd.spawn().expect("start duet");
+        let collect = |r: Box<dyn std::io::Read + Send>| {
+            let lines = Arc::new(Mutex::new(Vec::new()));
+            let sink = lines.clone();
+            std::thread::spawn(move || {
+                for l in BufReader::new(r).lines().map_while(Result::ok) {
+                    sink.lock().unwrap().push(l);
+                }
+            });
+            lines
+        };
+        let lines = collect(Box::new(child.stdout.take().expect("stdout")));
+        let errs = match child.stderr.take() {
+            Some(e) => collect(Box::new(e)),
+            None => Arc::new(Mutex::new(Vec::new())),
+        };
         Proc {
             child,
             lines,
+            errs,
             name: name.to_string(),
         }
+    }
+
+    /// The stderr lines of a process started with [`Proc::start_logged`].
+    pub fn log_lines(&self) -> Vec<String> {
+        self.errs.lock().unwrap().clone()
     }
 
     /// Every stdout line so far that contains `marker`: the word after it.
@@ -331,8 +359,23 @@ pub const TTL: &str = "2s";
 
 impl Cluster {
     pub fn worker(etcd: &etcd::EtcdServer, cluster: &str, role: &str, id: &str) -> Proc {
+        Cluster::worker_with(etcd, cluster, role, id, None)
+    }
+
+    /// A worker; with `Some(env)`, started with those variables and its logs kept.
+    fn worker_with(
+        etcd: &etcd::EtcdServer,
+        cluster: &str,
+        role: &str,
+        id: &str,
+        logged: Option<&[(&str, &str)]>,
+    ) -> Proc {
         let ep = etcd.endpoint();
-        let p = Proc::start(
+        let start = |name: &str, args: &[&str]| match logged {
+            Some(env) => Proc::start_logged(name, args, env),
+            None => Proc::start(name, args),
+        };
+        let p = start(
             id,
             &[
                 role,
@@ -353,18 +396,44 @@ impl Cluster {
     }
 
     pub fn start(prefill: usize, decode: usize, router_args: &[&str]) -> Cluster {
+        Cluster::start_with(prefill, decode, router_args, None)
+    }
+
+    /// Like [`Cluster::start`], every process with `env` and its logs kept.
+    pub fn start_logged(
+        prefill: usize,
+        decode: usize,
+        router_args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Cluster {
+        Cluster::start_with(prefill, decode, router_args, Some(env))
+    }
+
+    fn start_with(
+        prefill: usize,
+        decode: usize,
+        router_args: &[&str],
+        logged: Option<&[(&str, &str)]>,
+    ) -> Cluster {
         let etcd = etcd::EtcdServer::start();
         let cluster = format!("t{:08x}", rand::random::<u32>());
         let decode: Vec<Proc> = (0..decode)
-            .map(|i| Cluster::worker(&etcd, &cluster, "decode", &format!("decode-{i}")))
+            .map(|i| {
+                Cluster::worker_with(&etcd, &cluster, "decode", &format!("decode-{i}"), logged)
+            })
             .collect();
         let prefill: Vec<Proc> = (0..prefill)
-            .map(|i| Cluster::worker(&etcd, &cluster, "prefill", &format!("prefill-{i}")))
+            .map(|i| {
+                Cluster::worker_with(&etcd, &cluster, "prefill", &format!("prefill-{i}"), logged)
+            })
             .collect();
         let ep = etcd.endpoint();
         let mut args = vec!["router", "--etcd", &ep, "--cluster", &cluster];
         args.extend_from_slice(router_args);
-        let router = Proc::start("router", &args);
+        let router = match logged {
+            Some(env) => Proc::start_logged("router", &args, env),
+            None => Proc::start("router", &args),
+        };
         let url = router.wait_for("router listening on", START);
         Cluster {
             etcd,

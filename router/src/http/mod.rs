@@ -4,7 +4,10 @@
 //! admission, routing, cancellation and metrics are shared: closing the HTTP connection
 //! drops the event receiver, which cancels the request and frees its KV on the workers.
 
+mod api_error;
+mod completions;
 mod health;
+pub mod openai_request;
 
 use std::future::IntoFuture;
 use std::time::Duration;
@@ -18,6 +21,15 @@ use crate::service::GenerationService;
 pub fn app(svc: GenerationService, extra: axum::Router) -> axum::Router {
     axum::Router::new()
         .route("/health", axum::routing::get(health::health))
+        .route("/v1/models", axum::routing::get(completions::models))
+        .route(
+            "/v1/completions",
+            axum::routing::post(completions::completions),
+        )
+        .route(
+            "/v1/chat/completions",
+            axum::routing::post(completions::chat_completions),
+        )
         .with_state(svc)
         .merge(extra)
 }

@@ -1,0 +1,359 @@
+//! `/v1/completions`, `/v1/chat/completions` and `/v1/models`.
+//!
+//! A request enters [`GenerationService::start`] like a gRPC one. The handler waits for the
+//! first event before answering, so anything that fails before the first token (bad
+//! prompt, queue full, no workers) gets its own HTTP status; after that, a stream that
+//! fails carries an error object in its last `data:` event. Without `stream`, the body is
+//! sent once generation finished. Dropping the response (the client closed the connection)
+//! drops the event receiver, which cancels the request and frees its KV.
+
+use std::convert::Infallible;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use duet_proto::v1 as pb;
+use duet_serving::trace_context::{TraceContext, TRACEPARENT};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use super::api_error::ApiError;
+use super::openai_request::{ChatRequest, CompletionRequest};
+use crate::request_metrics::{count_refused, Door};
+use crate::service::GenerationService;
+use duet_engine::ErrorClass;
+
+type Events = mpsc::Receiver<Result<pb::GenerateResponse, Status>>;
+
+/// Which endpoint: decides the object names and the shape of a choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// What the response needs besides the events.
+struct Shape {
+    kind: Kind,
+    id: String,
+    model: String,
+    created: u64,
+    include_usage: bool,
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn finish_reason(f: i32) -> &'static str {
+    match pb::FinishReason::try_from(f) {
+        Ok(pb::FinishReason::Length) => "length",
+        _ => "stop",
+    }
+}
+
+fn usage_json(u: &Option<pb::Usage>) -> Value {
+    let u = u.unwrap_or_default();
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid("body", format!("invalid JSON body: {e}")))
+}
+
+/// Counts a request refused while reading its body (always a bad request), like the
+/// refusals counted once the request reached the service.
+fn refused(e: ApiError) -> ApiError {
+    count_refused(Door::Http, ErrorClass::InvalidArgument);
+    e
+}
+
+/// The caller's W3C trace context, when its `traceparent` header is valid.
+fn trace_of(headers: &HeaderMap) -> Option<TraceContext> {
+    headers
+        .get(TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceContext::parse)
+}
+
+pub(super) async fn completions(
+    State(svc): State<GenerationService>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let arrival = Instant::now();
+    let trace = trace_of(&headers);
+    let r = async {
+        let req: CompletionRequest = parse(&body).map_err(refused)?;
+        let g = req.to_generate().map_err(refused)?;
+        let shape = Shape {
+            kind: Kind::Completion,
+            id: String::new(),
+            model: svc.model_name().to_string(),
+            created: now_unix(),
+            include_usage: req.common.include_usage(),
+        };
+        respond(&svc, g, arrival, req.common.stream, shape, trace).await
+    }
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+pub(super) async fn chat_completions(
+    State(svc): State<GenerationService>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let arrival = Instant::now();
+    let trace = trace_of(&headers);
+    let r = async {
+        let req: ChatRequest = parse(&body).map_err(refused)?;
+        let g = req.to_generate(svc.context_length()).map_err(refused)?;
+        let shape = Shape {
+            kind: Kind::Chat,
+            id: String::new(),
+            model: svc.model_name().to_string(),
+            created: now_unix(),
+            include_usage: req.common.include_usage(),
+        };
+        respond(&svc, g, arrival, req.common.stream, shape, trace).await
+    }
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+pub(super) async fn models(State(svc): State<GenerationService>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": svc.model_name(),
+            "object": "model",
+            "created": 0,
+            "owned_by": "duet",
+            "max_model_len": svc.context_length(),
+        }],
+    }))
+}
+
+/// Starts the request, waits for its first event, then answers (streaming or not).
+async fn respond(
+    svc: &GenerationService,
+    req: pb::GenerateRequest,
+    arrival: Instant,
+    stream: bool,
+    mut shape: Shape,
+    trace: Option<TraceContext>,
+) -> Result<Response, ApiError> {
+    let mut rx = svc.start(req, arrival, None, Door::Http, trace)?;
+    let first = match rx.recv().await {
+        Some(Ok(ev)) => ev,
+        Some(Err(s)) => return Err(ApiError::from_status(&s)),
+        None => return Err(ApiError::from_status(&Status::internal("no answer"))),
+    };
+    let prefix = match shape.kind {
+        Kind::Completion => "cmpl-",
+        Kind::Chat => "chatcmpl-",
+    };
+    shape.id = format!("{prefix}{}", first.request_id);
+    if stream {
+        Ok(sse(rx, first, shape))
+    } else {
+        whole(rx, first, shape).await
+    }
+}
+
+/// The non-streaming answer: everything at once.
+async fn whole(
+    mut rx: Events,
+    first: pb::GenerateResponse,
+    shape: Shape,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut ev = Some(Ok(first));
+    loop {
+        match ev {
+            Some(Ok(pb::GenerateResponse {
+                event: Some(pb::generate_response::Event::Token(t)),
+                ..
+            })) => text.push_str(&t.text),
+            Some(Ok(pb::GenerateResponse {
+                event: Some(pb::generate_response::Event::Final(f)),
+                ..
+            })) => {
+                text.push_str(&f.text);
+                let reason = finish_reason(f.finish_reason);
+                let choice = match shape.kind {
+                    Kind::Completion => json!({
+                        "index": 0, "text": text, "logprobs": null, "finish_reason": reason,
+                    }),
+                    Kind::Chat => json!({
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": null,
+                        "finish_reason": reason,
+                    }),
+                };
+                let body = json!({
+                    "id": shape.id,
+                    "object": match shape.kind {
+                        Kind::Completion => "text_completion",
+                        Kind::Chat => "chat.completion",
+                    },
+                    "created": shape.created,
+                    "model": shape.model,
+                    "choices": [choice],
+                    "usage": usage_json(&f.usage),
+                });
+                return Ok((StatusCode::OK, Json(body)).into_response());
+            }
+            Some(Ok(_)) => {}
+            Some(Err(s)) => return Err(ApiError::from_status(&s)),
+            None => {
+                return Err(ApiError::from_status(&Status::internal(
+                    "stream ended early",
+                )))
+            }
+        }
+        ev = rx.recv().await;
+    }
+}
+
+impl Shape {
+    fn object(&self) -> &'static str {
+        match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        }
+    }
+
+    /// One `data:` event with one choice.
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>, role: bool) -> Bytes {
+        let choice = match self.kind {
+            Kind::Completion => json!({
+                "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish,
+            }),
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if role {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), json!(t));
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+        };
+        let mut v = json!({
+            "id": self.id, "object": self.object(), "created": self.created,
+            "model": self.model, "choices": [choice],
+        });
+        if self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        data(&v)
+    }
+
+    fn usage_chunk(&self, u: &Option<pb::Usage>) -> Bytes {
+        data(&json!({
+            "id": self.id, "object": self.object(), "created": self.created,
+            "model": self.model, "choices": [], "usage": usage_json(u),
+        }))
+    }
+}
+
+fn data(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// Server-sent events: one chunk per token (text deltas), the finish chunk, the usage
+/// chunk when asked, then `data: [DONE]`.
+fn sse(rx: Events, first: pb::GenerateResponse, shape: Shape) -> Response {
+    struct St {
+        rx: Events,
+        pending: Option<Result<pb::GenerateResponse, Status>>,
+        shape: Shape,
+        started: bool,
+        done: bool,
+    }
+    let st = St {
+        rx,
+        pending: Some(Ok(first)),
+        shape,
+        started: false,
+        done: false,
+    };
+    let stream = futures::stream::unfold(st, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let ev = match st.pending.take() {
+            Some(e) => Some(e),
+            None => st.rx.recv().await,
+        };
+        let mut out: Vec<u8> = Vec::new();
+        // Chat streams open with the assistant role.
+        if !st.started && st.shape.kind == Kind::Chat {
+            out.extend_from_slice(&st.shape.chunk(Some(""), None, true));
+        }
+        st.started = true;
+        match ev {
+            Some(Ok(pb::GenerateResponse {
+                event: Some(pb::generate_response::Event::Token(t)),
+                ..
+            })) => {
+                if !t.text.is_empty() {
+                    out.extend_from_slice(&st.shape.chunk(Some(&t.text), None, false));
+                }
+            }
+            Some(Ok(pb::GenerateResponse {
+                event: Some(pb::generate_response::Event::Final(f)),
+                ..
+            })) => {
+                if !f.text.is_empty() {
+                    out.extend_from_slice(&st.shape.chunk(Some(&f.text), None, false));
+                }
+                let reason = finish_reason(f.finish_reason);
+                let text = match st.shape.kind {
+                    Kind::Completion => Some(""),
+                    Kind::Chat => None,
+                };
+                out.extend_from_slice(&st.shape.chunk(text, Some(reason), false));
+                if st.shape.include_usage {
+                    out.extend_from_slice(&st.shape.usage_chunk(&f.usage));
+                }
+                out.extend_from_slice(b"data: [DONE]\n\n");
+                st.done = true;
+            }
+            Some(Ok(_)) => {}
+            Some(Err(s)) => {
+                out.extend_from_slice(&data(&ApiError::from_status(&s).body()));
+                out.extend_from_slice(b"data: [DONE]\n\n");
+                st.done = true;
+            }
+            None => {
+                let e = ApiError::from_status(&Status::internal("stream ended early"));
+                out.extend_from_slice(&data(&e.body()));
+                out.extend_from_slice(b"data: [DONE]\n\n");
+                st.done = true;
+            }
+        }
+        Some((Ok::<Bytes, Infallible>(Bytes::from(out)), st))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
