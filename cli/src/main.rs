@@ -20,6 +20,9 @@ struct Cli {
         default_value = "text"
     )]
     log_format: LogFormatArg,
+    /// Export request spans over OTLP/gRPC to this collector (e.g. http://127.0.0.1:4317).
+    #[arg(long, global = true, env = "DUET_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -57,9 +60,21 @@ fn main() -> std::process::ExitCode {
         LogFormatArg::Text => duet_telemetry::LogFormat::Text,
         LogFormatArg::Json => duet_telemetry::LogFormat::Json,
     };
-    if let Err(e) = duet_telemetry::init_logs(format) {
-        eprintln!("duet: warning: {e}");
-    }
+    let service = match &cli.command {
+        Command::Router(_) => "duet-router",
+        Command::Prefill(_) => "duet-prefill",
+        Command::Decode(_) => "duet-decode",
+        Command::Up(_) => "duet",
+        _ => "duet-cli",
+    };
+    // Held to the end: dropping it flushes exported spans.
+    let _logs = match duet_telemetry::init_logs(format, cli.otlp_endpoint.as_deref(), service) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            eprintln!("duet: error: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     let res = match cli.command {
         Command::Run(args) => cmd::run::run(args),
         Command::Bench(b) => cmd::bench::run(b),

@@ -24,7 +24,7 @@ fn python() -> String {
 /// `curl -sS` with `args`; returns (HTTP status, body). Fails (never skips) without curl.
 fn curl(args: &[&str]) -> (u16, String) {
     let o = Command::new("curl")
-        .args(["-sS", "-N", "-w", "\n%{http_code}"])
+        .args(["-sS", "-N", "--max-time", "120", "-w", "\n%{http_code}"])
         .args(args)
         .output()
         .expect("curl (scripts/install-test-deps.sh installs it)");
@@ -217,6 +217,8 @@ async fn curl_streams_sse_and_a_closed_connection_frees_the_kv() {
     // A client that hangs up mid-stream: the request is cancelled and its KV freed.
     let host = http.trim_start_matches("http://").to_string();
     let mut s = std::net::TcpStream::connect(&host).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("read timeout");
     let req = serde_json::json!({
         "prompt": ids, "max_tokens": 2000, "ignore_eos": true, "stream": true, "temperature": 0
     })
@@ -245,23 +247,37 @@ async fn curl_streams_sse_and_a_closed_connection_frees_the_kv() {
     drop(r);
     drop(s);
     up.assert_decode_pools_empty(Duration::from_secs(10)).await;
-    let (_, m) = http_get(&format!("{http}/metrics"));
-    assert_eq!(
-        scrape_sum(
+    // The router counts the request as cancelled once it released the worker.
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, m) = http_get(&format!("{http}/metrics"));
+        let cancelled = scrape_sum(
             &m,
             "duet_router_requests_total",
-            &[r#"door="http""#, r#"outcome="cancelled""#]
-        ),
-        1.0,
-        "{m}"
-    );
-    assert_eq!(scrape_sum(&m, "duet_router_requests_in_flight", &[]), 0.0);
+            &[r#"door="http""#, r#"outcome="cancelled""#],
+        );
+        let in_flight = scrape_sum(&m, "duet_router_requests_in_flight", &[]);
+        if cancelled == 1.0 && in_flight == 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "cancelled {cancelled}, in flight {in_flight}, want 1 and 0"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Unknown routes answer in OpenAI's error shape too.
+    let (code, e) = curl(&[&format!("{http}/v1/embeddings")]);
+    assert_eq!(code, 404, "{e}");
+    assert!(e.contains("\"error\""), "{e}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_workers_503_and_past_the_queue_bound_429() {
     // A router whose registry holds no worker; one waiting request fills the queue.
-    let c = Cluster::start(0, 0, &["--max-queued", "1"]);
+    // The first request waits up to 5 s for a decode worker to appear: time for the test
+    // to see it queued and send the second.
+    let c = Cluster::start(0, 0, &["--max-queued", "1", "--no-worker-grace", "5s"]);
     let http = c.router.wait_for("http listening on", START);
     let (code, h) = curl(&[&format!("{http}/health")]);
     assert_eq!(code, 503, "{h}");
@@ -283,7 +299,15 @@ async fn without_workers_503_and_past_the_queue_bound_429() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let o = Command::new("curl")
-        .args(["-sS", "-i", "-H", "content-type: application/json", "-d"])
+        .args([
+            "-sS",
+            "-i",
+            "--max-time",
+            "60",
+            "-H",
+            "content-type: application/json",
+            "-d",
+        ])
         .arg(body.to_string())
         .arg(&url)
         .output()

@@ -93,14 +93,14 @@ impl pb::decode_server::Decode for DecodeService {
             stop_token_ids: Vec::new(),
             ignore_eos: r.ignore_eos,
         };
-        // One trace with the router's span: the caller's trace id and span id.
         let span = tracing::info_span!(
             "decode",
             request_id = r.request_id,
             worker = %self.id,
-            trace_id = %trace.map(|t| t.trace_hex()).unwrap_or_default(),
-            parent_span_id = %trace.map(|t| t.span_hex()).unwrap_or_default(),
+            trace_id = tracing::field::Empty,
+            parent_span_id = tracing::field::Empty,
         );
+        duet_serving::trace_context::join_caller_trace(&span, trace);
         let mut rx = self.handle.generate(GenerateJob {
             request_id: r.request_id,
             prompt: r.prompt,

@@ -469,7 +469,6 @@ impl Engine {
         let elapsed = t0.elapsed();
         let dt = elapsed.as_secs_f64();
         let tokens: usize = plan.iter().map(|p| p.2).sum();
-        self.metrics.forward(tokens, elapsed);
         if dt > 0.0 {
             self.tokens_per_second = 0.8 * self.tokens_per_second + 0.2 * tokens as f64 / dt;
         }
@@ -488,6 +487,7 @@ impl Engine {
                 return;
             }
         };
+        self.metrics.forward(tokens, elapsed);
         let compute_done = Instant::now();
         let mut finished = Vec::new();
         for (k, &(i, start, n)) in plan.iter().enumerate() {

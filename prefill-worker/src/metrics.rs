@@ -58,12 +58,44 @@ impl PrefillMetrics {
     }
 }
 
-/// Counts one finished prefill request on `worker`: its outcome and, when it succeeded, its
-/// duration from arrival to the decode worker's acknowledgement of the last layer.
-pub(crate) fn request_done(worker: &str, outcome: &'static str, seconds: Option<f64>) {
-    metrics::counter!(PREFILL_REQUESTS_TOTAL, "worker" => worker.to_string(), "outcome" => outcome)
-        .increment(1);
-    if let Some(s) = seconds {
-        metrics::histogram!(PREFILL_REQUEST_SECONDS, "worker" => worker.to_string()).record(s);
+/// Counts one prefill request on `worker` exactly once: [`RequestOutcome::done`] with its
+/// outcome, or `cancelled` when dropped unfinished (the router dropped the call).
+pub(crate) struct RequestOutcome {
+    worker: String,
+    counted: bool,
+}
+
+impl RequestOutcome {
+    pub(crate) fn new(worker: &str) -> Self {
+        RequestOutcome {
+            worker: worker.to_string(),
+            counted: false,
+        }
+    }
+
+    /// The outcome and, when it succeeded, the duration from arrival to the decode
+    /// worker's acknowledgement of the last layer.
+    pub(crate) fn done(mut self, outcome: &'static str, seconds: Option<f64>) {
+        self.count(outcome);
+        if let Some(s) = seconds {
+            metrics::histogram!(PREFILL_REQUEST_SECONDS, "worker" => self.worker.clone()).record(s);
+        }
+    }
+
+    fn count(&mut self, outcome: &'static str) {
+        if !std::mem::replace(&mut self.counted, true) {
+            metrics::counter!(
+                PREFILL_REQUESTS_TOTAL,
+                "worker" => self.worker.clone(),
+                "outcome" => outcome
+            )
+            .increment(1);
+        }
+    }
+}
+
+impl Drop for RequestOutcome {
+    fn drop(&mut self) {
+        self.count("cancelled");
     }
 }

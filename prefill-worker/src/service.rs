@@ -47,15 +47,16 @@ impl pb::prefill_server::Prefill for PrefillService {
         sampling
             .validate()
             .map_err(|e| duet_serving::status::engine_status(&e))?;
-        // One trace with the router's span: the caller's trace id and span id.
         let span = tracing::info_span!(
             "prefill",
             request_id = r.request_id,
             worker = %self.id,
-            trace_id = %trace.map(|t| t.trace_hex()).unwrap_or_default(),
-            parent_span_id = %trace.map(|t| t.span_hex()).unwrap_or_default(),
+            trace_id = tracing::field::Empty,
+            parent_span_id = tracing::field::Empty,
         );
+        duet_serving::trace_context::join_caller_trace(&span, trace);
         let done_span = span.clone();
+        let outcome = crate::metrics::RequestOutcome::new(&self.id);
         let prompt_tokens = r.prompt.len();
         let res = self
             .handle
@@ -72,7 +73,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         let res = match res {
             Ok(r) => {
                 let total = r.queue_seconds + r.prefill_seconds + r.kv_transfer_seconds;
-                crate::metrics::request_done(&self.id, "ok", Some(total));
+                outcome.done("ok", Some(total));
                 tracing::info!(
                     parent: &done_span,
                     prompt_tokens,
@@ -83,7 +84,7 @@ impl pb::prefill_server::Prefill for PrefillService {
                 r
             }
             Err(e) => {
-                crate::metrics::request_done(&self.id, e.class().label(), None);
+                outcome.done(e.class().label(), None);
                 return Err(e.status());
             }
         };

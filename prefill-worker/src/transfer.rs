@@ -105,7 +105,7 @@ async fn run(
                 result.kv_transfer_seconds = compute_done.elapsed().as_secs_f64();
                 result.kv_stream_seconds = first_layer.map_or(0.0, |t| t.elapsed().as_secs_f64());
                 result.kv_bytes = bytes;
-                metrics::histogram!(KV_TRANSFER_SECONDS).record(result.kv_stream_seconds);
+                metrics::histogram!(KV_TRANSFER_SECONDS).record(result.kv_transfer_seconds);
                 if let Some(s) = sender.take() {
                     connector.checkin(&endpoint, s);
                 }

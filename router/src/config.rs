@@ -33,6 +33,11 @@ pub struct RouterConfig {
     /// Longest sequence (prompt + generated) accepted, below the model's context length
     /// (vLLM's `--max-model-len`); `None`: the model's.
     pub max_model_len: Option<usize>,
+    /// Deadline of a request whose client set none (no `grpc-timeout`; HTTP requests).
+    pub default_request_timeout: Duration,
+    /// How long a request waits for a decode worker to appear when none is known at all,
+    /// before it fails as unavailable (HTTP 503).
+    pub no_worker_grace: Duration,
 }
 
 impl RouterConfig {
@@ -55,6 +60,8 @@ impl Default for RouterConfig {
             decode_headroom_tokens: 64,
             model_name: "default".into(),
             max_model_len: None,
+            default_request_timeout: Duration::from_secs(600),
+            no_worker_grace: Duration::from_secs(1),
         }
     }
 }

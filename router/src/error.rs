@@ -51,7 +51,14 @@ impl RouterError {
             RouterError::UnknownModel(_) => ErrorClass::NotFound,
             RouterError::QueueFull { .. } => ErrorClass::ResourceExhausted,
             RouterError::NoWorker { .. } => ErrorClass::Unavailable,
-            RouterError::Worker { status, .. } => duet_serving::status::class_of(status.code()),
+            // A worker that lost the request's reservation or sequence is, to the client, a
+            // worker that became unavailable (not an unknown model: 404 would mislead).
+            RouterError::Worker { status, .. } => {
+                match duet_serving::status::class_of(status.code()) {
+                    ErrorClass::NotFound => ErrorClass::Unavailable,
+                    c => c,
+                }
+            }
             RouterError::Deadline(_) => ErrorClass::DeadlineExceeded,
             RouterError::PromptExceedsPools { .. } => ErrorClass::InvalidArgument,
         }

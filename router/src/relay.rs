@@ -43,7 +43,7 @@ pub struct Job {
     pub arrival: Instant,
     pub deadline: Option<Instant>,
     pub metrics: RequestMetrics,
-    /// The request's trace; worker calls carry children of it.
+    /// The request's trace (this router span's ids); worker calls carry it.
     pub trace: TraceContext,
 }
 
@@ -89,9 +89,6 @@ fn response(id: &str, ev: pb::generate_response::Event) -> pb::GenerateResponse 
         event: Some(ev),
     }
 }
-
-/// How long a request waits when no decode worker for its model is known at all.
-const NO_WORKER_GRACE: Duration = Duration::from_secs(1);
 
 /// Waits for a decode worker with room (the queue), bounded by the deadline and
 /// `max_queue_wait`. `None`: the client went away.
@@ -142,7 +139,7 @@ async fn wait_for_decode(
         // With no decode worker at all (beyond a short grace for workers that are just
         // registering), waiting cannot help: say so at once (HTTP 503, UNAVAILABLE).
         let none_known = largest.is_none();
-        if now >= give_up || (none_known && now >= started + NO_WORKER_GRACE) {
+        if now >= give_up || (none_known && now >= started + shared.cfg.no_worker_grace) {
             let known = snap.workers(Role::Decode).count();
             return Err(RouterError::NoWorker {
                 role: "decode",
@@ -165,10 +162,11 @@ async fn wait_for_decode(
     }
 }
 
-/// An outgoing call of `job`: its remaining deadline and a child of its trace context.
+/// An outgoing call of `job`: its remaining deadline and its trace context (the worker's
+/// span becomes a child of the request's span).
 fn outgoing<T>(job: &Job, msg: T) -> tonic::Request<T> {
     let mut req = tonic::Request::new(msg);
-    job.trace.child().inject(&mut req);
+    job.trace.inject(&mut req);
     if let Some(d) = job.deadline {
         req.set_timeout(
             d.saturating_duration_since(Instant::now())
@@ -336,7 +334,13 @@ async fn attempt_once(
                 ),
             });
         };
-        let mut pclient = shared.workers.prefill(&p.grpc_addr)?;
+        let mut pclient = match shared.workers.prefill(&p.grpc_addr) {
+            Ok(c) => c,
+            Err(e) => {
+                release().await;
+                return Err(e);
+            }
+        };
         let req = outgoing(
             job,
             pb::PrefillRequest {
@@ -352,7 +356,9 @@ async fn attempt_once(
             r = pclient.prefill(req) => r,
             _ = out.closed() => {
                 let mut c = pclient.clone();
-                let _ = c.cancel(pb::ReleaseRequest { request_id: job.request_id }).await;
+                let mut req = tonic::Request::new(pb::ReleaseRequest { request_id: job.request_id });
+                req.set_timeout(Duration::from_secs(2));
+                let _ = c.cancel(req).await;
                 release().await;
                 return Ok(Outcome::ClientGone);
             }
@@ -440,13 +446,13 @@ async fn attempt_once(
                     progress.first_token_at = Some(Instant::now());
                 }
                 progress.tokens_sent += 1;
-                job.metrics.token();
                 let r = response(&job.client_id, pb::generate_response::Event::Token(t));
                 if out.send(Ok(r)).await.is_err() {
                     drop(stream);
                     release().await;
                     return Ok(Outcome::ClientGone);
                 }
+                job.metrics.token();
             }
             pb::decode_event::Event::Done(d) => {
                 if placement != pb::PrefillPlacement::Remote {

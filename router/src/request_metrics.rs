@@ -43,6 +43,7 @@ pub struct RequestMetrics {
     last_token: Option<Instant>,
     tokens: u64,
     done: bool,
+    placed: bool,
 }
 
 impl RequestMetrics {
@@ -63,12 +64,16 @@ impl RequestMetrics {
             last_token: None,
             tokens: 0,
             done: false,
+            placed: false,
         }
     }
 
-    /// The request left the queue for a worker pair placed as `placement`.
-    pub fn placed(&self, placement: &'static str) {
-        metrics::histogram!(ROUTER_QUEUE_SECONDS).record(self.arrival.elapsed().as_secs_f64());
+    /// An attempt of the request was placed as `placement` (decisions count per attempt;
+    /// the queue time only the first time the request left the queue).
+    pub fn placed(&mut self, placement: &'static str) {
+        if !std::mem::replace(&mut self.placed, true) {
+            metrics::histogram!(ROUTER_QUEUE_SECONDS).record(self.arrival.elapsed().as_secs_f64());
+        }
         metrics::counter!(ROUTER_ROUTING_DECISIONS_TOTAL, "placement" => placement).increment(1);
     }
 

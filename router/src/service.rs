@@ -87,8 +87,8 @@ impl GenerationService {
             req.request_id.clone()
         };
         let (tx, rx) = mpsc::channel(64);
-        // The client's trace when it sent one, else a new one.
-        let trace = trace.map_or_else(TraceContext::new_root, |t| t.child());
+        // Every request has a deadline: the client's, else the configured default.
+        let deadline = Some(deadline.unwrap_or(arrival + self.shared.cfg.default_request_timeout));
         // The placement fields are filled in when the request is placed, so the decision
         // (which workers, local or remote prefill, and why) is on the request's span.
         let span = tracing::info_span!(
@@ -96,13 +96,27 @@ impl GenerationService {
             request_id,
             client_id = %client_id,
             door = door.label(),
-            trace_id = %trace.trace_hex(),
+            trace_id = tracing::field::Empty,
             prompt_tokens = prep.prompt.len(),
             decode_worker = tracing::field::Empty,
             prefill_worker = tracing::field::Empty,
             placement = tracing::field::Empty,
             routing_reason = tracing::field::Empty,
         );
+        // The request's trace: the client's when it sent one (this span its child), else a
+        // new one; with OTLP export, the ids the span is exported under.
+        if let Some(t) = trace {
+            duet_telemetry::link_remote_parent(&span, t.trace_id, t.span_id, t.sampled());
+        }
+        let trace = match duet_telemetry::span_ids(&span) {
+            Some((trace_id, span_id)) => TraceContext {
+                trace_id,
+                span_id,
+                flags: trace.map_or(1, |t| t.flags),
+            },
+            None => trace.map_or_else(TraceContext::new_root, |t| t.child()),
+        };
+        span.record("trace_id", trace.trace_hex());
         let metrics = RequestMetrics::start(
             door,
             crate::admission::class(prep.priority).1,

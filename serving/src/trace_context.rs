@@ -17,6 +17,8 @@ pub const TRACEPARENT: &str = "traceparent";
 pub struct TraceContext {
     pub trace_id: u128,
     pub span_id: u64,
+    /// The caller's trace flags (bit 0: sampled), passed on unchanged.
+    pub flags: u8,
 }
 
 fn nonzero_u64() -> u64 {
@@ -29,6 +31,7 @@ impl TraceContext {
         TraceContext {
             trace_id: rand::random::<u128>().max(1),
             span_id: nonzero_u64(),
+            flags: 1,
         }
     }
 
@@ -37,21 +40,40 @@ impl TraceContext {
         TraceContext {
             trace_id: self.trace_id,
             span_id: nonzero_u64(),
+            flags: self.flags,
         }
     }
 
-    /// Parses a `traceparent` value (version 00; all-zero ids are invalid).
+    /// Parses a `traceparent` value. Version `00` has exactly four fields; later versions
+    /// may append fields, which are ignored (W3C forward compatibility); `ff` and all-zero
+    /// ids are invalid.
     pub fn parse(v: &str) -> Option<Self> {
         let mut parts = v.trim().split('-');
         let (version, trace, span, flags) =
             (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-        if version != "00" || trace.len() != 32 || span.len() != 16 || flags.len() != 2 {
+        let version = u8::from_str_radix(version, 16)
+            .ok()
+            .filter(|&v| v != 0xff)?;
+        if (version == 0 && parts.next().is_some())
+            || trace.len() != 32
+            || span.len() != 16
+            || flags.len() != 2
+        {
             return None;
         }
         let trace_id = u128::from_str_radix(trace, 16).ok().filter(|&t| t != 0)?;
         let span_id = u64::from_str_radix(span, 16).ok().filter(|&s| s != 0)?;
-        u8::from_str_radix(flags, 16).ok()?;
-        Some(TraceContext { trace_id, span_id })
+        let flags = u8::from_str_radix(flags, 16).ok()?;
+        Some(TraceContext {
+            trace_id,
+            span_id,
+            flags,
+        })
+    }
+
+    /// Whether the caller sampled this trace.
+    pub fn sampled(&self) -> bool {
+        self.flags & 1 == 1
     }
 
     /// The trace id as 32 hex digits (what logs show).
@@ -79,9 +101,24 @@ impl TraceContext {
     }
 }
 
+/// Puts a worker's request span in its caller's trace: records `trace_id` and
+/// `parent_span_id` (fields the span declares empty) and, with OTLP export, makes it the
+/// caller's child.
+pub fn join_caller_trace(span: &tracing::Span, caller: Option<TraceContext>) {
+    if let Some(t) = caller {
+        span.record("trace_id", t.trace_hex());
+        span.record("parent_span_id", t.span_hex());
+        duet_telemetry::link_remote_parent(span, t.trace_id, t.span_id, t.sampled());
+    }
+}
+
 impl fmt::Display for TraceContext {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "00-{:032x}-{:016x}-01", self.trace_id, self.span_id)
+        write!(
+            f,
+            "00-{:032x}-{:016x}-{:02x}",
+            self.trace_id, self.span_id, self.flags
+        )
     }
 }
 
@@ -101,9 +138,16 @@ mod tests {
             .expect("valid");
         assert_eq!(w3c.trace_hex(), "4bf92f3577b34da6a3ce929d0e0e4736");
         assert_eq!(w3c.span_hex(), "00f067aa0ba902b7");
+        assert!(w3c.sampled());
+        // A later version with an extra field parses; an unsampled flag is kept.
+        let v1 = TraceContext::parse("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-x")
+            .expect("forward compatible");
+        assert!(!v1.sampled());
+        assert!(v1.to_string().ends_with("-00"));
         for bad in [
             "",
-            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
             "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
             "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",

@@ -10,6 +10,9 @@ pub enum Error {
     #[error("serving /metrics")]
     Serve(#[source] std::io::Error),
     /// A log subscriber was already installed or the filter was invalid.
-    #[error("setting up logs")]
+    #[error("setting up logs or span export")]
     Logs(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// `--otlp-endpoint` given to a binary built without the `otlp` feature.
+    #[error("--otlp-endpoint: this duet was built without the `otlp` feature")]
+    OtlpNotBuilt,
 }

@@ -25,6 +25,10 @@ const LATENCY: &[f64] = &[
 const PER_TOKEN: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
 ];
+/// Engine steps: a millisecond (one decode row) to ten seconds (a long prefill chunk).
+const STEP: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 /// KV transfers: 100 µs to a second.
 const TRANSFER: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -46,7 +50,7 @@ pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
     (PREFILL_BATCH_SECONDS, LATENCY),
     (PREFILL_REQUEST_SECONDS, LATENCY),
     (PREFILL_BATCH_TOKENS, BATCH_TOKENS),
-    (DECODE_STEP_SECONDS, PER_TOKEN),
+    (DECODE_STEP_SECONDS, STEP),
     (DECODE_BATCH_SIZE, BATCH_SEQS),
     (KV_TRANSFER_SECONDS, TRANSFER),
 ];
@@ -56,6 +60,8 @@ static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 /// Installs the process-wide Prometheus recorder (first call) and describes every metric.
 /// Idempotent: later calls return the installed handle.
 pub fn install() -> Result<PrometheusHandle, Error> {
+    static INSTALLING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = INSTALLING.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(h) = HANDLE.get() {
         return Ok(h.clone());
     }
@@ -89,30 +95,34 @@ pub fn metrics_router(handle: PrometheusHandle) -> axum::Router {
     )
 }
 
-/// Serves `/metrics` on `listener` until `shutdown` fires; also runs the recorder's upkeep
-/// (histogram bucket maintenance) every few seconds.
+/// Runs the recorder's upkeep (draining histogram samples into their buckets) every few
+/// seconds until `shutdown` fires. Without it, histogram samples pile up between scrapes:
+/// every process that installs the recorder runs it once.
+pub fn spawn_upkeep(handle: PrometheusHandle, shutdown: CancellationToken) {
+    static STARTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if STARTED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        return;
+    }
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tick.tick() => handle.run_upkeep(),
+            }
+        }
+    });
+}
+
+/// Serves `/metrics` on `listener` until `shutdown` fires (and runs the upkeep).
 pub async fn serve_metrics(
     listener: TcpListener,
     handle: PrometheusHandle,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let upkeep = {
-        let h = handle.clone();
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(5));
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => break,
-                    _ = tick.tick() => h.run_upkeep(),
-                }
-            }
-        })
-    };
-    let res = axum::serve(listener, metrics_router(handle))
+    spawn_upkeep(handle.clone(), shutdown.clone());
+    axum::serve(listener, metrics_router(handle))
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
-        .map_err(Error::Serve);
-    upkeep.abort();
-    res
+        .map_err(Error::Serve)
 }

@@ -1,6 +1,7 @@
 //! duet's telemetry: the one place every metric is named and described ([`names`],
 //! [`describe_all`]), the Prometheus exposition every process serves on `/metrics`
-//! ([`install`], [`metrics_router`]) and log set-up ([`init_logs`]).
+//! ([`install`], [`metrics_router`]), log set-up and optional OTLP span export
+//! ([`init_logs`], feature `otlp`).
 //!
 //! Invariants:
 //! - Library crates only record through the `metrics` facade under the names in [`names`];
@@ -15,11 +16,13 @@ mod error;
 pub mod exporter;
 mod logs;
 pub mod names;
+#[cfg(feature = "otlp")]
+mod otlp;
 
 pub use describe::describe_all;
 pub use error::Error;
-pub use exporter::{install, metrics_router, serve_metrics};
-pub use logs::{init_logs, LogFormat};
+pub use exporter::{install, metrics_router, serve_metrics, spawn_upkeep};
+pub use logs::{init_logs, link_remote_parent, span_ids, LogFormat, LogGuard};
 
 /// Outcome label values: `ok` plus one per error class. Every failure is classified once by
 /// its crate; the classes are the same set as the gRPC status mapping.

@@ -54,13 +54,13 @@ catalogue! {
     Histogram ROUTER_E2E_SECONDS = "duet_router_e2e_latency_seconds",
         "Arrival to final message, per request (`door`).";
     Histogram ROUTER_QUEUE_SECONDS = "duet_router_queue_time_seconds",
-        "Time a request waited for admission and placement before a worker took it.";
+        "Arrival to the first placement on a worker pair (once per request).";
     Gauge ROUTER_IN_FLIGHT = "duet_router_requests_in_flight",
         "Requests admitted and not finished, by `priority`.";
     Gauge ROUTER_QUEUED = "duet_router_requests_queued",
-        "Requests waiting for admission, by `priority`.";
+        "Admitted requests waiting for placement on a worker pair, by `priority`.";
     Counter ROUTER_ROUTING_DECISIONS_TOTAL = "duet_router_routing_decisions_total",
-        "Placement decisions by `placement`.";
+        "Placement decisions by `placement`, one per attempt (a retried request is placed again).";
     Counter ROUTER_RETRIES_TOTAL = "duet_router_retries_total",
         "Attempts re-run on another worker pair after a worker failed before the first token.";
     Counter ROUTER_PROMPT_TOKENS_TOTAL = "duet_router_prompt_tokens_total",
@@ -80,7 +80,7 @@ catalogue! {
     Histogram PREFILL_BATCH_SECONDS = "duet_prefill_batch_duration_seconds",
         "Duration of one forward batch (`worker`).";
     Histogram PREFILL_REQUEST_SECONDS = "duet_prefill_request_duration_seconds",
-        "Arrival to last KV layer handed to the transport, per request (`worker`).";
+        "Arrival to the decode worker's acknowledgement of the last KV layer, per request (`worker`).";
     Gauge PREFILL_QUEUE_DEPTH = "duet_prefill_queue_depth",
         "Requests waiting or running on the engine (`worker`).";
     Gauge PREFILL_QUEUED_TOKENS = "duet_prefill_queued_tokens",
@@ -92,11 +92,11 @@ catalogue! {
     Gauge DECODE_RUNNING = "duet_decode_running_sequences",
         "Sequences in the running batch (`worker`).";
     Gauge DECODE_WAITING = "duet_decode_waiting_sequences",
-        "Sequences admitted but not yet running: waiting for KV or for room (`worker`).";
+        "Sequences admitted to the scheduler but not running yet: queued for room or preempted (`worker`); reservations still waiting for KV are not counted.";
     Histogram DECODE_BATCH_SIZE = "duet_decode_batch_size",
         "Sequences in one engine step (`worker`).";
     Histogram DECODE_STEP_SECONDS = "duet_decode_step_duration_seconds",
-        "Duration of one engine step (`worker`).";
+        "Duration of one engine step: decode rows and any local prefill chunks (`worker`).";
     Counter DECODE_GENERATED_TOKENS_TOTAL = "duet_decode_generated_tokens_total",
         "Tokens generated (`worker`).";
     Gauge DECODE_KV_BLOCKS_USED = "duet_decode_kv_blocks_used",
@@ -110,7 +110,7 @@ catalogue! {
     Counter DECODE_READ_BYTES_TOTAL = "duet_decode_read_bytes_total",
         "Bytes of weights and KV a step reads, summed over steps (`worker`).";
     Gauge DECODE_BANDWIDTH_BYTES_PER_SECOND = "duet_decode_memory_bandwidth_bytes_per_second",
-        "Weights + KV bytes read by the last decode step divided by its duration (`worker`): the CPU stand-in for HBM bandwidth.";
+        "Weights + KV bytes the last engine step read divided by its duration (`worker`): the CPU stand-in for HBM bandwidth.";
 
     // ---- kv-transfer --------------------------------------------------------------------------
     Counter KV_TRANSFER_BYTES_TOTAL = "duet_kv_transfer_bytes_total",
@@ -118,7 +118,7 @@ catalogue! {
     Counter KV_TRANSFER_TRANSFERS_TOTAL = "duet_kv_transfer_transfers_total",
         "Completed transfers (one per prompt chunk) by `direction`.";
     Histogram KV_TRANSFER_SECONDS = "duet_kv_transfer_duration_seconds",
-        "First layer handed to the transport to the end frame acknowledged, sender side.";
+        "KV transfer time not hidden behind compute, per request: end of the last forward to the decode worker's acknowledgement of the last layer (sender side).";
     Counter KV_TRANSFER_FAILURES_TOTAL = "duet_kv_transfer_failures_total",
         "Failed transfers by `direction` and `reason`.";
 

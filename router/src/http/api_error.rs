@@ -52,11 +52,13 @@ impl ApiError {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok())
             .map(|ms| ms.div_ceil(1000).max(1));
+        let status = http_status(class);
         ApiError {
-            status: http_status(class),
+            status,
             message: s.message().to_string(),
             param: None,
-            retry_after,
+            // A 429 always says when to come back.
+            retry_after: retry_after.or((status == StatusCode::TOO_MANY_REQUESTS).then_some(1)),
         }
     }
 
@@ -98,11 +100,12 @@ impl From<RouterError> for ApiError {
             }
             _ => None,
         };
+        let status = http_status(e.class());
         ApiError {
-            status: http_status(e.class()),
+            status,
             message: e.to_string(),
             param,
-            retry_after,
+            retry_after: retry_after.or((status == StatusCode::TOO_MANY_REQUESTS).then_some(1)),
         }
     }
 }

@@ -87,27 +87,53 @@ fn trace_of(headers: &HeaderMap) -> Option<TraceContext> {
         .and_then(TraceContext::parse)
 }
 
+/// What the two endpoints read from their bodies: the generation request, whether to
+/// stream, whether the stream ends with a usage chunk.
+struct Parsed {
+    req: pb::GenerateRequest,
+    stream: bool,
+    include_usage: bool,
+}
+
+/// One endpoint: reads the body with `read`, then generates and answers as `kind`.
+async fn handle(
+    svc: GenerationService,
+    headers: HeaderMap,
+    body: Bytes,
+    kind: Kind,
+    read: impl FnOnce(&Bytes, &GenerationService) -> Result<Parsed, ApiError>,
+) -> Response {
+    let arrival = Instant::now();
+    let trace = trace_of(&headers);
+    let r = async {
+        let p = read(&body, &svc).map_err(refused)?;
+        let shape = Shape {
+            kind,
+            id: String::new(),
+            model: svc.model_name().to_string(),
+            created: now_unix(),
+            include_usage: p.include_usage,
+        };
+        respond(&svc, p.req, arrival, p.stream, shape, trace).await
+    }
+    .await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
 pub(super) async fn completions(
     State(svc): State<GenerationService>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let arrival = Instant::now();
-    let trace = trace_of(&headers);
-    let r = async {
-        let req: CompletionRequest = parse(&body).map_err(refused)?;
-        let g = req.to_generate().map_err(refused)?;
-        let shape = Shape {
-            kind: Kind::Completion,
-            id: String::new(),
-            model: svc.model_name().to_string(),
-            created: now_unix(),
-            include_usage: req.common.include_usage(),
-        };
-        respond(&svc, g, arrival, req.common.stream, shape, trace).await
-    }
-    .await;
-    r.unwrap_or_else(IntoResponse::into_response)
+    handle(svc, headers, body, Kind::Completion, |body, _| {
+        let r: CompletionRequest = parse(body)?;
+        Ok(Parsed {
+            req: r.to_generate()?,
+            stream: r.common.stream,
+            include_usage: r.common.include_usage(),
+        })
+    })
+    .await
 }
 
 pub(super) async fn chat_completions(
@@ -115,22 +141,15 @@ pub(super) async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let arrival = Instant::now();
-    let trace = trace_of(&headers);
-    let r = async {
-        let req: ChatRequest = parse(&body).map_err(refused)?;
-        let g = req.to_generate(svc.context_length()).map_err(refused)?;
-        let shape = Shape {
-            kind: Kind::Chat,
-            id: String::new(),
-            model: svc.model_name().to_string(),
-            created: now_unix(),
-            include_usage: req.common.include_usage(),
-        };
-        respond(&svc, g, arrival, req.common.stream, shape, trace).await
-    }
-    .await;
-    r.unwrap_or_else(IntoResponse::into_response)
+    handle(svc, headers, body, Kind::Chat, |body, svc| {
+        let r: ChatRequest = parse(body)?;
+        Ok(Parsed {
+            req: r.to_generate(svc.context_length())?,
+            stream: r.common.stream,
+            include_usage: r.common.include_usage(),
+        })
+    })
+    .await
 }
 
 pub(super) async fn models(State(svc): State<GenerationService>) -> Json<Value> {

@@ -32,6 +32,17 @@ pub fn app(svc: GenerationService, extra: axum::Router) -> axum::Router {
         )
         .with_state(svc)
         .merge(extra)
+        .fallback(unknown_route)
+}
+
+/// Anything else: OpenAI's error shape, 404.
+async fn unknown_route(uri: axum::http::Uri) -> api_error::ApiError {
+    api_error::ApiError {
+        status: axum::http::StatusCode::NOT_FOUND,
+        message: format!("no route {}", uri.path()),
+        param: None,
+        retry_after: None,
+    }
 }
 
 /// Serves `app` on `listener` until `shutdown` fires, then lets open responses finish for up

@@ -59,6 +59,11 @@ pub struct Common {
     pub ignore_eos: bool,
     pub logprobs: Option<serde_json::Value>,
     pub user: Option<String>,
+    // Accepted by OpenAI or vLLM, not implemented by duet: refused unless unset / default.
+    pub response_format: Option<serde_json::Value>,
+    pub logit_bias: Option<serde_json::Value>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub min_tokens: Option<i64>,
 }
 
 /// `POST /v1/completions`.
@@ -102,6 +107,9 @@ pub struct ChatRequest {
     pub common: Common,
     pub max_completion_tokens: Option<i64>,
     pub tools: Option<serde_json::Value>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub functions: Option<serde_json::Value>,
+    pub function_call: Option<serde_json::Value>,
     pub top_logprobs: Option<serde_json::Value>,
 }
 
@@ -118,6 +126,45 @@ fn positive(param: &str, v: i64) -> Result<u32, ApiError> {
 impl Common {
     /// Refuses what duet does not implement; fills the shared fields of `req`.
     fn apply(&self, req: &mut pb::GenerateRequest, chat: bool) -> Result<(), ApiError> {
+        if self.stream_options.is_some() && !self.stream {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "stream_options is only allowed with stream: true",
+            ));
+        }
+        let is_set = |v: &Option<serde_json::Value>| match v {
+            None | Some(serde_json::Value::Null) => false,
+            Some(serde_json::Value::Object(m)) => !m.is_empty(),
+            Some(_) => true,
+        };
+        let text_format = self
+            .response_format
+            .as_ref()
+            .is_some_and(|f| f.get("type").and_then(|t| t.as_str()) == Some("text"));
+        if is_set(&self.response_format) && !text_format {
+            return Err(ApiError::invalid(
+                "response_format",
+                "only response_format {\"type\": \"text\"} is supported",
+            ));
+        }
+        if is_set(&self.logit_bias) {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                "logit_bias is not supported",
+            ));
+        }
+        if self.stop_token_ids.as_ref().is_some_and(|v| !v.is_empty()) {
+            return Err(ApiError::invalid(
+                "stop_token_ids",
+                "stop_token_ids is not supported (use stop)",
+            ));
+        }
+        if self.min_tokens.is_some_and(|m| m != 0) {
+            return Err(ApiError::invalid(
+                "min_tokens",
+                "min_tokens is not supported",
+            ));
+        }
         if let Some(n) = self.n {
             if n != 1 {
                 return Err(ApiError::invalid(
@@ -272,8 +319,25 @@ impl ChatRequest {
     /// The generation request this asks for; `context` bounds the default `max_tokens`
     /// (without one, generation may run to the end of the context, as in vLLM).
     pub fn to_generate(&self, context: usize) -> Result<pb::GenerateRequest, ApiError> {
-        if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
-            return Err(ApiError::invalid("tools", "tool calls are not supported"));
+        for (name, v) in [
+            ("tools", &self.tools),
+            ("functions", &self.functions),
+            ("function_call", &self.function_call),
+        ] {
+            if v.as_ref().is_some_and(|t| !t.is_null()) {
+                return Err(ApiError::invalid(name, "tool calls are not supported"));
+            }
+        }
+        // "none" (or unset) is the only tool choice without tools.
+        if self
+            .tool_choice
+            .as_ref()
+            .is_some_and(|t| !t.is_null() && t.as_str() != Some("none"))
+        {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "tool calls are not supported",
+            ));
         }
         if self.top_logprobs.as_ref().is_some_and(|t| !t.is_null()) {
             return Err(ApiError::invalid(
@@ -424,6 +488,22 @@ mod tests {
                 "stop",
             ),
             (serde_json::json!({"max_tokens": 4}), "prompt"),
+            (
+                serde_json::json!({"prompt": "x", "stream_options": {"include_usage": true}}),
+                "stream_options",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "logit_bias": {"50256": -100}}),
+                "logit_bias",
+            ),
+            (
+                serde_json::json!({"prompt": "x", "min_tokens": 3}),
+                "min_tokens",
+            ),
         ] {
             let e = completion(body.clone()).unwrap_err();
             assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{body}");

@@ -3,7 +3,9 @@
 //! engine, llama.cpp, is driven by `scripts/bench-engine.sh`).
 
 mod engine;
+mod plot;
 mod router;
+mod serve;
 mod transfer;
 
 use clap::Subcommand;
@@ -16,6 +18,11 @@ pub enum BenchCommand {
     Router(router::RouterBenchArgs),
     /// KV transfer throughput and latency beside iperf3 / memcpy.
     Transfer(transfer::TransferBenchArgs),
+    /// Load generator against a serving endpoint (duet gRPC or OpenAI-compatible HTTP):
+    /// TTFT, TPOT, ITL, throughput, SLO attainment and goodput.
+    Serve(Box<serve::ServeBenchArgs>),
+    /// Overlay several `bench serve` reports in SVG plots.
+    Plot(plot::PlotBenchArgs),
 }
 
 pub fn run(c: BenchCommand) -> anyhow::Result<()> {
@@ -23,6 +30,8 @@ pub fn run(c: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Engine(a) => engine::run(a),
         BenchCommand::Transfer(a) => transfer::run(a),
         BenchCommand::Router(a) => router::run(a),
+        BenchCommand::Serve(a) => serve::run(*a),
+        BenchCommand::Plot(a) => plot::run(a),
     }
 }
 

@@ -38,6 +38,13 @@ pub struct RoutingArgs {
     /// --max-model-len); default: the model's context length.
     #[arg(long, env = "DUET_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
+    /// Deadline of requests that set none (no gRPC deadline; HTTP requests).
+    #[arg(long, env = "DUET_REQUEST_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    pub request_timeout: Duration,
+    /// How long a request waits for a decode worker to appear when none is known, before
+    /// it fails as unavailable (HTTP 503).
+    #[arg(long, env = "DUET_NO_WORKER_GRACE", default_value = "1s", value_parser = parse_duration)]
+    pub no_worker_grace: Duration,
 }
 
 impl RoutingArgs {
@@ -63,6 +70,8 @@ impl RoutingArgs {
             max_attempts: self.max_attempts,
             model_name,
             max_model_len: self.max_model_len,
+            default_request_timeout: self.request_timeout,
+            no_worker_grace: self.no_worker_grace,
             ..RouterConfig::default()
         }
     }
@@ -96,6 +105,7 @@ pub async fn run_router(
     drain: Duration,
 ) -> anyhow::Result<()> {
     let metrics = duet_telemetry::install()?;
+    duet_telemetry::spawn_upkeep(metrics.clone(), shutdown.clone());
     let view = ClusterView::start(registry, cluster, shutdown.child_token());
     let ops = ClusterService::new(view.clone());
     let svc = GenerationService::new(front, cfg, view);

@@ -1,0 +1,241 @@
+//! Drives a target: warm-up, then one run per offered rate, each with the same requests.
+//!
+//! A run sends request k at its planned time (the sum of the first k arrival gaps, the
+//! first at 0) or, when `max_concurrency` requests are already in flight, as soon as one
+//! finishes (a closed loop when there is no rate). It stops sending after `num_prompts`
+//! requests or once `duration` has passed, whichever comes first, then waits for every
+//! request in flight (each bounded by the request timeout).
+//!
+//! Invariants: every sent request yields exactly one record; records are ordered by index;
+//! warm-up requests (sent one at a time, or `max_concurrency` at a time, before the first
+//! run) are never recorded; every run of a sweep draws the same workload (same seed) and,
+//! for a given rate, the same arrival gaps.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use duet_engine::TextFrontend;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::arrival::Arrival;
+use crate::backend::{BackendKind, PromptFormat, Target};
+use crate::config::ServeConfig;
+use crate::corpus::Corpus;
+use crate::error::{BenchError, Result};
+use crate::progress::Progress;
+use crate::record::RequestRecord;
+use crate::report::{Report, RunReport, Summary, SweepSummary, SCHEMA};
+use crate::workload::Workload;
+
+/// Seed offset of the arrival RNG, so arrivals and the workload are independent streams.
+const ARRIVAL_STREAM: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// What is fixed across the runs of one invocation.
+struct Prepared {
+    target: Arc<Target>,
+    corpus: Arc<Corpus>,
+    text: Option<Arc<duet_engine::Tokenizer>>,
+}
+
+impl Prepared {
+    fn workload(&self, cfg: &ServeConfig, seed: u64) -> Workload {
+        Workload::new(
+            cfg.lengths.clone(),
+            self.corpus.clone(),
+            cfg.shared_prefix_len,
+            seed,
+            self.text.clone(),
+        )
+    }
+}
+
+/// Runs every configured rate; `progress`: draw a progress bar (when stderr is a terminal).
+pub async fn run(cfg: &ServeConfig, progress: bool) -> Result<Report> {
+    cfg.validate()?;
+    let front = TextFrontend::load(&cfg.tokenizer)?;
+    let tokenizer = Arc::new(front.tokenizer);
+    let corpus = Arc::new(Corpus::load(&tokenizer, cfg.corpus.as_deref())?);
+    let text = (cfg.send.prompt_format == PromptFormat::Text).then(|| tokenizer.clone());
+    let target = Target::connect(
+        cfg.backend,
+        &cfg.url,
+        &cfg.endpoint,
+        cfg.model_name.as_deref(),
+        cfg.send.clone(),
+    )
+    .await?;
+    let prepared = Prepared {
+        target: Arc::new(target),
+        corpus,
+        text,
+    };
+    let started_unix_s = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+
+    if cfg.warmup > 0 {
+        // A different seed: warm-up prompts are not the measured ones.
+        let mut w = prepared.workload(cfg, cfg.seed.wrapping_add(1));
+        let conc = cfg.max_concurrency.unwrap_or(1);
+        let (records, _) = run_one(
+            &prepared.target,
+            &mut w,
+            &Arrival::Immediate,
+            cfg.seed,
+            Some(conc),
+            Some(cfg.warmup),
+            None,
+            &Progress::hidden(),
+        )
+        .await;
+        let failed = records.iter().filter(|r| !r.ok()).count();
+        if failed == records.len() {
+            let why = records
+                .iter()
+                .find_map(|r| r.error.as_ref())
+                .map_or_else(String::new, |e| format!("{}: {}", e.kind, e.message));
+            return Err(BenchError::Target {
+                url: cfg.url.clone(),
+                reason: format!("every warm-up request failed ({why})"),
+            });
+        }
+    }
+
+    let mut runs = Vec::new();
+    for (i, rate) in cfg.rates.iter().enumerate() {
+        let arrival = Arrival::new(*rate, cfg.burstiness)?;
+        let mut w = prepared.workload(cfg, cfg.seed);
+        let title = match rate {
+            Some(r) => format!("{} rate {r} ({}/{})", cfg.label, i + 1, cfg.rates.len()),
+            None => cfg.label.clone(),
+        };
+        let bar = if progress {
+            Progress::new(cfg.num_prompts.map(|n| n as u64), &title)
+        } else {
+            Progress::hidden()
+        };
+        let (records, wall) = run_one(
+            &prepared.target,
+            &mut w,
+            &arrival,
+            cfg.seed ^ ARRIVAL_STREAM,
+            cfg.max_concurrency,
+            cfg.num_prompts,
+            cfg.duration,
+            &bar,
+        )
+        .await;
+        bar.done();
+        let summary = Summary::of(
+            &records,
+            wall.as_secs_f64(),
+            arrival.rate(),
+            cfg.max_concurrency,
+            cfg.slo.as_ref(),
+        );
+        runs.push(RunReport {
+            summary,
+            requests: records,
+        });
+    }
+    let sweep = SweepSummary::of(&runs, cfg.slo.as_ref(), cfg.attainment_target);
+    Ok(Report {
+        schema: SCHEMA.to_string(),
+        label: cfg.label.clone(),
+        backend: match cfg.backend {
+            BackendKind::Duet => "duet",
+            BackendKind::Openai => "openai",
+        }
+        .to_string(),
+        url: cfg.url.clone(),
+        model: prepared.target.model_name().to_string(),
+        started_unix_s,
+        config: serde_json::to_value(cfg)?,
+        runs,
+        sweep,
+    })
+}
+
+/// One run: its records (by index) and its wall time (first send until every response ended).
+#[allow(clippy::too_many_arguments)]
+async fn run_one(
+    target: &Arc<Target>,
+    workload: &mut Workload,
+    arrival: &Arrival,
+    arrival_seed: u64,
+    max_concurrency: Option<usize>,
+    num_prompts: Option<usize>,
+    duration: Option<Duration>,
+    progress: &Progress,
+) -> (Vec<RequestRecord>, Duration) {
+    let mut rng = ChaCha8Rng::seed_from_u64(arrival_seed);
+    let permits = Arc::new(Semaphore::new(
+        max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
+    ));
+    let mut tasks = JoinSet::new();
+    let start = Instant::now();
+    let mut due_s = 0.0_f64;
+    let mut sent = 0usize;
+    loop {
+        if num_prompts.is_some_and(|n| sent >= n) {
+            break;
+        }
+        if sent > 0 {
+            due_s += arrival.next_gap(&mut rng);
+        }
+        if duration.is_some_and(|d| due_s >= d.as_secs_f64()) {
+            break;
+        }
+        tokio::time::sleep_until((start + Duration::from_secs_f64(due_s)).into()).await;
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            break;
+        };
+        if duration.is_some_and(|d| start.elapsed() >= d) {
+            break;
+        }
+        let spec = workload.next_request();
+        let target = target.clone();
+        let progress = progress.clone();
+        let index = sent;
+        let scheduled_s = due_s;
+        progress.started();
+        tasks.spawn(async move {
+            let (timeline, error) = target.send(&spec).await;
+            drop(permit);
+            let r = RequestRecord::new(
+                index,
+                start,
+                scheduled_s,
+                spec.prompt_ids.len(),
+                spec.output_len,
+                timeline,
+                error,
+            );
+            progress.finished(r.ok());
+            r
+        });
+        sent += 1;
+    }
+    let mut records = Vec::with_capacity(sent);
+    while let Some(r) = tasks.join_next().await {
+        match r {
+            Ok(r) => records.push(r),
+            // A request task cannot panic short of a bug; keep the count honest anyway.
+            Err(e) => records.push(RequestRecord::new(
+                records.len(),
+                start,
+                0.0,
+                0,
+                0,
+                crate::record::Timeline::start(),
+                Some(crate::record::RequestError::new("internal", e.to_string())),
+            )),
+        }
+    }
+    let wall = start.elapsed();
+    records.sort_by_key(|r| r.index);
+    (records, wall)
+}
