@@ -32,6 +32,7 @@
 #                 ["--dataset azure-conv --length-scale 0.25 --max-input-len 1024 --max-output-len 256"]
 #   SEED          workload seed [0]
 #   TTFT_SCALE, TPOT_SCALE  SLO multiples of the unloaded p90 [5, 3]
+#   SLO_TTFT_MS, SLO_TPOT_MS  a fixed SLO instead (e.g. to extend an earlier run)
 #   DUET_BACKEND  how duet is loaded: duet (gRPC door) or openai (its HTTP door) [duet]
 #   LLAMA_SLOTS   llama-server parallel slots [4]
 #   OUT           results directory [bench/results/serve-<date>]
@@ -231,7 +232,11 @@ start_config() {
         taskset -c 0,1 "$bin" -m "$model" -t 2 -tb 2 -np "$LLAMA_SLOTS" -cb -c $((LLAMA_SLOTS * 2048)) \
           --host 127.0.0.1 --port "$port" >"$log.log" 2>&1 &
         pids+=($!)
-        client_flags=(--backend openai --prompt-format tokens --ignore-eos-param ignore-eos)
+        # The sweep repeats one workload at every rate: without cache_prompt=false,
+        # llama-server would reuse the KV of prompts it saw at the previous rate (duet has
+        # no prefix cache yet), and later rates would measure cache hits.
+        client_flags=(--backend openai --prompt-format tokens --ignore-eos-param ignore-eos
+          --extra-body '{"cache_prompt": false}')
       fi
       url="http://127.0.0.1:$port"
       for _ in $(seq 600); do
@@ -290,6 +295,9 @@ EOF
 [ -n "${base_tpot:-}" ] || die "no unloaded TTFT/TPOT to set the SLO from (see $OUT/unloaded-*.json)"
 slo_ttft=$(python3 -c "print(round($base_ttft * $TTFT_SCALE, 1))")
 slo_tpot=$(python3 -c "print(round($base_tpot * $TPOT_SCALE, 1))")
+# SLO_TTFT_MS / SLO_TPOT_MS: a fixed SLO (to add configurations or rates to an earlier run).
+slo_ttft="${SLO_TTFT_MS:-$slo_ttft}"
+slo_tpot="${SLO_TPOT_MS:-$slo_tpot}"
 cat >"$OUT/slo.json" <<EOF
 {"base_ttft_p90_ms": $base_ttft, "base_tpot_p90_ms": $base_tpot,
  "ttft_scale": $TTFT_SCALE, "tpot_scale": $TPOT_SCALE,

@@ -228,6 +228,7 @@ mod tests {
                 seed: None,
                 prompt_format: crate::backend::PromptFormat::Tokens,
                 ignore_eos: crate::backend::IgnoreEos::IgnoreEos,
+                extra_body: Default::default(),
                 timeout: Duration::from_secs(1),
             },
             rates: vec![None],

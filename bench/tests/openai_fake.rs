@@ -166,6 +166,7 @@ fn config(url: String, lengths: LengthParams, dataset: DatasetKind) -> ServeConf
             seed: None,
             prompt_format: PromptFormat::Tokens,
             ignore_eos: IgnoreEos::IgnoreEos,
+            extra_body: Default::default(),
             timeout: Duration::from_secs(30),
         },
         rates: vec![None],

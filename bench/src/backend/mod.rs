@@ -57,6 +57,10 @@ pub struct SendOptions {
     pub seed: Option<u64>,
     pub prompt_format: PromptFormat,
     pub ignore_eos: IgnoreEos,
+    /// Fields merged into every OpenAI request body (e.g. llama-server's
+    /// `{"cache_prompt": false}`); ignored by the duet backend.
+    #[serde(default)]
+    pub extra_body: serde_json::Map<String, serde_json::Value>,
     #[serde(rename = "timeout_s", serialize_with = "secs")]
     pub timeout: Duration,
 }

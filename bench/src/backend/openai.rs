@@ -121,6 +121,9 @@ impl OpenAiClient {
             IgnoreEos::MinTokens => b["min_tokens"] = json!(spec.output_len),
             IgnoreEos::None => {}
         }
+        for (k, v) in &self.opts.extra_body {
+            b[k] = v.clone();
+        }
         b
     }
 

@@ -128,6 +128,10 @@ pub struct ServeBenchArgs {
         default_value = "ignore-eos"
     )]
     pub ignore_eos_param: EosParam,
+    /// JSON object merged into every OpenAI request body, e.g. '{"cache_prompt": false}'
+    /// for llama.cpp's llama-server.
+    #[arg(long, env = "DUET_BENCH_EXTRA_BODY", value_parser = parse_object)]
+    pub extra_body: Option<serde_json::Map<String, serde_json::Value>>,
     /// Sampling temperature (0: greedy).
     #[arg(long, env = "DUET_BENCH_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f32,
@@ -242,6 +246,7 @@ impl ServeBenchArgs {
                     EosParam::MinTokens => IgnoreEos::MinTokens,
                     EosParam::None => IgnoreEos::None,
                 },
+                extra_body: self.extra_body.clone().unwrap_or_default(),
                 timeout: self.timeout,
             },
             rates,
@@ -275,4 +280,13 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// A JSON object flag.
+fn parse_object(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        Ok(_) => Err("a JSON object is expected".into()),
+        Err(e) => Err(e.to_string()),
+    }
 }
