@@ -106,19 +106,20 @@ async fn spans_of_router_prefill_and_decode_form_one_trace() {
 
     // Spans are exported in batches every 500 ms.
     let end = Instant::now() + Duration::from_secs(30);
-    let (router, prefill, decode) = loop {
+    let (router, prefill, transfer, decode) = loop {
         let got = collector.0.lock().unwrap().clone();
         let find = |service: &str, name: &str| {
             got.iter()
                 .find(|s| s.service == service && s.name == name && s.trace_id == trace)
                 .cloned()
         };
-        if let (Some(r), Some(p), Some(d)) = (
+        if let (Some(r), Some(p), Some(t), Some(d)) = (
             find("duet-router", "generate"),
             find("duet-prefill", "prefill"),
+            find("duet-prefill", "kv_transfer"),
             find("duet-decode", "decode"),
         ) {
-            break (r, p, d);
+            break (r, p, t, d);
         }
         assert!(
             Instant::now() < end,
@@ -129,5 +130,7 @@ async fn spans_of_router_prefill_and_decode_form_one_trace() {
     // The router's span is the client's child; the workers' spans are the router's.
     assert_eq!(router.parent_span_id, client_span);
     assert_eq!(prefill.parent_span_id, router.span_id);
+    // The KV transfer is part of the prefill: router -> prefill -> transfer.
+    assert_eq!(transfer.parent_span_id, prefill.span_id);
     assert_eq!(decode.parent_span_id, router.span_id);
 }

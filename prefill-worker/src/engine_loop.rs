@@ -364,11 +364,20 @@ impl Engine {
                 enqueued,
             } = q;
             let reply = forward_reply(&self.rt, reply, watch_rx);
+            // The transfer is a child span of the request's: router -> prefill -> transfer.
+            let span = tracing::info_span!(
+                parent: &job.span,
+                "kv_transfer",
+                request_id = job.request_id,
+                endpoint = ?job.endpoint,
+                kv_bytes = tracing::field::Empty,
+            );
             let tx = transfer::spawn(
                 &self.rt,
                 self.connector.clone(),
                 job.endpoint.clone(),
                 reply,
+                span,
             );
             self.running.push(Running {
                 job,

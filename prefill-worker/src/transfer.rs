@@ -13,6 +13,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use duet_kv_transfer::{AnySender, Connector, Endpoint, KvSender, TransferDesc};
 use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
 
 use duet_telemetry::names::{
     KV_TRANSFER_BYTES_TOTAL, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_SECONDS,
@@ -43,9 +44,10 @@ pub(crate) fn spawn(
     connector: Arc<Connector>,
     endpoint: Endpoint,
     reply: Reply,
+    span: tracing::Span,
 ) -> mpsc::UnboundedSender<Msg> {
     let (tx, rx) = mpsc::unbounded_channel();
-    rt.spawn(run(connector, endpoint, rx, reply));
+    rt.spawn(run(connector, endpoint, rx, reply).instrument(span));
     tx
 }
 
@@ -105,6 +107,7 @@ async fn run(
                 result.kv_transfer_seconds = compute_done.elapsed().as_secs_f64();
                 result.kv_stream_seconds = first_layer.map_or(0.0, |t| t.elapsed().as_secs_f64());
                 result.kv_bytes = bytes;
+                tracing::Span::current().record("kv_bytes", bytes);
                 metrics::histogram!(KV_TRANSFER_SECONDS).record(result.kv_transfer_seconds);
                 if let Some(s) = sender.take() {
                     connector.checkin(&endpoint, s);
