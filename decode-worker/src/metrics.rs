@@ -11,7 +11,7 @@ pub(crate) struct DecodeMetrics {
     pub step_seconds: Histogram,
     pub generated: Counter,
     pub kv_used: Gauge,
-    pub kv_total: Gauge,
+    pub kv_capacity: Gauge,
     pub preemptions: Counter,
     pub reservations_expired: Counter,
     pub read_bytes: Counter,
@@ -28,7 +28,7 @@ impl DecodeMetrics {
             step_seconds: metrics::histogram!(DECODE_STEP_SECONDS, "worker" => w.clone()),
             generated: metrics::counter!(DECODE_GENERATED_TOKENS_TOTAL, "worker" => w.clone()),
             kv_used: metrics::gauge!(DECODE_KV_BLOCKS_USED, "worker" => w.clone()),
-            kv_total: metrics::gauge!(DECODE_KV_BLOCKS_CAPACITY, "worker" => w.clone()),
+            kv_capacity: metrics::gauge!(DECODE_KV_BLOCKS_CAPACITY, "worker" => w.clone()),
             preemptions: metrics::counter!(DECODE_PREEMPTIONS_TOTAL, "worker" => w.clone()),
             reservations_expired: metrics::counter!(
                 DECODE_RESERVATIONS_EXPIRED_TOTAL,

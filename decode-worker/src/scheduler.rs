@@ -180,7 +180,7 @@ impl Scheduler {
         m.running.set(self.active.len() as f64);
         m.waiting.set(self.waiting.len() as f64);
         m.kv_used.set(self.cache.used_blocks() as f64);
-        m.kv_total.set(self.cache.total_blocks() as f64);
+        m.kv_capacity.set(self.cache.total_blocks() as f64);
     }
 
     fn known(&self, id: u64) -> bool {

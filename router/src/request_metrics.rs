@@ -97,23 +97,27 @@ impl RequestMetrics {
         metrics::counter!(ROUTER_GENERATION_TOKENS_TOTAL).increment(1);
     }
 
-    /// Tokens relayed so far.
-    pub fn tokens(&self) -> u64 {
-        self.tokens
+    /// Counts the outcome and leaves the in-flight gauge, the first time only.
+    fn close(&mut self, outcome: &'static str) -> bool {
+        if std::mem::replace(&mut self.done, true) {
+            return false;
+        }
+        metrics::counter!(ROUTER_REQUESTS_TOTAL, "door" => self.door.label(), "outcome" => outcome)
+            .increment(1);
+        metrics::gauge!(ROUTER_IN_FLIGHT, "priority" => self.priority).decrement(1.0);
+        true
     }
 
     /// The request finished: `Ok` or the class of its error.
     pub fn finish(&mut self, outcome: Result<(), ErrorClass>) {
-        if std::mem::replace(&mut self.done, true) {
-            return;
-        }
-        let door = self.door.label();
         let label = match outcome {
             Ok(()) => "ok",
             Err(c) => c.label(),
         };
-        metrics::counter!(ROUTER_REQUESTS_TOTAL, "door" => door, "outcome" => label).increment(1);
-        metrics::gauge!(ROUTER_IN_FLIGHT, "priority" => self.priority).decrement(1.0);
+        if !self.close(label) {
+            return;
+        }
+        let door = self.door.label();
         if outcome.is_ok() {
             metrics::histogram!(ROUTER_E2E_SECONDS, "door" => door)
                 .record(self.arrival.elapsed().as_secs_f64());
@@ -129,11 +133,6 @@ impl RequestMetrics {
 
 impl Drop for RequestMetrics {
     fn drop(&mut self) {
-        if !self.done {
-            self.done = true;
-            metrics::counter!(ROUTER_REQUESTS_TOTAL, "door" => self.door.label(), "outcome" => "cancelled")
-                .increment(1);
-            metrics::gauge!(ROUTER_IN_FLIGHT, "priority" => self.priority).decrement(1.0);
-        }
+        self.close("cancelled");
     }
 }

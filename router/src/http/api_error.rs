@@ -57,8 +57,7 @@ impl ApiError {
             status,
             message: s.message().to_string(),
             param: None,
-            // A 429 always says when to come back.
-            retry_after: retry_after.or((status == StatusCode::TOO_MANY_REQUESTS).then_some(1)),
+            retry_after,
         }
     }
 
@@ -105,7 +104,7 @@ impl From<RouterError> for ApiError {
             status,
             message: e.to_string(),
             param,
-            retry_after: retry_after.or((status == StatusCode::TOO_MANY_REQUESTS).then_some(1)),
+            retry_after,
         }
     }
 }
@@ -113,7 +112,11 @@ impl From<RouterError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, Json(self.body())).into_response();
-        if let Some(s) = self.retry_after {
+        // A 429 always says when to come back (1 s unless the cause gave a hint).
+        let retry_after = self
+            .retry_after
+            .or((self.status == StatusCode::TOO_MANY_REQUESTS).then_some(1));
+        if let Some(s) = retry_after {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
                 r.headers_mut().insert("retry-after", v);
             }
