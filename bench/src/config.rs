@@ -229,6 +229,7 @@ mod tests {
                 prompt_format: crate::backend::PromptFormat::Tokens,
                 ignore_eos: crate::backend::IgnoreEos::IgnoreEos,
                 extra_body: Default::default(),
+                api_key: None,
                 timeout: Duration::from_secs(1),
             },
             rates: vec![None],

@@ -162,6 +162,7 @@ fn config(url: String, lengths: LengthParams, dataset: DatasetKind) -> ServeConf
         shared_prefix_len: 0,
         seed: 1,
         send: SendOptions {
+            api_key: None,
             temperature: 0.0,
             seed: None,
             prompt_format: PromptFormat::Tokens,

@@ -18,6 +18,8 @@ use tonic::Code;
 struct Cluster {
     _proc: Mutex<Proc>,
     url: String,
+    /// The HTTP door (OpenAI API).
+    http: String,
 }
 
 static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
@@ -30,6 +32,15 @@ const CONTEXT: u32 = 1024;
 /// runs the start once; the other tests block until it is done). A failed start is recorded
 /// once and every test reports it instead of starting another process.
 fn url() -> String {
+    cluster().url.clone()
+}
+
+/// The HTTP door's base URL (`http://host:port`) of the shared cluster.
+fn http_url() -> String {
+    cluster().http.clone()
+}
+
+fn cluster() -> &'static Cluster {
     let c = CLUSTER.get_or_init(|| {
         std::panic::catch_unwind(start).map_err(|e| {
             e.downcast_ref::<String>()
@@ -39,7 +50,7 @@ fn url() -> String {
         })
     });
     match c {
-        Ok(c) => c.url.clone(),
+        Ok(c) => c,
         Err(e) => panic!("the shared `duet up` did not start: {e}"),
     }
 }
@@ -53,6 +64,8 @@ fn url() -> String {
 /// placement; a failure then surfaces with its own reason at once.
 ///
 /// `--max-model-len 1024`: see [`CONTEXT`].
+///
+/// `--max-request-bytes`: see [`MAX_REQUEST_BYTES`].
 const FLAGS: &[&str] = &[
     "--kv-pool",
     "512MiB",
@@ -60,7 +73,12 @@ const FLAGS: &[&str] = &[
     "1",
     "--max-model-len",
     "1024",
+    "--max-request-bytes",
+    "65536",
 ];
+
+/// The shared cluster's limit on a request (gRPC message or HTTP body).
+const MAX_REQUEST_BYTES: usize = 65536;
 
 // The watchdog must outlive this process (it reaps `duet up` after we exit), so it is
 // never waited on.
@@ -76,6 +94,7 @@ fn start() -> Cluster {
     args.extend_from_slice(FLAGS);
     let p = Proc::start("up", &args);
     let url = p.wait_for("router listening on", support::START);
+    let http = p.wait_for("http listening on", support::START);
     // A static is never dropped, so `Proc`'s kill-on-drop does not run at exit. A watchdog
     // holds the read end of a pipe whose write end only this test process has (Rust opens
     // pipes close-on-exec): when this process exits, however it exits, the read sees EOF and
@@ -114,6 +133,7 @@ fn start() -> Cluster {
     Cluster {
         _proc: Mutex::new(p),
         url,
+        http,
     }
 }
 
@@ -202,6 +222,15 @@ macro_rules! bad_requests {
 
 bad_requests! {
     empty_text_prompt: greedy(text(""), 4) => InvalidArgument, "prompt";
+    whitespace_only_text_prompt: greedy(text(" \n\t "), 4) => InvalidArgument, "prompt";
+    stop_string_longer_than_256_bytes: pb::GenerateRequest {
+        stop: vec!["x".repeat(257)],
+        ..greedy(text("Hello"), 4)
+    } => InvalidArgument, "stop";
+    prompt_over_context_keep_left_with_max_tokens_at_context: pb::GenerateRequest {
+        truncation: pb::Truncation::KeepLeft as i32,
+        ..greedy(over_long_prompt(), CONTEXT)
+    } => InvalidArgument, "max_tokens";
     missing_prompt: req(None, 4) => InvalidArgument, "prompt";
     empty_chat_message_list: greedy(chat(vec![]), 4) => InvalidArgument, "prompt";
     empty_token_list: greedy(tokens(&[]), 4) => InvalidArgument, "prompt";
@@ -523,4 +552,364 @@ fn status_from_the_router_lists_every_worker_with_capacity() {
         );
         assert_eq!(r["fingerprint"], records[0]["fingerprint"], "one model");
     }
+}
+
+// ---- gRPC rows that need more than a request value ----
+
+/// A deadline that passed before the router saw the request: DEADLINE_EXCEEDED at once,
+/// nothing queued.
+#[test]
+fn already_expired_deadline() {
+    let url = url();
+    let s = rt()
+        .block_on(async {
+            let mut c = support::client(&url).await;
+            let mut r = tonic::Request::new(greedy(text("Hello"), 4));
+            r.set_timeout(Duration::from_nanos(1));
+            generate_req(&mut c, r).await
+        })
+        .expect_err("an expired deadline must fail");
+    assert_eq!(s.code(), Code::DeadlineExceeded, "{s:?}");
+    assert!(s.message().contains("deadline"), "{s:?}");
+}
+
+async fn generate_req(
+    c: &mut duet_proto::v1::generation_client::GenerationClient<tonic::transport::Channel>,
+    r: tonic::Request<pb::GenerateRequest>,
+) -> Result<support::Completion, tonic::Status> {
+    let mut s = c.generate(r).await?.into_inner();
+    let mut out = support::Completion::default();
+    while let Some(m) = s.message().await? {
+        match m.event {
+            Some(pb::generate_response::Event::Token(t)) => out.ids.push(t.id),
+            Some(pb::generate_response::Event::Final(f)) => out.fin = Some(f),
+            None => {}
+        }
+    }
+    Ok(out)
+}
+
+/// A request id may not be reused while a request with that id is in flight (ALREADY_EXISTS);
+/// once it finished, the id is free again.
+#[test]
+fn request_id_reused_while_in_flight() {
+    let url = url();
+    rt().block_on(async {
+        let id = format!("dup-{}", rand::random::<u32>());
+        let mut c = support::client(&url).await;
+        let long = pb::GenerateRequest {
+            request_id: id.clone(),
+            ignore_eos: true,
+            ..greedy(text("Count slowly"), 200)
+        };
+        // The first request is in flight once its first token arrived.
+        let mut first = c.generate(long).await.expect("first request").into_inner();
+        let m = first
+            .message()
+            .await
+            .expect("first token")
+            .expect("a message");
+        assert!(matches!(
+            m.event,
+            Some(pb::generate_response::Event::Token(_))
+        ));
+        let mut c2 = support::client(&url).await;
+        let s = generate(
+            &mut c2,
+            pb::GenerateRequest {
+                request_id: id.clone(),
+                ..greedy(text("Hello"), 2)
+            },
+        )
+        .await
+        .expect_err("the id is in flight");
+        assert_eq!(s.code(), Code::AlreadyExists, "{s:?}");
+        assert!(s.message().contains(&id), "the message names the id: {s:?}");
+        // Hanging up ends the first request; its id becomes free.
+        drop(first);
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            let again = generate(
+                &mut c2,
+                pb::GenerateRequest {
+                    request_id: id.clone(),
+                    ..greedy(text("Hello"), 2)
+                },
+            )
+            .await;
+            match again {
+                Ok(done) => {
+                    assert_eq!(done.ids.len(), 2);
+                    break;
+                }
+                Err(s) if s.code() == Code::AlreadyExists && Instant::now() < end => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(s) => panic!("the id should be free after the first request ended: {s:?}"),
+            }
+        }
+    });
+}
+
+/// A message above `--max-request-bytes` is refused by the gRPC layer (OUT_OF_RANGE, as
+/// tonic reports it) before it is decoded.
+#[test]
+fn oversized_grpc_message() {
+    let s = send(greedy(text(&"a ".repeat(MAX_REQUEST_BYTES)), 1)).expect_err("too large");
+    assert_eq!(s.code(), Code::OutOfRange, "{s:?}");
+    assert!(s.message().contains("too large"), "{s:?}");
+}
+
+/// A `string` field that is not UTF-8 cannot be decoded: INTERNAL with the decoder's
+/// reason, per gRPC's status-code table ("error parsing request proto"); nothing runs.
+#[test]
+fn invalid_utf8_in_a_text_prompt() {
+    /// `GenerateRequest` with its `text` prompt (tag 3) as raw bytes.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct RawTextRequest {
+        #[prost(bytes = "vec", tag = "3")]
+        text: Vec<u8>,
+        #[prost(uint32, tag = "7")]
+        max_tokens: u32,
+    }
+    let url = url();
+    let s = rt().block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(url)
+            .expect("url")
+            .connect()
+            .await
+            .expect("connect");
+        let mut g = tonic::client::Grpc::new(channel);
+        g.ready().await.expect("ready");
+        let path =
+            tonic::codegen::http::uri::PathAndQuery::from_static("/duet.v1.Generation/Generate");
+        let codec = tonic_prost::ProstCodec::<RawTextRequest, pb::GenerateResponse>::default();
+        let req = tonic::Request::new(RawTextRequest {
+            text: vec![b'H', 0xff, 0xfe, b'i'],
+            max_tokens: 2,
+        });
+        match g.server_streaming(req, path, codec).await {
+            Err(s) => s,
+            Ok(r) => {
+                let mut st = r.into_inner();
+                match st.message().await {
+                    Err(s) => s,
+                    Ok(m) => panic!("invalid UTF-8 was accepted: {m:?}"),
+                }
+            }
+        }
+    });
+    assert_eq!(s.code(), Code::Internal, "{s:?}");
+    assert!(
+        s.message().contains("UTF-8"),
+        "the message names the problem: {s:?}"
+    );
+}
+
+// ---- The HTTP door (OpenAI API): one test per bad request ----
+
+/// POSTs `body` to `path` with `headers`; the reply must have `status`, OpenAI's error
+/// shape, and name `param` (or mention it in the message).
+fn expect_http_error(
+    case: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    status: u16,
+    param: &str,
+) -> serde_json::Value {
+    let url = format!("{}{path}", http_url());
+    let r = support::http_raw("POST", &url, headers, Some(body));
+    eprintln!("{case}: {} {}", r.status, r.body);
+    assert_eq!(r.status, status, "{case}: {}", r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body)
+        .unwrap_or_else(|e| panic!("{case}: not JSON ({e}): {}", r.body));
+    let err = &v["error"];
+    let message = err["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{case}: {v}"));
+    assert!(err["type"].is_string(), "{case}: {v}");
+    assert_eq!(err["code"].as_u64(), Some(u64::from(status)), "{case}: {v}");
+    assert!(
+        err["param"].as_str() == Some(param) || message.contains(param),
+        "{case}: the error should name {param:?}: {v}"
+    );
+    v
+}
+
+const JSON: (&str, &str) = ("Content-Type", "application/json");
+
+/// One `#[test]` per bad HTTP body:
+/// `name: path, body => status, "param it names";` (JSON content type).
+macro_rules! bad_http_bodies {
+    ($($name:ident: $path:literal, $body:expr => $status:literal, $param:literal;)*) => {
+        $(
+            #[test]
+            fn $name() {
+                let body: String = $body.to_string();
+                expect_http_error(stringify!($name), $path, &[JSON], body.as_bytes(), $status, $param);
+            }
+        )*
+    };
+}
+
+bad_http_bodies! {
+    http_malformed_json: "/v1/completions", r#"{"prompt": "Hi", "max_tokens": 2"# => 400, "body";
+    http_wrong_type_for_a_field: "/v1/completions", r#"{"prompt": "Hi", "max_tokens": "two"}"# => 400, "body";
+    http_missing_prompt: "/v1/completions", r#"{"max_tokens": 2}"# => 400, "prompt";
+    http_empty_prompt: "/v1/completions", r#"{"prompt": "", "max_tokens": 2}"# => 400, "prompt";
+    http_whitespace_prompt: "/v1/completions", r#"{"prompt": "   ", "max_tokens": 2}"# => 400, "prompt";
+    http_token_ids_outside_vocabulary: "/v1/completions", r#"{"prompt": [504, 999999], "max_tokens": 2}"# => 400, "prompt";
+    http_prompt_longer_than_context: "/v1/completions",
+        format!(r#"{{"prompt": {:?}, "max_tokens": 2}}"#, vec![504u32; 1100]) => 400, "prompt";
+    http_max_tokens_zero: "/v1/completions", r#"{"prompt": "Hi", "max_tokens": 0}"# => 400, "max_tokens";
+    http_max_tokens_negative: "/v1/completions", r#"{"prompt": "Hi", "max_tokens": -5}"# => 400, "max_tokens";
+    http_max_tokens_above_context: "/v1/completions", r#"{"prompt": "Hi", "max_tokens": 100000}"# => 400, "max_tokens";
+    http_negative_temperature: "/v1/completions", r#"{"prompt": "Hi", "temperature": -0.5}"# => 400, "temperature";
+    http_top_p_zero: "/v1/completions", r#"{"prompt": "Hi", "top_p": 0}"# => 400, "top_p";
+    http_top_p_above_one: "/v1/completions", r#"{"prompt": "Hi", "top_p": 1.5}"# => 400, "top_p";
+    http_top_k_below_minus_one: "/v1/completions", r#"{"prompt": "Hi", "top_k": -2}"# => 400, "top_k";
+    http_five_stop_sequences: "/v1/completions",
+        r#"{"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}"# => 400, "stop";
+    http_empty_stop_sequence: "/v1/completions", r#"{"prompt": "Hi", "stop": [""]}"# => 400, "stop";
+    http_n_above_one: "/v1/completions", r#"{"prompt": "Hi", "n": 2}"# => 400, "n";
+    http_unknown_model: "/v1/completions", r#"{"model": "gpt-9", "prompt": "Hi"}"# => 404, "model";
+    http_chat_without_messages: "/v1/chat/completions", r#"{"messages": []}"# => 400, "messages";
+    http_chat_messages_not_a_list: "/v1/chat/completions", r#"{"messages": "Hi"}"# => 400, "body";
+    http_logprobs_requested: "/v1/chat/completions",
+        r#"{"messages": [{"role": "user", "content": "Hi"}], "logprobs": true}"# => 400, "logprobs";
+    http_tools_requested: "/v1/chat/completions",
+        r#"{"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}"# => 400, "tools";
+}
+
+/// A body that says it is something other than JSON: 415.
+#[test]
+fn http_wrong_content_type() {
+    expect_http_error(
+        "http_wrong_content_type",
+        "/v1/completions",
+        &[("Content-Type", "text/plain")],
+        br#"{"prompt": "Hi", "max_tokens": 2}"#,
+        415,
+        "content-type",
+    );
+}
+
+/// A JSON body that is not UTF-8 (a string with byte 0xff): 400 naming the body.
+#[test]
+fn http_invalid_utf8_in_a_text_field() {
+    let mut body = br#"{"prompt": "H"#.to_vec();
+    body.extend_from_slice(&[0xff, 0xfe]);
+    body.extend_from_slice(br#"i", "max_tokens": 2}"#);
+    expect_http_error(
+        "http_invalid_utf8_in_a_text_field",
+        "/v1/completions",
+        &[JSON],
+        &body,
+        400,
+        "body",
+    );
+}
+
+/// A body above `--max-request-bytes`: 413, before any of it is parsed.
+#[test]
+fn http_oversized_body() {
+    let body = format!(
+        r#"{{"prompt": "{}", "max_tokens": 2}}"#,
+        "a ".repeat(MAX_REQUEST_BYTES)
+    );
+    expect_http_error(
+        "http_oversized_body",
+        "/v1/completions",
+        &[JSON],
+        body.as_bytes(),
+        413,
+        "body",
+    );
+}
+
+/// Unknown fields are ignored, as OpenAI-compatible servers do (clients send `user`,
+/// `metadata`, vendor extensions...): the request completes.
+#[test]
+fn http_unknown_fields_are_ignored() {
+    let url = format!("{}/v1/completions", http_url());
+    let r = support::http_raw(
+        "POST",
+        &url,
+        &[JSON],
+        Some(br#"{"prompt": "Hi", "max_tokens": 2, "temperature": 0, "no_such_field": {"x": 1}}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body).expect("JSON");
+    assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
+}
+
+/// A known path with the wrong method (405) and an unknown path (404), in OpenAI's shape.
+#[test]
+fn http_wrong_method_and_unknown_path() {
+    for (method, path, status) in [
+        ("GET", "/v1/completions", 405),
+        ("DELETE", "/v1/chat/completions", 405),
+        ("GET", "/v1/no-such-endpoint", 404),
+    ] {
+        let r = support::http_raw(method, &format!("{}{path}", http_url()), &[], None);
+        assert_eq!(r.status, status, "{method} {path}: {}", r.body);
+        let v: serde_json::Value = serde_json::from_str(&r.body)
+            .unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {}", r.body));
+        assert_eq!(v["error"]["code"], status, "{v}");
+    }
+}
+
+/// `X-Request-Id` is the request's id: echoed back, and refused (409) while a request with
+/// the same id is in flight.
+#[test]
+fn http_request_id_reused_while_in_flight() {
+    let http = http_url();
+    let id = format!("http-dup-{}", rand::random::<u32>());
+    // The first request holds the id: a long generation, streamed so it is in flight.
+    let grpc = url();
+    rt().block_on(async {
+        let mut c = support::client(&grpc).await;
+        let mut first = c
+            .generate(pb::GenerateRequest {
+                request_id: id.clone(),
+                ignore_eos: true,
+                ..greedy(text("Count slowly"), 200)
+            })
+            .await
+            .expect("first request")
+            .into_inner();
+        first
+            .message()
+            .await
+            .expect("first token")
+            .expect("a message");
+        let body = br#"{"prompt": "Hi", "max_tokens": 2}"#;
+        let r = tokio::task::spawn_blocking({
+            let (http, id) = (http.clone(), id.clone());
+            move || {
+                support::http_raw(
+                    "POST",
+                    &format!("{http}/v1/completions"),
+                    &[JSON, ("X-Request-Id", &id)],
+                    Some(body),
+                )
+            }
+        })
+        .await
+        .expect("join");
+        assert_eq!(r.status, 409, "{}", r.body);
+        assert!(r.body.contains(&id), "{}", r.body);
+        drop(first);
+    });
+    // A fresh id is echoed back.
+    let fresh = format!("{id}-b");
+    let r = support::http_raw(
+        "POST",
+        &format!("{http}/v1/completions"),
+        &[JSON, ("X-Request-Id", &fresh)],
+        Some(br#"{"prompt": "Hi", "max_tokens": 2}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-request-id").as_deref(), Some(fresh.as_str()));
 }

@@ -13,6 +13,10 @@ pub enum ErrorClass {
     Unavailable,
     DeadlineExceeded,
     Internal,
+    /// A request id already in flight.
+    AlreadyExists,
+    /// No valid credential (API key) on a public door.
+    Unauthenticated,
 }
 
 impl ErrorClass {
@@ -25,6 +29,8 @@ impl ErrorClass {
             ErrorClass::Unavailable => "unavailable",
             ErrorClass::DeadlineExceeded => "deadline_exceeded",
             ErrorClass::Internal => "internal",
+            ErrorClass::AlreadyExists => "already_exists",
+            ErrorClass::Unauthenticated => "unauthenticated",
         }
     }
 }

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::api_keys::ApiKeys;
+
 /// How prefill and decode are placed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -38,6 +40,12 @@ pub struct RouterConfig {
     /// How long a request waits for a decode worker to appear when none is known at all,
     /// before it fails as unavailable (HTTP 503).
     pub no_worker_grace: Duration,
+    /// Keys a client of the public doors must present (none: the doors are open).
+    pub api_keys: ApiKeys,
+    /// Requests one client address may have in flight at once (0: unlimited).
+    pub max_in_flight_per_client: usize,
+    /// Largest request accepted on the public doors (gRPC message, HTTP body), in bytes.
+    pub max_request_bytes: usize,
 }
 
 impl RouterConfig {
@@ -62,6 +70,9 @@ impl Default for RouterConfig {
             max_model_len: None,
             default_request_timeout: Duration::from_secs(600),
             no_worker_grace: Duration::from_secs(1),
+            api_keys: ApiKeys::default(),
+            max_in_flight_per_client: 0,
+            max_request_bytes: 4 << 20,
         }
     }
 }

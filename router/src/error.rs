@@ -25,6 +25,12 @@ pub enum RouterError {
         #[source]
         status: tonic::Status,
     },
+    #[error("request id `{0}` is already in flight")]
+    DuplicateRequestId(String),
+    #[error("this client already has {limit} requests in flight (the per-client limit)")]
+    ClientBusy { limit: usize },
+    #[error("unauthenticated: {0}")]
+    Unauthenticated(&'static str),
     #[error("deadline exceeded {0}")]
     Deadline(&'static str),
     #[error("invalid prompt: {tokens} tokens (with {headroom} for generation) exceed the largest decode KV pool ({largest} tokens)")]
@@ -60,6 +66,9 @@ impl RouterError {
                 }
             }
             RouterError::Deadline(_) => ErrorClass::DeadlineExceeded,
+            RouterError::DuplicateRequestId(_) => ErrorClass::AlreadyExists,
+            RouterError::ClientBusy { .. } => ErrorClass::ResourceExhausted,
+            RouterError::Unauthenticated(_) => ErrorClass::Unauthenticated,
             RouterError::PromptExceedsPools { .. } => ErrorClass::InvalidArgument,
         }
     }

@@ -35,8 +35,8 @@ pub fn prepare(
             ))
         }
         Some(pb::generate_request::Prompt::Text(t)) => {
-            if t.is_empty() {
-                return Err(RouterError::invalid("prompt", "empty text"));
+            if t.trim().is_empty() {
+                return Err(RouterError::invalid("prompt", "empty or only whitespace"));
             }
             front.tokenizer.encode(t, false)?
         }

@@ -10,6 +10,8 @@
 //! before its first token reached the client.
 
 pub mod admission;
+pub mod api_keys;
+pub mod claims;
 pub mod config;
 pub mod error;
 pub mod frontend;
@@ -20,6 +22,7 @@ pub mod request_metrics;
 pub mod service;
 pub mod workers;
 
+pub use api_keys::ApiKeys;
 pub use config::{Mode, RouterConfig};
 pub use error::RouterError;
 pub use service::{ClusterService, GenerationService};

@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 use tonic::Status;
 
 use crate::admission::QueueSlot;
+use crate::claims::Claim;
 use crate::config::{Mode, RouterConfig};
 use crate::error::RouterError;
 use crate::frontend::Prepared;
@@ -40,6 +41,8 @@ pub struct Job {
     pub client_id: String,
     pub prep: Prepared,
     pub slot: QueueSlot,
+    /// The request id and client allowance it holds until it ends.
+    pub claim: Claim,
     pub arrival: Instant,
     pub deadline: Option<Instant>,
     pub metrics: RequestMetrics,

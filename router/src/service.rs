@@ -1,5 +1,6 @@
 //! The public `duet.v1.Generation` service.
 
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,6 +15,8 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::admission::Admission;
+use crate::api_keys::ApiKeys;
+use crate::claims::Claims;
 use crate::config::RouterConfig;
 use crate::error::RouterError;
 use crate::frontend::prepare;
@@ -28,12 +31,43 @@ pub struct GenerationService {
     front: Arc<TextFrontend>,
     shared: Arc<Shared>,
     admission: Arc<Admission>,
+    claims: Arc<Claims>,
+}
+
+/// Where and when a request came in.
+#[derive(Debug, Clone)]
+pub struct Origin {
+    pub arrival: Instant,
+    /// The client's deadline (`grpc-timeout`); `None`: the configured default applies.
+    pub deadline: Option<Instant>,
+    pub door: Door,
+    /// The caller's trace context, when it sent one.
+    pub trace: Option<TraceContext>,
+    /// The client's address (its concurrency allowance is kept per address).
+    pub client: Option<IpAddr>,
+}
+
+/// Checks the API key in `authorization` (counting a refusal on `door`).
+pub fn authorize(
+    keys: &ApiKeys,
+    authorization: Option<&[u8]>,
+    door: Door,
+) -> Result<(), RouterError> {
+    keys.check(authorization)
+        .inspect_err(|e| count_refused(door, e.class()))
+}
+
+fn authorize_grpc<T>(keys: &ApiKeys, req: &Request<T>) -> Result<(), Status> {
+    let auth = req.metadata().get("authorization").map(|v| v.as_bytes());
+    authorize(keys, auth, Door::Grpc).map_err(|e| e.status())
 }
 
 impl GenerationService {
     pub fn new(front: Arc<TextFrontend>, cfg: RouterConfig, view: ClusterView) -> Self {
         let admission = Admission::new(cfg.max_queued_per_priority);
+        let claims = Claims::new(cfg.max_in_flight_per_client);
         GenerationService {
+            claims,
             front,
             shared: Arc::new(Shared {
                 cfg,
@@ -45,8 +79,20 @@ impl GenerationService {
     }
 
     /// The tonic server wrapper.
+    /// Messages above `max_request_bytes` are refused by tonic (OUT_OF_RANGE).
     pub fn into_server(self) -> pb::generation_server::GenerationServer<Self> {
-        pb::generation_server::GenerationServer::new(self)
+        let limit = self.shared.cfg.max_request_bytes;
+        pb::generation_server::GenerationServer::new(self).max_decoding_message_size(limit)
+    }
+
+    /// The API keys of the public doors.
+    pub fn api_keys(&self) -> &ApiKeys {
+        &self.shared.cfg.api_keys
+    }
+
+    /// The largest request body the doors accept.
+    pub fn max_request_bytes(&self) -> usize {
+        self.shared.cfg.max_request_bytes
     }
 
     /// The context length requests are held to.
@@ -63,11 +109,15 @@ impl GenerationService {
     pub fn start(
         &self,
         req: pb::GenerateRequest,
-        arrival: Instant,
-        deadline: Option<Instant>,
-        door: Door,
-        trace: Option<TraceContext>,
+        origin: Origin,
     ) -> Result<mpsc::Receiver<Result<pb::GenerateResponse, Status>>, RouterError> {
+        let Origin {
+            arrival,
+            deadline,
+            door,
+            trace,
+            client,
+        } = origin;
         let refused = |e: RouterError| {
             count_refused(door, e.class());
             e
@@ -79,6 +129,18 @@ impl GenerationService {
             &req,
         )
         .map_err(refused)?;
+        if deadline.is_some_and(|d| d <= Instant::now()) {
+            return Err(refused(RouterError::Deadline(
+                "before the request was admitted (the client's deadline had passed)",
+            )));
+        }
+        let claim = self
+            .claims
+            .claim(
+                (!req.request_id.is_empty()).then_some(&req.request_id),
+                client,
+            )
+            .map_err(refused)?;
         let slot = self.admission.enter(prep.priority).map_err(refused)?;
         let request_id: u64 = rand::random();
         let client_id = if req.request_id.is_empty() {
@@ -128,6 +190,7 @@ impl GenerationService {
             client_id,
             prep,
             slot,
+            claim,
             arrival,
             deadline,
             metrics,
@@ -180,10 +243,16 @@ impl pb::generation_server::Generation for GenerationService {
         req: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let arrival = Instant::now();
-        let deadline = grpc_timeout(req.metadata()).map(|d| arrival + d);
-        let trace = TraceContext::extract(req.metadata());
+        authorize_grpc(self.api_keys(), &req)?;
+        let origin = Origin {
+            arrival,
+            deadline: grpc_timeout(req.metadata()).map(|d| arrival + d),
+            door: Door::Grpc,
+            trace: TraceContext::extract(req.metadata()),
+            client: req.remote_addr().map(|a| a.ip()),
+        };
         let rx = self
-            .start(req.into_inner(), arrival, deadline, Door::Grpc, trace)
+            .start(req.into_inner(), origin)
             .map_err(|e| e.status())?;
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -192,6 +261,7 @@ impl pb::generation_server::Generation for GenerationService {
         &self,
         req: Request<pb::TokenizeRequest>,
     ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        authorize_grpc(self.api_keys(), &req)?;
         let r = req.into_inner();
         if !r.model.is_empty() && r.model != self.shared.cfg.model_name {
             return Err(RouterError::UnknownModel(r.model).status());
@@ -218,8 +288,9 @@ impl pb::generation_server::Generation for GenerationService {
 
     async fn list_models(
         &self,
-        _: Request<pb::ListModelsRequest>,
+        req: Request<pb::ListModelsRequest>,
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        authorize_grpc(self.api_keys(), &req)?;
         let snap = self.shared.view.snapshot();
         let name = &self.shared.cfg.model_name;
         let count = |role| snap.workers(role).filter(|w| &w.model == name).count() as u32;
@@ -245,11 +316,13 @@ impl pb::generation_server::Generation for GenerationService {
 #[derive(Clone)]
 pub struct ClusterService {
     view: ClusterView,
+    keys: ApiKeys,
 }
 
 impl ClusterService {
-    pub fn new(view: ClusterView) -> Self {
-        ClusterService { view }
+    /// `keys`: the public doors' API keys (the worker list is not for anonymous callers).
+    pub fn new(view: ClusterView, keys: ApiKeys) -> Self {
+        ClusterService { view, keys }
     }
 
     /// The tonic server wrapper.
@@ -262,8 +335,9 @@ impl ClusterService {
 impl pb::cluster_server::Cluster for ClusterService {
     async fn list_workers(
         &self,
-        _: Request<pb::ListWorkersRequest>,
+        req: Request<pb::ListWorkersRequest>,
     ) -> Result<Response<pb::ListWorkersResponse>, Status> {
+        authorize_grpc(&self.keys, &req)?;
         let snap = self.view.snapshot();
         let mut records_json = Vec::with_capacity(snap.workers.len());
         for w in snap.workers.values() {

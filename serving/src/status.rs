@@ -12,6 +12,8 @@ pub fn code(class: ErrorClass) -> Code {
         ErrorClass::Unavailable => Code::Unavailable,
         ErrorClass::DeadlineExceeded => Code::DeadlineExceeded,
         ErrorClass::Internal => Code::Internal,
+        ErrorClass::AlreadyExists => Code::AlreadyExists,
+        ErrorClass::Unauthenticated => Code::Unauthenticated,
     }
 }
 
@@ -25,6 +27,8 @@ pub fn class_of(code: Code) -> ErrorClass {
         Code::ResourceExhausted => ErrorClass::ResourceExhausted,
         Code::Unavailable | Code::Cancelled | Code::Aborted => ErrorClass::Unavailable,
         Code::DeadlineExceeded => ErrorClass::DeadlineExceeded,
+        Code::AlreadyExists => ErrorClass::AlreadyExists,
+        Code::Unauthenticated => ErrorClass::Unauthenticated,
         _ => ErrorClass::Internal,
     }
 }

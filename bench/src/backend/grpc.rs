@@ -112,6 +112,14 @@ impl DuetClient {
     pub async fn send(&self, spec: &RequestSpec) -> (Timeline, Option<RequestError>) {
         let mut req = tonic::Request::new(self.request(spec));
         req.set_timeout(self.opts.timeout);
+        if let Some(v) = self
+            .opts
+            .api_key
+            .as_ref()
+            .and_then(|k| format!("Bearer {k}").parse().ok())
+        {
+            req.metadata_mut().insert("authorization", v);
+        }
         let mut client = self.client.clone();
         let mut t = Timeline::start();
         let streamed = async {

@@ -63,6 +63,9 @@ pub struct SendOptions {
     pub extra_body: serde_json::Map<String, serde_json::Value>,
     #[serde(rename = "timeout_s", serialize_with = "secs")]
     pub timeout: Duration,
+    /// Sent as `authorization: Bearer <key>` on both backends; never written to results.
+    #[serde(skip)]
+    pub api_key: Option<String>,
 }
 
 fn secs<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {

@@ -85,7 +85,9 @@ impl OpenAiClient {
                 let models: Uri = join(url, "/v1/models")
                     .parse()
                     .map_err(|e| target(format!("bad URL: {e}")))?;
-                first_model(&client, models).await.map_err(target)?
+                first_model(&client, models, opts.api_key.as_deref())
+                    .await
+                    .map_err(target)?
             }
         };
         Ok(OpenAiClient {
@@ -143,9 +145,13 @@ impl OpenAiClient {
     }
 
     async fn stream(&self, body: Bytes, t: &mut Timeline) -> std::result::Result<(), RequestError> {
-        let req = Request::post(self.uri.clone())
+        let mut req = Request::post(self.uri.clone())
             .header(hyper::header::CONTENT_TYPE, "application/json")
-            .header(hyper::header::ACCEPT, "text/event-stream")
+            .header(hyper::header::ACCEPT, "text/event-stream");
+        if let Some(k) = &self.opts.api_key {
+            req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {k}"));
+        }
+        let req = req
             .body(Full::new(body))
             .map_err(|e| RequestError::new("io", e.to_string()))?;
         t.sent = Instant::now();
@@ -220,8 +226,13 @@ fn on_event(data: &str, now: Instant, t: &mut Timeline) -> std::result::Result<b
 async fn first_model(
     client: &Client<HttpConnector, Full<Bytes>>,
     uri: Uri,
+    api_key: Option<&str>,
 ) -> std::result::Result<String, String> {
-    let req = Request::get(uri.clone())
+    let mut req = Request::get(uri.clone());
+    if let Some(k) = api_key {
+        req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {k}"));
+    }
+    let req = req
         .body(Full::new(Bytes::new()))
         .map_err(|e| e.to_string())?;
     let resp = client

@@ -29,6 +29,8 @@ pub fn http_status(class: ErrorClass) -> StatusCode {
         ErrorClass::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         ErrorClass::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
         ErrorClass::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        ErrorClass::AlreadyExists => StatusCode::CONFLICT,
+        ErrorClass::Unauthenticated => StatusCode::UNAUTHORIZED,
     }
 }
 
@@ -64,9 +66,10 @@ impl ApiError {
     /// OpenAI's `type` for this status.
     fn kind(&self) -> &'static str {
         match self.status {
-            StatusCode::BAD_REQUEST => "invalid_request_error",
             StatusCode::NOT_FOUND => "not_found_error",
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            s if s.is_client_error() => "invalid_request_error",
             StatusCode::SERVICE_UNAVAILABLE => "service_unavailable_error",
             StatusCode::GATEWAY_TIMEOUT => "timeout_error",
             _ => "internal_error",
@@ -116,6 +119,10 @@ impl IntoResponse for ApiError {
         let retry_after = self
             .retry_after
             .or((self.status == StatusCode::TOO_MANY_REQUESTS).then_some(1));
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.headers_mut()
+                .insert("www-authenticate", HeaderValue::from_static("Bearer"));
+        }
         if let Some(s) = retry_after {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
                 r.headers_mut().insert("retry-after", v);

@@ -8,11 +8,12 @@
 //! drops the event receiver, which cancels the request and frees its KV.
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use duet_proto::v1 as pb;
@@ -24,7 +25,7 @@ use tonic::Status;
 use super::api_error::ApiError;
 use super::openai_request::{ChatRequest, CompletionRequest};
 use crate::request_metrics::{count_refused, Door};
-use crate::service::GenerationService;
+use crate::service::{authorize, GenerationService, Origin};
 use duet_engine::ErrorClass;
 
 type Events = mpsc::Receiver<Result<pb::GenerateResponse, Status>>;
@@ -95,18 +96,96 @@ struct Parsed {
     include_usage: bool,
 }
 
-/// One endpoint: reads the body with `read`, then generates and answers as `kind`.
+/// The body's media type must say JSON. Absent is fine, and so is
+/// `application/x-www-form-urlencoded`: curl's `-d` sends it by default with a JSON body.
+fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(v) = headers.get(header::CONTENT_TYPE) else {
+        return Ok(());
+    };
+    let media = v
+        .to_str()
+        .unwrap_or("")
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    if media == "application/json"
+        || media.ends_with("+json")
+        || media == "application/x-www-form-urlencoded"
+    {
+        return Ok(());
+    }
+    Err(ApiError {
+        status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        message: format!("content-type `{media}`: the body must be JSON (application/json)"),
+        param: Some("content-type".into()),
+        retry_after: None,
+    })
+}
+
+/// Reads the whole body, refusing more than `limit` bytes with a 413.
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let e = e.into_inner();
+        if e.downcast_ref::<http_body_util::LengthLimitError>()
+            .is_some()
+        {
+            ApiError {
+                status: StatusCode::PAYLOAD_TOO_LARGE,
+                message: format!("request body larger than {limit} bytes"),
+                param: Some("body".into()),
+                retry_after: None,
+            }
+        } else {
+            ApiError::invalid("body", format!("reading the request body: {e}"))
+        }
+    })
+}
+
+/// `X-Request-Id`, as vLLM reads it: the request's id (unique while in flight), echoed back.
+fn request_id_of(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    match headers.get("x-request-id") {
+        None => Ok(None),
+        Some(v) => match v.to_str() {
+            Ok(id) if !id.trim().is_empty() && id.len() <= 256 => Ok(Some(id.to_string())),
+            _ => Err(ApiError::invalid(
+                "x-request-id",
+                "X-Request-Id must be 1..=256 visible ASCII characters",
+            )),
+        },
+    }
+}
+
+/// One endpoint: checks the key, reads the body with `read`, then generates and answers as
+/// `kind`.
 async fn handle(
     svc: GenerationService,
-    headers: HeaderMap,
-    body: Bytes,
+    request: Request,
     kind: Kind,
     read: impl FnOnce(&Bytes, &GenerationService) -> Result<Parsed, ApiError>,
 ) -> Response {
     let arrival = Instant::now();
-    let trace = trace_of(&headers);
+    let (parts, body) = request.into_parts();
+    let headers = parts.headers;
+    let client = parts
+        .extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip());
     let r = async {
-        let p = read(&body, &svc).map_err(refused)?;
+        let auth = headers
+            .get(header::AUTHORIZATION)
+            .map(HeaderValue::as_bytes);
+        authorize(svc.api_keys(), auth, Door::Http)?;
+        check_content_type(&headers).map_err(refused)?;
+        let id = request_id_of(&headers).map_err(refused)?;
+        let body = read_body(body, svc.max_request_bytes())
+            .await
+            .map_err(refused)?;
+        let mut p = read(&body, &svc).map_err(refused)?;
+        if let Some(id) = &id {
+            p.req.request_id.clone_from(id);
+        }
         let shape = Shape {
             kind,
             id: String::new(),
@@ -114,7 +193,18 @@ async fn handle(
             created: now_unix(),
             include_usage: p.include_usage,
         };
-        respond(&svc, p.req, arrival, p.stream, shape, trace).await
+        let origin = Origin {
+            arrival,
+            deadline: None,
+            door: Door::Http,
+            trace: trace_of(&headers),
+            client,
+        };
+        let mut resp = respond(&svc, p.req, origin, p.stream, shape).await?;
+        if let Some(v) = id.and_then(|id| HeaderValue::from_str(&id).ok()) {
+            resp.headers_mut().insert("x-request-id", v);
+        }
+        Ok::<_, ApiError>(resp)
     }
     .await;
     r.unwrap_or_else(IntoResponse::into_response)
@@ -122,10 +212,9 @@ async fn handle(
 
 pub(super) async fn completions(
     State(svc): State<GenerationService>,
-    headers: HeaderMap,
-    body: Bytes,
+    request: Request,
 ) -> Response {
-    handle(svc, headers, body, Kind::Completion, |body, _| {
+    handle(svc, request, Kind::Completion, |body, _| {
         let r: CompletionRequest = parse(body)?;
         Ok(Parsed {
             req: r.to_generate()?,
@@ -138,10 +227,9 @@ pub(super) async fn completions(
 
 pub(super) async fn chat_completions(
     State(svc): State<GenerationService>,
-    headers: HeaderMap,
-    body: Bytes,
+    request: Request,
 ) -> Response {
-    handle(svc, headers, body, Kind::Chat, |body, svc| {
+    handle(svc, request, Kind::Chat, |body, svc| {
         let r: ChatRequest = parse(body)?;
         Ok(Parsed {
             req: r.to_generate(svc.context_length())?,
@@ -152,8 +240,15 @@ pub(super) async fn chat_completions(
     .await
 }
 
-pub(super) async fn models(State(svc): State<GenerationService>) -> Json<Value> {
-    Json(json!({
+pub(super) async fn models(
+    State(svc): State<GenerationService>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    let auth = headers
+        .get(header::AUTHORIZATION)
+        .map(HeaderValue::as_bytes);
+    authorize(svc.api_keys(), auth, Door::Http)?;
+    Ok(Json(json!({
         "object": "list",
         "data": [{
             "id": svc.model_name(),
@@ -162,19 +257,18 @@ pub(super) async fn models(State(svc): State<GenerationService>) -> Json<Value> 
             "owned_by": "duet",
             "max_model_len": svc.context_length(),
         }],
-    }))
+    })))
 }
 
 /// Starts the request, waits for its first event, then answers (streaming or not).
 async fn respond(
     svc: &GenerationService,
     req: pb::GenerateRequest,
-    arrival: Instant,
+    origin: Origin,
     stream: bool,
     mut shape: Shape,
-    trace: Option<TraceContext>,
 ) -> Result<Response, ApiError> {
-    let mut rx = svc.start(req, arrival, None, Door::Http, trace)?;
+    let mut rx = svc.start(req, origin)?;
     let first = match rx.recv().await {
         Some(Ok(ev)) => ev,
         Some(Err(s)) => return Err(ApiError::from_status(&s)),

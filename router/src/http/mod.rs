@@ -33,6 +33,17 @@ pub fn app(svc: GenerationService, extra: axum::Router) -> axum::Router {
         .with_state(svc)
         .merge(extra)
         .fallback(unknown_route)
+        .method_not_allowed_fallback(wrong_method)
+}
+
+/// A known path with the wrong method: OpenAI's error shape, 405.
+async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> api_error::ApiError {
+    api_error::ApiError {
+        status: axum::http::StatusCode::METHOD_NOT_ALLOWED,
+        message: format!("{method} is not allowed on {}", uri.path()),
+        param: None,
+        retry_after: None,
+    }
 }
 
 /// Anything else: OpenAI's error shape, 404.
@@ -54,6 +65,8 @@ pub async fn serve(
     drain: Duration,
 ) -> std::io::Result<()> {
     let stop = shutdown.clone();
+    // The peer address feeds the per-client concurrency limit.
+    let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
     let server = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
     tokio::select! {
         r = server.into_future() => r,

@@ -132,6 +132,9 @@ pub struct ServeBenchArgs {
     /// for llama.cpp's llama-server.
     #[arg(long, env = "DUET_BENCH_EXTRA_BODY", value_parser = parse_object)]
     pub extra_body: Option<serde_json::Map<String, serde_json::Value>>,
+    /// API key of a server started with `--api-key` (sent as `authorization: Bearer`).
+    #[arg(long, env = "DUET_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     /// Sampling temperature (0: greedy).
     #[arg(long, env = "DUET_BENCH_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f32,
@@ -247,6 +250,7 @@ impl ServeBenchArgs {
                     EosParam::None => IgnoreEos::None,
                 },
                 extra_body: self.extra_body.clone().unwrap_or_default(),
+                api_key: self.api_key.clone(),
                 timeout: self.timeout,
             },
             rates,

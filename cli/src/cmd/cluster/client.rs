@@ -44,6 +44,20 @@ pub struct GenerateArgs {
     /// Print one JSON object (ids, text, finish reason, usage, timings) instead of text.
     #[arg(long)]
     pub json: bool,
+    /// API key for a router started with `--api-key` (sent as `authorization: Bearer`).
+    #[arg(long, env = "DUET_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+}
+
+/// Adds `authorization: Bearer <key>` to `req` when a key is given.
+fn with_api_key<T>(req: &mut tonic::Request<T>, key: Option<&str>) -> anyhow::Result<()> {
+    if let Some(k) = key {
+        let v = format!("Bearer {k}")
+            .parse()
+            .map_err(|_| anyhow::anyhow!("--api-key: not a valid header value"))?;
+        req.metadata_mut().insert("authorization", v);
+    }
+    Ok(())
 }
 
 pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
@@ -86,6 +100,7 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         if let Some(t) = a.timeout {
             req.set_timeout(t);
         }
+        with_api_key(&mut req, a.api_key.as_deref())?;
         let mut stream = client.generate(req).await.map_err(status_err)?.into_inner();
         let mut ids = Vec::new();
         let mut text = String::new();
@@ -159,6 +174,9 @@ pub struct StatusArgs {
     pub router: Option<String>,
     #[command(flatten)]
     pub registry: RegistryArgs,
+    /// API key for a router started with `--api-key`.
+    #[arg(long, env = "DUET_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
 }
 
 /// Prints one JSON line per worker (its registry record), from etcd or from a router.
@@ -171,11 +189,9 @@ pub fn status(a: StatusArgs) -> anyhow::Result<()> {
             let mut c = duet_proto::v1::cluster_client::ClusterClient::connect(url.clone())
                 .await
                 .with_context(|| format!("connecting to {url}"))?;
-            let r = c
-                .list_workers(pb::ListWorkersRequest {})
-                .await
-                .map_err(status_err)?
-                .into_inner();
+            let mut req = tonic::Request::new(pb::ListWorkersRequest {});
+            with_api_key(&mut req, a.api_key.as_deref())?;
+            let r = c.list_workers(req).await.map_err(status_err)?.into_inner();
             if r.stale {
                 eprintln!(
                     "duet status: the router cannot reach its registry; this is its last view"

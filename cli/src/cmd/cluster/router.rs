@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::Args;
 use duet_discovery::{ClusterView, Registry};
 use duet_engine::TextFrontend;
-use duet_router::{ClusterService, GenerationService, RouterConfig};
+use duet_router::{ApiKeys, ClusterService, GenerationService, RouterConfig};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -45,6 +45,22 @@ pub struct RoutingArgs {
     /// it fails as unavailable (HTTP 503).
     #[arg(long, env = "DUET_NO_WORKER_GRACE", default_value = "1s", value_parser = parse_duration)]
     pub no_worker_grace: Duration,
+    /// API keys clients of the public doors must send as `authorization: Bearer <key>`
+    /// (repeat the flag or separate with commas; none: open doors). Never logged.
+    #[arg(
+        long = "api-key",
+        env = "DUET_API_KEY",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<String>,
+    /// Requests one client address may have in flight (0: unlimited); more get
+    /// RESOURCE_EXHAUSTED (HTTP 429).
+    #[arg(long, env = "DUET_MAX_IN_FLIGHT_PER_CLIENT", default_value_t = 0)]
+    pub max_in_flight_per_client: usize,
+    /// Largest request accepted on the public doors (gRPC message, HTTP body), in bytes.
+    #[arg(long, env = "DUET_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
+    pub max_request_bytes: usize,
 }
 
 impl RoutingArgs {
@@ -57,6 +73,9 @@ impl RoutingArgs {
         }
         if self.max_attempts == 0 {
             anyhow::bail!("--max-attempts: at least 1");
+        }
+        if self.max_request_bytes < 1024 {
+            anyhow::bail!("--max-request-bytes: at least 1024");
         }
         Ok(())
     }
@@ -72,6 +91,9 @@ impl RoutingArgs {
             max_model_len: self.max_model_len,
             default_request_timeout: self.request_timeout,
             no_worker_grace: self.no_worker_grace,
+            api_keys: ApiKeys::new(&self.api_keys),
+            max_in_flight_per_client: self.max_in_flight_per_client,
+            max_request_bytes: self.max_request_bytes,
             ..RouterConfig::default()
         }
     }
@@ -107,7 +129,7 @@ pub async fn run_router(
     let metrics = duet_telemetry::install()?;
     duet_telemetry::spawn_upkeep(metrics.clone(), shutdown.clone());
     let view = ClusterView::start(registry, cluster, shutdown.child_token());
-    let ops = ClusterService::new(view.clone());
+    let ops = ClusterService::new(view.clone(), cfg.api_keys.clone());
     let svc = GenerationService::new(front, cfg, view);
     let app = duet_router::http::app(svc.clone(), duet_telemetry::metrics_router(metrics));
     let http = tokio::spawn(duet_router::http::serve(
