@@ -35,6 +35,17 @@ impl QueueSlot {
     }
 }
 
+impl QueueSlot {
+    /// Back into the queue after a placement fell through (the worker had no room after
+    /// all). An admitted request keeps its place: the bound applies only on arrival.
+    pub fn requeue(&mut self) {
+        if !std::mem::replace(&mut self.held, true) {
+            self.adm.waiting[self.class].fetch_add(1, Ordering::SeqCst);
+            metrics::gauge!(ROUTER_QUEUED, "priority" => CLASS_NAMES[self.class]).increment(1.0);
+        }
+    }
+}
+
 impl Drop for QueueSlot {
     fn drop(&mut self) {
         self.release();
@@ -100,5 +111,19 @@ mod tests {
         drop(s1);
         assert_eq!(a.waiting(Priority::Interactive), 1);
         assert!(a.enter(Priority::Interactive).is_ok());
+    }
+
+    #[test]
+    fn a_requeued_request_is_counted_again_but_never_refused() {
+        let a = Admission::new(1);
+        let mut s = a.enter(Priority::Interactive).unwrap();
+        s.release();
+        let _other = a.enter(Priority::Interactive).unwrap();
+        // The bound is reached, yet the placed request may come back.
+        s.requeue();
+        s.requeue();
+        assert_eq!(a.waiting(Priority::Interactive), 2);
+        drop(s);
+        assert_eq!(a.waiting(Priority::Interactive), 1);
     }
 }

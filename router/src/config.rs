@@ -44,6 +44,8 @@ pub struct RouterConfig {
     pub api_keys: ApiKeys,
     /// Requests one client address may have in flight at once (0: unlimited).
     pub max_in_flight_per_client: usize,
+    /// How long a worker that could not be reached or timed out is placed last.
+    pub suspect_for: Duration,
     /// Largest request accepted on the public doors (gRPC message, HTTP body), in bytes.
     pub max_request_bytes: usize,
 }
@@ -73,6 +75,7 @@ impl Default for RouterConfig {
             api_keys: ApiKeys::default(),
             max_in_flight_per_client: 0,
             max_request_bytes: 4 << 20,
+            suspect_for: Duration::from_secs(10),
         }
     }
 }

@@ -21,7 +21,10 @@ pub enum RouterError {
     NoWorker { role: &'static str, reason: String },
     #[error("{worker}: {status}")]
     Worker {
+        /// Role and id, for the message.
         worker: String,
+        /// The worker's id (what placement avoids after a failure).
+        worker_id: String,
         #[source]
         status: tonic::Status,
     },
@@ -83,6 +86,28 @@ impl RouterError {
                 ErrorClass::Unavailable | ErrorClass::ResourceExhausted | ErrorClass::NotFound
             ),
             _ => false,
+        }
+    }
+
+    /// A worker refused for lack of KV room: its published capacity was stale. The request
+    /// waits in the queue again instead of spending an attempt.
+    pub fn worker_full(&self) -> bool {
+        matches!(self, RouterError::Worker { status, .. }
+            if status.code() == tonic::Code::ResourceExhausted)
+    }
+
+    /// The worker to avoid for a while: one that could not be reached or did not answer in
+    /// time (dead, hung, partitioned). A worker that answered with an error is not suspect.
+    pub fn suspect_worker(&self) -> Option<&str> {
+        match self {
+            RouterError::Worker {
+                worker_id, status, ..
+            } => matches!(
+                duet_serving::status::class_of(status.code()),
+                ErrorClass::Unavailable | ErrorClass::DeadlineExceeded
+            )
+            .then_some(worker_id.as_str()),
+            _ => None,
         }
     }
 

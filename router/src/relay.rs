@@ -71,10 +71,27 @@ pub async fn run(shared: Arc<Shared>, mut job: Job, out: Out) {
             Ok(Outcome::Finished) => return job.metrics.finish(Ok(())),
             // Dropping the job's metrics counts the request as cancelled.
             Ok(Outcome::ClientGone) => return,
+            Err(e)
+                if e.worker_full()
+                    && progress.tokens_sent == 0
+                    && within_queue_wait(&shared, &job) =>
+            {
+                // Not an attempt: the request queues again until a worker has room.
+                tracing::debug!(error = %e, "no room on the worker after all: queued again");
+                attempt -= 1;
+                job.slot.requeue();
+                tokio::select! {
+                    _ = out.closed() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                }
+            }
             Err(e) => {
                 let retry =
                     e.retryable() && progress.tokens_sent == 0 && attempt < shared.cfg.max_attempts;
                 tracing::warn!(error = %e, attempt, retry, "attempt failed");
+                if let Some(id) = e.suspect_worker() {
+                    shared.workers.mark_suspect(id, shared.cfg.suspect_for);
+                }
                 if !retry {
                     job.metrics.finish(Err(e.class()));
                     let _ = out.send(Err(e.status())).await;
@@ -84,6 +101,12 @@ pub async fn run(shared: Arc<Shared>, mut job: Job, out: Out) {
             }
         }
     }
+}
+
+/// Whether `job` may still wait for room (`max_queue_wait` since arrival, and its deadline).
+fn within_queue_wait(shared: &Shared, job: &Job) -> bool {
+    let now = Instant::now();
+    now < job.arrival + shared.cfg.max_queue_wait && job.deadline.is_none_or(|d| now < d)
 }
 
 fn response(id: &str, ev: pb::generate_response::Event) -> pb::GenerateResponse {
@@ -102,7 +125,8 @@ async fn wait_for_decode(
 ) -> Result<Option<Vec<WorkerRecord>>, RouterError> {
     let mut view = shared.view.clone();
     let started = Instant::now();
-    let give_up = started + shared.cfg.max_queue_wait;
+    // The wait is counted from arrival, across re-queues.
+    let give_up = job.arrival + shared.cfg.max_queue_wait;
     loop {
         let snap = view.snapshot();
         let inflight = shared.workers.inflight();
@@ -180,8 +204,18 @@ fn outgoing<T>(job: &Job, msg: T) -> tonic::Request<T> {
 }
 
 fn worker_err(w: &WorkerRecord, status: Status) -> RouterError {
+    // A connection that broke mid-call (the worker died) reaches tonic's caller as UNKNOWN
+    // "transport error": to the router that is a worker that became unavailable.
+    let transport = std::error::Error::source(&status)
+        .is_some_and(|e| e.downcast_ref::<tonic::transport::Error>().is_some());
+    let status = if status.code() == tonic::Code::Unknown && transport {
+        Status::unavailable(format!("connection lost: {}", status.message()))
+    } else {
+        status
+    };
     RouterError::Worker {
         worker: format!("{} {}", w.role, w.id),
+        worker_id: w.id.clone(),
         status,
     }
 }
@@ -230,9 +264,13 @@ async fn attempt_once(
     out: &Out,
     progress: &mut Progress,
 ) -> Result<Outcome, RouterError> {
-    let Some(decoders) = wait_for_decode(shared, job, out).await? else {
+    let Some(mut decoders) = wait_for_decode(shared, job, out).await? else {
         return Ok(Outcome::ClientGone);
     };
+    // Workers that just failed to answer go last (a dead one stays registered until its
+    // lease expires; a hung one forever).
+    let suspects = shared.workers.suspects();
+    decoders.sort_by_key(|d| suspects.contains(&d.id));
     let prompt_len = job.prep.prompt.len();
     let snap = shared.view.snapshot();
     let placement = match shared.cfg.mode {
@@ -256,7 +294,9 @@ async fn attempt_once(
     if placement == pb::PrefillPlacement::Remote {
         let fp = decoders[0].fingerprint.clone();
         let tokens = shared.workers.prefill_tokens();
-        match prefill_candidates(&snap, &shared.cfg.model_name, &fp, &tokens).first() {
+        let mut candidates = prefill_candidates(&snap, &shared.cfg.model_name, &fp, &tokens);
+        candidates.sort_by_key(|p| suspects.contains(&p.id));
+        match candidates.first() {
             Some(p) => {
                 // Counted at once, so that concurrent requests spread before records update.
                 prefill_tracked = Some(shared.workers.track_prefill(&p.id, prompt_len as u64));
@@ -435,6 +475,7 @@ async fn attempt_once(
                 release().await;
                 return Err(RouterError::Worker {
                     worker: format!("decode {}", decoder.id),
+                    worker_id: decoder.id.clone(),
                     status: Status::unavailable("stream ended without a final message"),
                 });
             }

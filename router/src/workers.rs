@@ -1,9 +1,9 @@
 //! gRPC clients of the workers (one lazily connected channel per address) and the router's
 //! own in-flight accounting per worker, which placement adds to the published load.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use duet_proto::v1::decode_client::DecodeClient;
 use duet_proto::v1::prefill_client::PrefillClient;
@@ -18,6 +18,8 @@ pub struct Workers {
     channels: Mutex<HashMap<String, Channel>>,
     inflight: Mutex<InFlight>,
     prefill_tokens: Mutex<HashMap<String, u64>>,
+    /// Workers that recently failed to answer, until when.
+    suspects: Mutex<HashMap<String, Instant>>,
 }
 
 impl Workers {
@@ -53,6 +55,29 @@ impl Workers {
 
     pub fn prefill(&self, addr: &str) -> Result<PrefillClient<Channel>, RouterError> {
         Ok(PrefillClient::new(self.channel(addr)?))
+    }
+
+    /// Places worker `id` last for `period` (it could not be reached or timed out).
+    pub fn mark_suspect(&self, id: &str, period: Duration) {
+        if let Ok(mut m) = self.suspects.lock() {
+            let now = Instant::now();
+            m.retain(|_, until| *until > now);
+            m.insert(id.to_string(), now + period);
+        }
+    }
+
+    /// The workers currently suspect.
+    pub fn suspects(&self) -> HashSet<String> {
+        let now = Instant::now();
+        self.suspects
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, until)| **until > now)
+                    .map(|(id, _)| id.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Snapshot of in-flight requests per decode worker.
@@ -114,5 +139,21 @@ impl Drop for Tracked {
                 *v = v.saturating_sub(1);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_suspect_is_remembered_for_its_period_only() {
+        let w = Workers::new();
+        w.mark_suspect("p-1", Duration::from_millis(40));
+        w.mark_suspect("p-2", Duration::from_secs(60));
+        assert!(w.suspects().contains("p-1"));
+        std::thread::sleep(Duration::from_millis(60));
+        let now: Vec<String> = w.suspects().into_iter().collect();
+        assert_eq!(now, ["p-2"]);
     }
 }

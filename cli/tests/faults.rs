@@ -1,0 +1,322 @@
+//! Faults with real processes: a prefill worker killed mid-prefill, a KV pool exhausted by
+//! long requests, a thousand requests cancelled at random points. Each test checks what a
+//! client sees (tokens, status codes) and what the workers are left holding (KV blocks,
+//! sequences, the router's in-flight gauges).
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use duet_proto::v1 as pb;
+use rand::Rng;
+use support::{client, generate, greedy, text, Cluster, Proc};
+use tonic::Code;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// A prompt of roughly `words` tokens.
+fn long_prompt(words: usize) -> String {
+    let text = "the river runs past the old mill and the children watch the boats ";
+    text.split(' ')
+        .filter(|w| !w.is_empty())
+        .cycle()
+        .take(words)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The router's `/metrics` exposition.
+fn scrape(http: &str) -> String {
+    let (status, body) = support::http_get(&format!("{http}/metrics"));
+    assert_eq!(status, 200);
+    body
+}
+
+/// Waits until the router's in-flight and queued gauges are both zero.
+async fn router_idle(http: &str, within: Duration) {
+    let end = Instant::now() + within;
+    loop {
+        let m = {
+            let http = http.to_string();
+            tokio::task::spawn_blocking(move || scrape(&http))
+                .await
+                .expect("join")
+        };
+        let in_flight = support::scrape_sum(&m, "duet_router_requests_in_flight", &[]);
+        let queued = support::scrape_sum(&m, "duet_router_requests_queued", &[]);
+        if in_flight == 0.0 && queued == 0.0 {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "router still has {in_flight} in flight and {queued} queued after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Fault 2: the prefill worker computing a request is killed (SIGKILL) mid-prefill. The
+/// request is retried on the other prefill worker and completes with the same greedy tokens;
+/// the decode worker's reservation for the failed attempt is released.
+#[test]
+fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
+    let mut cl = Cluster::start(
+        2,
+        1,
+        &[
+            "--local-prefill-max-tokens",
+            "0",
+            "--http-listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let http = cl.router.wait_for("http listening on", support::START);
+    let decode_addr = cl.decode[0].workers_addr();
+    let prefill_addrs: Vec<String> = cl.prefill.iter().map(Proc::workers_addr).collect();
+    let rt = rt();
+    rt.block_on(async {
+        cl.wait_workers(2, 1, Duration::from_secs(20)).await;
+        let prompt = long_prompt(700);
+        let mut c = client(&cl.url).await;
+        let reference = generate(&mut c, greedy(text(&prompt), 8))
+            .await
+            .expect("undisturbed run");
+        let prefill_time = reference.timings().prefill_seconds;
+        eprintln!(
+            "undisturbed: prefill {prefill_time:.3} s on {}",
+            reference.timings().prefill_worker
+        );
+        // Both prefill workers are idle, so the router picks by id: prefill-0. The request's
+        // prefill is under way once the decode worker holds its reservation.
+        let victim = 0;
+        for a in &prefill_addrs {
+            assert_eq!(support::prefill_status(a).await.running, 0);
+        }
+        let mut c2 = c.clone();
+        let req = greedy(text(&prompt), 8);
+        let task = tokio::spawn(async move { generate(&mut c2, req).await });
+        let end = Instant::now() + Duration::from_secs(20);
+        while support::decode_status(&decode_addr).await.reservations == 0 {
+            assert!(Instant::now() < end, "the request never reserved KV");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // A third of the way into the prefill.
+        tokio::time::sleep(Duration::from_secs_f64(prefill_time / 3.0)).await;
+        cl.prefill[victim].kill9();
+        let done = tokio::time::timeout(Duration::from_secs(120), task)
+            .await
+            .expect("the request ends")
+            .expect("join")
+            .expect("the request survives the prefill worker's death");
+        assert_eq!(done.ids, reference.ids, "same greedy tokens as undisturbed");
+        assert_eq!(
+            done.timings().prefill_worker,
+            format!("prefill-{}", 1 - victim),
+            "completed on the surviving prefill worker"
+        );
+        support::assert_pool_empty(&decode_addr, Duration::from_secs(10)).await;
+        let m = scrape(&http);
+        assert!(
+            support::scrape_sum(&m, "duet_router_retries_total", &[]) >= 1.0,
+            "the retry is counted"
+        );
+        router_idle(&http, Duration::from_secs(10)).await;
+    });
+}
+
+/// Fault 6: long requests fill the decode worker's KV pool. Further requests wait in the
+/// router's queue; past the queue bound they get RESOURCE_EXHAUSTED at once; the queued ones
+/// complete when room frees up, and afterwards every block is free.
+#[test]
+fn kv_pool_exhausted_requests_queue_then_resource_exhausted() {
+    // 8 MiB of f32 KV is 11 blocks of 16 tokens (176 tokens): one 120-token prompt with its
+    // generation leaves no room for a second.
+    let p = Proc::start(
+        "up",
+        &[
+            "up",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--kv-pool",
+            "8MiB",
+            "--max-queued",
+            "2",
+            "--max-queue-wait",
+            "120s",
+        ],
+    );
+    let url = p.wait_for("router listening on", support::START);
+    let http = p.wait_for("http listening on", support::START);
+    let decode_addr = p.workers("decode")[0].clone();
+    let rt = rt();
+    rt.block_on(async {
+        let prompt = long_prompt(110);
+        let long = || pb::GenerateRequest {
+            ignore_eos: true,
+            ..greedy(text(&prompt), 40)
+        };
+        let mut c = client(&url).await;
+        // A takes the pool: in flight once its first token arrived.
+        let mut a = c.generate(long()).await.expect("A").into_inner();
+        a.message()
+            .await
+            .expect("A's first token")
+            .expect("a message");
+        let s = support::decode_status(&decode_addr).await;
+        assert!(
+            s.kv_blocks_free * 16 < 110 + 1,
+            "A should leave no room for another prompt: {s:?}"
+        );
+        // B and C wait in the queue (its bound is 2).
+        let mut queued = Vec::new();
+        for _ in 0..2 {
+            let mut c = c.clone();
+            let r = long();
+            queued.push(tokio::spawn(async move { generate(&mut c, r).await }));
+        }
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            let m = {
+                let http = http.clone();
+                tokio::task::spawn_blocking(move || scrape(&http))
+                    .await
+                    .expect("join")
+            };
+            if support::scrape_sum(&m, "duet_router_requests_queued", &[]) >= 2.0 {
+                break;
+            }
+            assert!(Instant::now() < end, "B and C never queued");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // D finds the queue full: refused at once, with a retry hint.
+        let t0 = Instant::now();
+        let d = generate(&mut c, greedy(text("Hello"), 2))
+            .await
+            .expect_err("the queue is full");
+        assert_eq!(d.code(), Code::ResourceExhausted, "{d:?}");
+        assert!(d.metadata().get("retry-after-ms").is_some(), "{d:?}");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        // A finishes; B and C follow, each with all its tokens.
+        while a.message().await.expect("A streams").is_some() {}
+        for q in queued {
+            let done = q.await.expect("join").expect("a queued request completes");
+            assert_eq!(done.ids.len(), 40);
+        }
+        support::assert_pool_empty(&decode_addr, Duration::from_secs(10)).await;
+        router_idle(&http, Duration::from_secs(10)).await;
+    });
+}
+
+/// Fault 7: 1000 requests (short prompts prefilled on the decode worker, longer ones on the
+/// prefill worker) cancelled at random points: before placement, during prefill, mid-stream.
+/// Afterwards every block on every worker is free and nothing is left running or queued.
+#[test]
+fn thousand_random_cancellations_leave_every_block_free() {
+    let cl = Cluster::start(
+        1,
+        1,
+        &[
+            "--local-prefill-max-tokens",
+            "24",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--max-queue-wait",
+            "300s",
+        ],
+    );
+    let http = cl.router.wait_for("http listening on", support::START);
+    let decode_addr = cl.decode[0].workers_addr();
+    let prefill_addr = cl.prefill[0].workers_addr();
+    let rt = rt();
+    rt.block_on(async {
+        cl.wait_workers(1, 1, Duration::from_secs(20)).await;
+        let c = client(&cl.url).await;
+        let gate = Arc::new(tokio::sync::Semaphore::new(16));
+        let prompts: Arc<Vec<String>> =
+            Arc::new([4, 12, 40, 90].iter().map(|&n| long_prompt(n)).collect());
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        let mut completed_tokens = 0usize;
+        for i in 0..1000u32 {
+            let permit = gate.clone().acquire_owned().await.expect("semaphore");
+            let mut c = c.clone();
+            let prompts = prompts.clone();
+            tasks.push(tokio::spawn(async move {
+                let _permit = permit;
+                let (prompt, after_ms, after_tokens) = {
+                    let mut r = rand::rng();
+                    (
+                        prompts[r.random_range(0..prompts.len())].clone(),
+                        r.random_range(0..250u64),
+                        r.random_range(0..8usize),
+                    )
+                };
+                let req = pb::GenerateRequest {
+                    ignore_eos: true,
+                    ..greedy(text(&prompt), 24)
+                };
+                // Half are cut after a random time (maybe before they were even placed),
+                // half after a random number of tokens.
+                let run = async {
+                    let mut s = c.generate(req).await?.into_inner();
+                    let mut n = 0;
+                    while let Some(m) = s.message().await? {
+                        if matches!(m.event, Some(pb::generate_response::Event::Token(_))) {
+                            n += 1;
+                            if i % 2 == 1 && n >= after_tokens {
+                                return Ok::<usize, tonic::Status>(n);
+                            }
+                        }
+                    }
+                    Ok(n)
+                };
+                if i % 2 == 0 {
+                    tokio::time::timeout(Duration::from_millis(after_ms), run)
+                        .await
+                        .unwrap_or(Ok(0))
+                } else {
+                    run.await
+                }
+            }));
+        }
+        for t in tasks {
+            match t.await.expect("join") {
+                Ok(n) => completed_tokens += n,
+                Err(s) => panic!("a request failed instead of being cancelled: {s:?}"),
+            }
+        }
+        eprintln!(
+            "1000 cancelled requests in {:?} ({completed_tokens} tokens streamed before the cuts)",
+            started.elapsed()
+        );
+        assert!(
+            completed_tokens > 0,
+            "some requests streamed before their cut"
+        );
+        support::assert_pool_empty(&decode_addr, Duration::from_secs(30)).await;
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            let s = support::prefill_status(&prefill_addr).await;
+            if s.running == 0 && s.waiting == 0 && s.queued_prefill_tokens == 0 {
+                assert_eq!(s.kv_blocks_free, s.kv_blocks_total, "prefill KV: {s:?}");
+                break;
+            }
+            assert!(Instant::now() < end, "prefill worker still busy: {s:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        router_idle(&http, Duration::from_secs(30)).await;
+        let m = scrape(&http);
+        let cancelled =
+            support::scrape_sum(&m, "duet_router_requests_total", &["outcome=\"cancelled\""]);
+        assert!(cancelled >= 400.0, "cancellations counted: {cancelled}");
+    });
+}
