@@ -320,3 +320,90 @@ fn thousand_random_cancellations_leave_every_block_free() {
         assert!(cancelled >= 400.0, "cancellations counted: {cancelled}");
     });
 }
+
+/// Fault 1: the decode worker streaming a request is killed (SIGKILL) mid-stream. The router
+/// prefills the prompt plus the tokens already sent on the other decode worker and continues
+/// the same stream: no error, no repeated or missing token, the greedy text of an
+/// undisturbed run.
+#[test]
+fn decode_worker_killed_mid_stream_the_stream_continues_elsewhere() {
+    let mut cl = Cluster::start(
+        1,
+        2,
+        &[
+            "--local-prefill-max-tokens",
+            "0",
+            "--http-listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let http = cl.router.wait_for("http listening on", support::START);
+    let decode_addrs: Vec<String> = cl.decode.iter().map(Proc::workers_addr).collect();
+    let rt = rt();
+    rt.block_on(async {
+        cl.wait_workers(1, 2, Duration::from_secs(20)).await;
+        let mut c = client(&cl.url).await;
+        let req = || pb::GenerateRequest {
+            ignore_eos: true,
+            ..greedy(text("Write a short story about a lighthouse keeper."), 48)
+        };
+        let reference = generate(&mut c, req()).await.expect("undisturbed run");
+        assert_eq!(reference.ids.len(), 48);
+        let mut s = c.generate(req()).await.expect("stream").into_inner();
+        let (mut ids, mut text, mut fin) = (Vec::new(), String::new(), None);
+        let mut killed = None;
+        while let Some(m) = s.message().await.unwrap_or_else(|e| {
+            panic!(
+                "the client must see no error: {e:?} after {} tokens",
+                ids.len()
+            )
+        }) {
+            match m.event {
+                Some(pb::generate_response::Event::Token(t)) => {
+                    ids.push(t.id);
+                    text.push_str(&t.text);
+                    if ids.len() == 8 && killed.is_none() {
+                        // The worker streaming it is the one running a sequence.
+                        for (i, a) in decode_addrs.iter().enumerate() {
+                            if support::decode_status(a).await.running > 0 {
+                                killed = Some(i);
+                            }
+                        }
+                        let i = killed.expect("a decode worker runs the request");
+                        cl.decode[i].kill9();
+                    }
+                }
+                Some(pb::generate_response::Event::Final(f)) => fin = Some(f),
+                None => {}
+            }
+        }
+        let killed = killed.expect("killed a worker");
+        assert_eq!(ids, reference.ids, "no repeated or missing token");
+        assert_eq!(text, reference.text, "the same text as an undisturbed run");
+        let fin = fin.expect("final message");
+        let usage = fin.usage.expect("usage");
+        assert_eq!(usage.completion_tokens, 48, "{usage:?}");
+        assert_eq!(
+            usage.prompt_tokens,
+            reference
+                .fin
+                .as_ref()
+                .and_then(|f| f.usage)
+                .map_or(0, |u| u.prompt_tokens)
+        );
+        let survivor = 1 - killed;
+        assert_eq!(
+            fin.timings.expect("timings").decode_worker,
+            format!("decode-{survivor}"),
+            "finished on the surviving decode worker"
+        );
+        support::assert_pool_empty(&decode_addrs[survivor], Duration::from_secs(10)).await;
+        let m = scrape(&http);
+        assert_eq!(
+            support::scrape_sum(&m, "duet_router_migrations_total", &[]),
+            1.0,
+            "the migration is counted"
+        );
+        router_idle(&http, Duration::from_secs(10)).await;
+    });
+}

@@ -27,8 +27,9 @@ pub enum Priority {
 pub enum PrefillSource {
     /// A prefill worker sends it into the reservation; it sampled `first_token`.
     Remote { first_token: u32 },
-    /// This worker computes it, in chunks mixed into its decode steps.
-    Local,
+    /// This worker computes it, in chunks mixed into its decode steps; the last `replay`
+    /// prompt tokens were generated before and are fed one per step (see [`crate`] docs).
+    Local { replay: usize },
 }
 
 /// One generation request.

@@ -44,6 +44,11 @@ enum Phase {
         /// Token to feed once the prefill is complete (resuming a preempted sequence);
         /// `None`: sample the first token from the prefill's logits.
         resume: Option<u32>,
+        /// Tokens from this index on were generated before (preemption, migration): they
+        /// are fed one per step, as decoding fed them, so their KV, and the greedy tokens
+        /// that follow, are bit-identical to an undisturbed run. A multi-row chunk would
+        /// take another attention kernel whose sums round differently.
+        exact_from: usize,
     },
     /// KV holds everything but `next`, which is fed at the next step.
     Decode { next: u32 },
@@ -299,6 +304,10 @@ impl Scheduler {
                 tokens: job.prompt.clone(),
                 done: 0,
                 resume: None,
+                exact_from: match job.prefill {
+                    PrefillSource::Local { replay } => job.prompt.len().saturating_sub(replay),
+                    PrefillSource::Remote { .. } => job.prompt.len(),
+                },
             },
             prompt: job.prompt,
             priority: job.priority,
@@ -355,7 +364,7 @@ impl Scheduler {
                     },
                 }
             }
-            PrefillSource::Local => {
+            PrefillSource::Local { .. } => {
                 if self.known(id) {
                     let _ = events.send(Event::Error(DecodeError::Duplicate(id)));
                     return;
@@ -610,11 +619,20 @@ impl Scheduler {
             let s = &self.active[i];
             let n = match &s.phase {
                 Phase::Decode { .. } => 1,
-                Phase::Prefill { tokens, done, .. } => {
+                Phase::Prefill {
+                    tokens,
+                    done,
+                    exact_from,
+                    ..
+                } => {
                     if budget == 0 {
                         continue;
                     }
-                    let n = (tokens.len() - done).min(budget);
+                    let n = if done >= exact_from {
+                        1
+                    } else {
+                        (tokens.len() - done).min(budget).min(exact_from - done)
+                    };
                     budget -= n;
                     n
                 }
@@ -648,12 +666,19 @@ impl Scheduler {
                     tokens,
                     done: 0,
                     resume: Some(next),
+                    exact_from: s.prompt.len(),
                 }
             }
-            Phase::Prefill { tokens, resume, .. } => Phase::Prefill {
+            Phase::Prefill {
+                tokens,
+                resume,
+                exact_from,
+                ..
+            } => Phase::Prefill {
                 tokens,
                 done: 0,
                 resume,
+                exact_from,
             },
         };
         s.preemptions += 1;
@@ -761,6 +786,7 @@ impl Scheduler {
                     tokens,
                     done,
                     resume,
+                    ..
                 } => {
                     *done += n;
                     if *done < tokens.len() {

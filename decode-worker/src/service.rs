@@ -78,7 +78,9 @@ impl pb::decode_server::Decode for DecodeService {
             Some(pb::decode_request::Prefill::Remote(p)) => PrefillSource::Remote {
                 first_token: p.first_token,
             },
-            Some(pb::decode_request::Prefill::Local(_)) => PrefillSource::Local,
+            Some(pb::decode_request::Prefill::Local(l)) => PrefillSource::Local {
+                replay: l.replay_tokens as usize,
+            },
             None => {
                 return Err(duet_serving::status::engine_status(&EngineError::invalid(
                     "prefill",

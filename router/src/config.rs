@@ -28,6 +28,9 @@ pub struct RouterConfig {
     pub reservation_ttl: Duration,
     /// Attempts on other workers before the first token was sent.
     pub max_attempts: usize,
+    /// Times a stream may move to another worker pair after its decode worker failed
+    /// mid-stream (0: the stream fails instead).
+    pub max_migrations: usize,
     /// Generated tokens counted when checking a decode worker's free blocks.
     pub decode_headroom_tokens: usize,
     /// Served model name (what clients put in `model`).
@@ -67,6 +70,7 @@ impl Default for RouterConfig {
             max_queue_wait: Duration::from_secs(30),
             reservation_ttl: Duration::from_secs(30),
             max_attempts: 3,
+            max_migrations: 2,
             decode_headroom_tokens: 64,
             model_name: "default".into(),
             max_model_len: None,

@@ -50,10 +50,14 @@ pub struct Job {
     pub trace: TraceContext,
 }
 
+/// What reached the client so far, across attempts and migrations.
 #[derive(Default)]
 struct Progress {
     tokens_sent: u32,
     first_token_at: Option<Instant>,
+    /// The tokens sent (ids and text): after a migration they extend the prompt.
+    sent_ids: Vec<u32>,
+    sent_text: String,
 }
 
 enum Outcome {
@@ -65,6 +69,7 @@ enum Outcome {
 pub async fn run(shared: Arc<Shared>, mut job: Job, out: Out) {
     let mut progress = Progress::default();
     let mut attempt = 0;
+    let mut migrations = 0;
     loop {
         attempt += 1;
         match attempt_once(&shared, &mut job, &out, &mut progress).await {
@@ -84,6 +89,23 @@ pub async fn run(shared: Arc<Shared>, mut job: Job, out: Out) {
                     _ = out.closed() => return,
                     _ = tokio::time::sleep(Duration::from_millis(100)) => {}
                 }
+            }
+            Err(e)
+                if progress.tokens_sent > 0
+                    && e.retryable()
+                    && migrations < shared.cfg.max_migrations
+                    && (progress.sent_ids.len()) < job.prep.params.max_tokens =>
+            {
+                // The decode worker failed mid-stream: prefill the prompt plus what was sent
+                // on another pair and continue the same stream (greedy output is unchanged).
+                migrations += 1;
+                tracing::warn!(error = %e, migrations, sent = progress.tokens_sent, "decode failed mid-stream: migrating");
+                if let Some(id) = e.suspect_worker() {
+                    shared.workers.mark_suspect(id, shared.cfg.suspect_for);
+                }
+                metrics::counter!(duet_telemetry::names::ROUTER_MIGRATIONS_TOTAL).increment(1);
+                attempt = 0;
+                job.slot.requeue();
             }
             Err(e) => {
                 let retry =
@@ -121,6 +143,7 @@ fn response(id: &str, ev: pb::generate_response::Event) -> pb::GenerateResponse 
 async fn wait_for_decode(
     shared: &Shared,
     job: &Job,
+    prompt_len: usize,
     out: &Out,
 ) -> Result<Option<Vec<WorkerRecord>>, RouterError> {
     let mut view = shared.view.clone();
@@ -133,7 +156,7 @@ async fn wait_for_decode(
         let c: Vec<WorkerRecord> = decode_candidates(
             &snap,
             &shared.cfg.model_name,
-            job.prep.prompt.len(),
+            prompt_len,
             shared.cfg.decode_headroom_tokens,
             &inflight,
         )
@@ -150,10 +173,10 @@ async fn wait_for_decode(
             .map(|w| w.capacity.kv_blocks_total * u64::from(w.capacity.block_size.max(1)))
             .max();
         if let Some(largest) = largest {
-            let need = job.prep.prompt.len() + 1;
+            let need = prompt_len + 1;
             if need as u64 > largest {
                 return Err(RouterError::PromptExceedsPools {
-                    tokens: job.prep.prompt.len(),
+                    tokens: prompt_len,
                     headroom: 1,
                     largest,
                 });
@@ -172,7 +195,7 @@ async fn wait_for_decode(
                 role: "decode",
                 reason: format!(
                     "{known} decode workers known, none with room for {} prompt tokens{}",
-                    job.prep.prompt.len(),
+                    prompt_len,
                     if snap.stale {
                         " (registry unreachable: routing on the last view)"
                     } else {
@@ -205,10 +228,9 @@ fn outgoing<T>(job: &Job, msg: T) -> tonic::Request<T> {
 
 fn worker_err(w: &WorkerRecord, status: Status) -> RouterError {
     // A connection that broke mid-call (the worker died) reaches tonic's caller as UNKNOWN
-    // "transport error": to the router that is a worker that became unavailable.
-    let transport = std::error::Error::source(&status)
-        .is_some_and(|e| e.downcast_ref::<tonic::transport::Error>().is_some());
-    let status = if status.code() == tonic::Code::Unknown && transport {
+    // ("transport error", "h2 protocol error"): to the router that is a worker that became
+    // unavailable.
+    let status = if status.code() == tonic::Code::Unknown && connection_broke(&status) {
         Status::unavailable(format!("connection lost: {}", status.message()))
     } else {
         status
@@ -218,6 +240,13 @@ fn worker_err(w: &WorkerRecord, status: Status) -> RouterError {
         worker_id: w.id.clone(),
         status,
     }
+}
+
+/// Whether `status` came from a broken connection rather than from the worker's answer. A
+/// status the worker sent has no cause; one tonic made on this side from a transport, h2 or
+/// hyper error keeps that error as its source.
+fn connection_broke(status: &Status) -> bool {
+    std::error::Error::source(status).is_some()
 }
 
 /// The KV endpoint a prefill worker should use to reach `offered`: the in-process one when
@@ -264,14 +293,26 @@ async fn attempt_once(
     out: &Out,
     progress: &mut Progress,
 ) -> Result<Outcome, RouterError> {
-    let Some(mut decoders) = wait_for_decode(shared, job, out).await? else {
+    // After a migration the tokens already sent extend the prompt, and only the rest of
+    // the budget remains.
+    let resumed = progress.sent_ids.len();
+    let resumed_text_len = progress.sent_text.len();
+    let prompt: Vec<u32> = job
+        .prep
+        .prompt
+        .iter()
+        .chain(&progress.sent_ids)
+        .copied()
+        .collect();
+    let max_tokens = job.prep.params.max_tokens.saturating_sub(resumed).max(1);
+    let Some(mut decoders) = wait_for_decode(shared, job, prompt.len(), out).await? else {
         return Ok(Outcome::ClientGone);
     };
     // Workers that just failed to answer go last (a dead one stays registered until its
     // lease expires; a hung one forever).
     let suspects = shared.workers.suspects();
     decoders.sort_by_key(|d| suspects.contains(&d.id));
-    let prompt_len = job.prep.prompt.len();
+    let prompt_len = prompt.len();
     let snap = shared.view.snapshot();
     let placement = match shared.cfg.mode {
         Mode::Colocated => pb::PrefillPlacement::Colocated,
@@ -289,6 +330,13 @@ async fn attempt_once(
         _ => format!("prompt of {prompt_len} tokens prefilled remotely"),
     };
     let mut placement = placement;
+    // A migrated stream is prefilled on its new decode worker, which replays the tokens
+    // already sent one per step so the greedy continuation is exact (a prefill worker would
+    // compute them as one chunk, whose sums round differently).
+    if resumed > 0 && placement == pb::PrefillPlacement::Remote {
+        placement = pb::PrefillPlacement::Local;
+        reason = format!("migrated stream: {resumed} sent tokens replayed on the decode worker");
+    }
     let mut prefill_choice = None;
     let mut prefill_tracked = None;
     if placement == pb::PrefillPlacement::Remote {
@@ -388,7 +436,7 @@ async fn attempt_once(
             job,
             pb::PrefillRequest {
                 request_id: job.request_id,
-                prompt: job.prep.prompt.clone(),
+                prompt: prompt.clone(),
                 sampling,
                 kv_endpoint: Some(endpoint),
                 dst_blocks: res.block_ids.clone(),
@@ -424,16 +472,18 @@ async fn attempt_once(
             }
         }
     } else {
-        pb::decode_request::Prefill::Local(pb::LocalPrefill {})
+        pb::decode_request::Prefill::Local(pb::LocalPrefill {
+            replay_tokens: resumed as u32,
+        })
     };
 
     let req = outgoing(
         job,
         pb::DecodeRequest {
             request_id: job.request_id,
-            prompt: job.prep.prompt.clone(),
+            prompt,
             sampling,
-            max_tokens: job.prep.params.max_tokens as u32,
+            max_tokens: max_tokens as u32,
             stop: job.prep.params.stop.clone(),
             priority: job.prep.priority as i32,
             prefill: Some(prefill),
@@ -490,6 +540,8 @@ async fn attempt_once(
                     progress.first_token_at = Some(Instant::now());
                 }
                 progress.tokens_sent += 1;
+                progress.sent_ids.push(t.id);
+                progress.sent_text.push_str(&t.text);
                 let r = response(&job.client_id, pb::generate_response::Event::Token(t));
                 if out.send(Ok(r)).await.is_err() {
                     drop(stream);
@@ -509,12 +561,12 @@ async fn attempt_once(
                 let fin = pb::FinalMessage {
                     finish_reason: d.finish_reason,
                     usage: Some(pb::Usage {
-                        prompt_tokens: prompt_len as u32,
-                        completion_tokens: d.completion_tokens,
+                        prompt_tokens: job.prep.prompt.len() as u32,
+                        completion_tokens: d.completion_tokens + resumed as u32,
                         truncated_tokens: job.prep.truncated as u32,
                     }),
                     timings: Some(timings),
-                    text: d.text,
+                    text: format!("{}{}", &progress.sent_text[..resumed_text_len], d.text),
                 };
                 tracing::info!(
                     decode = %decoder.id,

@@ -63,6 +63,8 @@ catalogue! {
         "Placement decisions by `placement`, one per attempt (a retried request is placed again).";
     Counter ROUTER_RETRIES_TOTAL = "duet_router_retries_total",
         "Attempts re-run on another worker pair after a worker failed before the first token.";
+    Counter ROUTER_MIGRATIONS_TOTAL = "duet_router_migrations_total",
+        "Streams moved to another worker pair after their decode worker failed mid-stream (prompt plus the tokens already sent prefilled again).";
     Counter ROUTER_PROMPT_TOKENS_TOTAL = "duet_router_prompt_tokens_total",
         "Prompt tokens of admitted requests (after truncation).";
     Counter ROUTER_GENERATION_TOKENS_TOTAL = "duet_router_generation_tokens_total",

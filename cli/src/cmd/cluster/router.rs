@@ -31,6 +31,11 @@ pub struct RoutingArgs {
     /// Attempts on other workers before the first token.
     #[arg(long, env = "DUET_MAX_ATTEMPTS", default_value_t = 3)]
     pub max_attempts: usize,
+    /// Times a stream may move to another worker pair when its decode worker fails
+    /// mid-stream: the prompt plus the tokens already sent are prefilled again and the
+    /// stream continues (0: the stream fails instead).
+    #[arg(long, env = "DUET_MAX_MIGRATIONS", default_value_t = 2)]
+    pub max_migrations: usize,
     /// Model name clients use (default: the GGUF file name without extension).
     #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -87,6 +92,7 @@ impl RoutingArgs {
             max_queued_per_priority: self.max_queued,
             max_queue_wait: self.max_queue_wait,
             max_attempts: self.max_attempts,
+            max_migrations: self.max_migrations,
             model_name,
             max_model_len: self.max_model_len,
             default_request_timeout: self.request_timeout,
