@@ -407,3 +407,88 @@ fn decode_worker_killed_mid_stream_the_stream_continues_elsewhere() {
         router_idle(&http, Duration::from_secs(10)).await;
     });
 }
+
+/// Fault 5: hung workers (SIGSTOP). A prefill worker that stops answering is given up after
+/// `--prefill-timeout` and the request completes on the other one; a decode worker that
+/// stops mid-stream is given up after `--stream-stall-timeout` and the stream migrates,
+/// unchanged. Nothing waits for the hung processes' leases to expire.
+#[test]
+fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
+    let cl = Cluster::start(
+        2,
+        2,
+        &[
+            "--local-prefill-max-tokens",
+            "0",
+            "--prefill-timeout",
+            "3s",
+            "--stream-stall-timeout",
+            "2s",
+            "--http-listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let http = cl.router.wait_for("http listening on", support::START);
+    let decode_addrs: Vec<String> = cl.decode.iter().map(Proc::workers_addr).collect();
+    let rt = rt();
+    rt.block_on(async {
+        cl.wait_workers(2, 2, Duration::from_secs(20)).await;
+        let mut c = client(&cl.url).await;
+        let req = || pb::GenerateRequest {
+            ignore_eos: true,
+            ..greedy(text("Write a short story about a lighthouse keeper."), 32)
+        };
+        let reference = generate(&mut c, req()).await.expect("undisturbed run");
+
+        // Prefill: both idle, so the router picks prefill-0 by id; it is stopped.
+        cl.prefill[0].signal("-STOP");
+        let t0 = Instant::now();
+        let done = generate(&mut c, req())
+            .await
+            .expect("completes on the other prefill worker");
+        assert_eq!(done.ids, reference.ids);
+        assert_eq!(done.timings().prefill_worker, "prefill-1");
+        eprintln!("hung prefill worker: completed in {:?}", t0.elapsed());
+
+        // Decode: stop the worker streaming a request after 8 tokens.
+        let mut s = c.generate(req()).await.expect("stream").into_inner();
+        let (mut ids, mut stopped, mut fin) = (Vec::new(), None, None);
+        while let Some(m) = s
+            .message()
+            .await
+            .unwrap_or_else(|e| panic!("no error for the client: {e:?}"))
+        {
+            match m.event {
+                Some(pb::generate_response::Event::Token(t)) => {
+                    ids.push(t.id);
+                    if ids.len() == 8 {
+                        for (i, a) in decode_addrs.iter().enumerate() {
+                            if support::decode_status(a).await.running > 0 {
+                                stopped = Some(i);
+                            }
+                        }
+                        let i = stopped.expect("a decode worker runs the request");
+                        cl.decode[i].signal("-STOP");
+                    }
+                }
+                Some(pb::generate_response::Event::Final(f)) => fin = Some(f),
+                None => {}
+            }
+        }
+        let stopped = stopped.expect("stopped a worker");
+        assert_eq!(ids, reference.ids, "the migrated stream is unchanged");
+        assert_eq!(
+            fin.and_then(|f| f.timings).map(|t| t.decode_worker),
+            Some(format!("decode-{}", 1 - stopped))
+        );
+        let m = scrape(&http);
+        assert_eq!(
+            support::scrape_sum(&m, "duet_router_migrations_total", &[]),
+            1.0
+        );
+        router_idle(&http, Duration::from_secs(10)).await;
+        support::assert_pool_empty(&decode_addrs[1 - stopped], Duration::from_secs(10)).await;
+        cl.prefill[0].signal("-CONT");
+        cl.decode[stopped].signal("-CONT");
+    });
+}

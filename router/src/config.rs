@@ -47,6 +47,12 @@ pub struct RouterConfig {
     pub api_keys: ApiKeys,
     /// Requests one client address may have in flight at once (0: unlimited).
     pub max_in_flight_per_client: usize,
+    /// Longest wait for a prefill worker's answer; past it the worker is treated as hung
+    /// and the request tries another.
+    pub prefill_timeout: Duration,
+    /// Longest silence of a decode worker between two tokens of a stream; past it the
+    /// worker is treated as hung and the stream migrates.
+    pub stream_stall_timeout: Duration,
     /// How long a worker that could not be reached or timed out is placed last.
     pub suspect_for: Duration,
     /// Largest request accepted on the public doors (gRPC message, HTTP body), in bytes.
@@ -80,6 +86,8 @@ impl Default for RouterConfig {
             max_in_flight_per_client: 0,
             max_request_bytes: 4 << 20,
             suspect_for: Duration::from_secs(10),
+            prefill_timeout: Duration::from_secs(120),
+            stream_stall_timeout: Duration::from_secs(30),
         }
     }
 }

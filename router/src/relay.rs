@@ -26,6 +26,15 @@ use crate::placement::{decode_candidates, prefill_candidates};
 use crate::request_metrics::RequestMetrics;
 use crate::workers::Workers;
 
+/// Bound on control calls to a worker (reserve, release, cancel): a worker that does not
+/// answer them within this is treated as unavailable.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A worker call that got no answer within `limit`: the worker is hung or cut off.
+fn no_answer(what: &str, limit: Duration) -> Status {
+    Status::unavailable(format!("no answer to {what} within {limit:?}"))
+}
+
 /// What every request shares.
 pub struct Shared {
     pub cfg: RouterConfig,
@@ -282,8 +291,10 @@ fn placement_label(p: pb::PrefillPlacement) -> &'static str {
 async fn release_decode(workers: &Workers, addr: &str, id: u64) {
     if let Ok(mut c) = workers.decode(addr) {
         let mut req = tonic::Request::new(pb::ReleaseRequest { request_id: id });
-        req.set_timeout(Duration::from_secs(2));
-        let _ = c.release(req).await;
+        req.set_timeout(CONTROL_TIMEOUT);
+        // Bounded here too: a hung worker (SIGSTOP) never answers, and tonic leaves the
+        // deadline to the server. Its reservation then expires on its own TTL.
+        let _ = tokio::time::timeout(CONTROL_TIMEOUT, c.release(req)).await;
     }
 }
 
@@ -376,7 +387,10 @@ async fn attempt_once(
                 ttl_ms: shared.cfg.reservation_ttl.as_millis() as u32,
             },
         );
-        match client.reserve(req).await {
+        let answer = tokio::time::timeout(CONTROL_TIMEOUT, client.reserve(req))
+            .await
+            .unwrap_or_else(|_| Err(no_answer("reserve", CONTROL_TIMEOUT)));
+        match answer {
             Ok(r) => {
                 chosen = Some((d.clone(), Some(r.into_inner()), tracked));
                 break;
@@ -443,13 +457,29 @@ async fn attempt_once(
                 priority: job.prep.priority as i32,
             },
         );
+        let limit = shared.cfg.prefill_timeout;
+        let canceller = pclient.clone();
+        let cancel_prefill = || {
+            let mut c = canceller.clone();
+            let mut req = tonic::Request::new(pb::ReleaseRequest {
+                request_id: job.request_id,
+            });
+            req.set_timeout(CONTROL_TIMEOUT);
+            async move {
+                let _ = tokio::time::timeout(CONTROL_TIMEOUT, c.cancel(req)).await;
+            }
+        };
         let r = tokio::select! {
-            r = pclient.prefill(req) => r,
+            r = tokio::time::timeout(limit, pclient.prefill(req)) => match r {
+                Ok(r) => r,
+                Err(_) => {
+                    // Hung or cut off: give up on it (the cancel is best effort).
+                    tokio::spawn(cancel_prefill());
+                    Err(no_answer("prefill", limit))
+                }
+            },
             _ = out.closed() => {
-                let mut c = pclient.clone();
-                let mut req = tonic::Request::new(pb::ReleaseRequest { request_id: job.request_id });
-                req.set_timeout(Duration::from_secs(2));
-                let _ = c.cancel(req).await;
+                cancel_prefill().await;
                 release().await;
                 return Ok(Outcome::ClientGone);
             }
@@ -504,9 +534,17 @@ async fn attempt_once(
         }
     };
     tokio::pin!(deadline);
+    let stall = shared.cfg.stream_stall_timeout;
+    let mut streaming = false;
     loop {
+        // Once tokens flow, a silence longer than `stall` means the worker hung or was cut
+        // off (before the first token it may legitimately queue or prefill for long).
+        let limit = if streaming { stall } else { Duration::MAX };
         let msg = tokio::select! {
-            m = stream.message() => m,
+            m = tokio::time::timeout(limit, stream.message()) => match m {
+                Ok(m) => m,
+                Err(_) => Err(no_answer("the token stream", stall)),
+            },
             _ = out.closed() => {
                 drop(stream);
                 release().await;
@@ -539,6 +577,7 @@ async fn attempt_once(
                 if progress.first_token_at.is_none() {
                     progress.first_token_at = Some(Instant::now());
                 }
+                streaming = true;
                 progress.tokens_sent += 1;
                 progress.sent_ids.push(t.id);
                 progress.sent_text.push_str(&t.text);

@@ -36,6 +36,14 @@ pub struct RoutingArgs {
     /// stream continues (0: the stream fails instead).
     #[arg(long, env = "DUET_MAX_MIGRATIONS", default_value_t = 2)]
     pub max_migrations: usize,
+    /// Longest wait for a prefill worker's answer before the request tries another (a hung
+    /// worker); keep it above the longest prompt's prefill time.
+    #[arg(long, env = "DUET_PREFILL_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
+    pub prefill_timeout: Duration,
+    /// Longest silence between two tokens of a stream before its decode worker is treated
+    /// as hung and the stream migrates.
+    #[arg(long, env = "DUET_STREAM_STALL_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub stream_stall_timeout: Duration,
     /// Model name clients use (default: the GGUF file name without extension).
     #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -93,6 +101,8 @@ impl RoutingArgs {
             max_queue_wait: self.max_queue_wait,
             max_attempts: self.max_attempts,
             max_migrations: self.max_migrations,
+            prefill_timeout: self.prefill_timeout,
+            stream_stall_timeout: self.stream_stall_timeout,
             model_name,
             max_model_len: self.max_model_len,
             default_request_timeout: self.request_timeout,
