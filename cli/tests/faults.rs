@@ -492,3 +492,110 @@ fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
         cl.decode[stopped].signal("-CONT");
     });
 }
+
+/// Fault 3: etcd stops for 30 s under steady load. No request fails (the router routes on
+/// its last view and says it is stale); when etcd is back, every worker is registered
+/// again and the router's view is fresh.
+#[test]
+fn etcd_down_for_30_seconds_under_load_fails_no_request() {
+    let mut cl = Cluster::start(
+        1,
+        1,
+        &[
+            "--local-prefill-max-tokens",
+            "8",
+            "--http-listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let http = cl.router.wait_for("http listening on", support::START);
+    let rt = rt();
+    rt.block_on(async {
+        cl.wait_workers(1, 1, Duration::from_secs(20)).await;
+        let c = client(&cl.url).await;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // Steady load: two clients, short and longer prompts (local and remote prefill).
+        let load: Vec<_> = (0..2)
+            .map(|k| {
+                let (mut c, stop) = (c.clone(), stop.clone());
+                let prompt = if k == 0 {
+                    long_prompt(4)
+                } else {
+                    long_prompt(60)
+                };
+                tokio::spawn(async move {
+                    let (mut ok, mut failed) = (0u32, Vec::new());
+                    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        match generate(&mut c, greedy(text(&prompt), 4)).await {
+                            Ok(r) if r.ids.len() == 4 => ok += 1,
+                            Ok(r) => failed.push(format!("short completion: {r:?}")),
+                            Err(s) => failed.push(format!("{s:?}")),
+                        }
+                    }
+                    (ok, failed)
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        cl.etcd.kill();
+        let down = Instant::now();
+        // The router notices and says so, and keeps routing.
+        loop {
+            let m = {
+                let http = http.clone();
+                tokio::task::spawn_blocking(move || scrape(&http))
+                    .await
+                    .expect("join")
+            };
+            if support::scrape_sum(&m, "duet_registry_view_stale", &[]) == 1.0 {
+                break;
+            }
+            assert!(
+                down.elapsed() < Duration::from_secs(10),
+                "the view never went stale"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tokio::time::sleep(Duration::from_secs(30).saturating_sub(down.elapsed())).await;
+        cl.etcd.restart();
+        let back = Instant::now();
+        // Both workers are registered again (their leases expired during the outage) and
+        // the router's view is fresh.
+        loop {
+            let ids = {
+                let cl = &cl;
+                tokio::task::block_in_place(|| cl.registered())
+            };
+            let m = {
+                let http = http.clone();
+                tokio::task::spawn_blocking(move || scrape(&http))
+                    .await
+                    .expect("join")
+            };
+            let fresh = support::scrape_sum(&m, "duet_registry_view_stale", &[]) == 0.0;
+            if fresh && ids.len() == 2 {
+                eprintln!(
+                    "registered and fresh {:?} after etcd came back",
+                    back.elapsed()
+                );
+                break;
+            }
+            assert!(
+                back.elapsed() < Duration::from_secs(20),
+                "after etcd came back: registered {ids:?}, view fresh: {fresh}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        cl.wait_workers(1, 1, Duration::from_secs(10)).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut total = 0;
+        for t in load {
+            let (ok, failed) = t.await.expect("join");
+            assert!(failed.is_empty(), "requests failed: {failed:?}");
+            total += ok;
+        }
+        eprintln!("{total} requests completed across a 30 s etcd outage");
+        assert!(total >= 20, "steady load kept going: {total}");
+    });
+}
