@@ -556,8 +556,9 @@ fn status_from_the_router_lists_every_worker_with_capacity() {
 
 // ---- gRPC rows that need more than a request value ----
 
-/// A deadline that passed before the router saw the request: DEADLINE_EXCEEDED at once,
-/// nothing queued.
+/// A deadline that passes before the router can act on the request fails at once, nothing
+/// queued: DEADLINE_EXCEEDED when duet's own check sees it, CANCELLED "Timeout expired" when
+/// tonic's deadline timer (client or server side) fires first; which one wins is a race.
 #[test]
 fn already_expired_deadline() {
     let url = url();
@@ -569,8 +570,11 @@ fn already_expired_deadline() {
             generate_req(&mut c, r).await
         })
         .expect_err("an expired deadline must fail");
-    assert_eq!(s.code(), Code::DeadlineExceeded, "{s:?}");
-    assert!(s.message().contains("deadline"), "{s:?}");
+    match s.code() {
+        Code::DeadlineExceeded => assert!(s.message().contains("deadline"), "{s:?}"),
+        Code::Cancelled => assert!(s.message().contains("Timeout expired"), "{s:?}"),
+        other => panic!("expected DEADLINE_EXCEEDED or CANCELLED, got {other:?}: {s:?}"),
+    }
 }
 
 async fn generate_req(

@@ -62,6 +62,35 @@ async fn router_idle(http: &str, within: Duration) {
     }
 }
 
+/// Waits until every prefill worker's record in the router's view has no queued prompt
+/// tokens (records are published about twice a second, so they lag the workers).
+async fn router_sees_prefill_idle(url: &str, within: Duration) {
+    let mut c = pb::cluster_client::ClusterClient::connect(url.to_string())
+        .await
+        .expect("connect");
+    let end = Instant::now() + within;
+    loop {
+        let r = c
+            .list_workers(pb::ListWorkersRequest {})
+            .await
+            .expect("ListWorkers")
+            .into_inner();
+        let busy: Vec<String> = r
+            .records_json
+            .iter()
+            .filter_map(|j| serde_json::from_str::<serde_json::Value>(j).ok())
+            .filter(|v| v["role"] == "prefill")
+            .filter(|v| v["capacity"]["queued_prefill_tokens"].as_u64() != Some(0))
+            .map(|v| v.to_string())
+            .collect();
+        if busy.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < end, "prefill records still busy: {busy:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Fault 2: the prefill worker computing a request is killed (SIGKILL) mid-prefill. The
 /// request is retried on the other prefill worker and completes with the same greedy tokens;
 /// the decode worker's reservation for the failed attempt is released.
@@ -93,12 +122,10 @@ fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
             "undisturbed: prefill {prefill_time:.3} s on {}",
             reference.timings().prefill_worker
         );
-        // Both prefill workers are idle, so the router picks by id: prefill-0. The request's
-        // prefill is under way once the decode worker holds its reservation.
+        // Once the router's view shows both prefill workers idle it picks by id: prefill-0.
+        // The request's prefill is under way once the decode worker holds its reservation.
         let victim = 0;
-        for a in &prefill_addrs {
-            assert_eq!(support::prefill_status(a).await.running, 0);
-        }
+        router_sees_prefill_idle(&cl.url, Duration::from_secs(10)).await;
         let mut c2 = c.clone();
         let req = greedy(text(&prompt), 8);
         let task = tokio::spawn(async move { generate(&mut c2, req).await });
@@ -440,7 +467,8 @@ fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
         };
         let reference = generate(&mut c, req()).await.expect("undisturbed run");
 
-        // Prefill: both idle, so the router picks prefill-0 by id; it is stopped.
+        // Prefill: once both look idle the router picks prefill-0 by id; it is stopped.
+        router_sees_prefill_idle(&cl.url, Duration::from_secs(10)).await;
         cl.prefill[0].signal("-STOP");
         let t0 = Instant::now();
         let done = generate(&mut c, req())
@@ -449,6 +477,10 @@ fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
         assert_eq!(done.ids, reference.ids);
         assert_eq!(done.timings().prefill_worker, "prefill-1");
         eprintln!("hung prefill worker: completed in {:?}", t0.elapsed());
+        assert!(
+            t0.elapsed() >= Duration::from_secs(3),
+            "the request went to the stopped worker first and waited out --prefill-timeout"
+        );
 
         // Decode: stop the worker streaming a request after 8 tokens.
         let mut s = c.generate(req()).await.expect("stream").into_inner();
