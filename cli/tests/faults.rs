@@ -108,7 +108,6 @@ fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
     );
     let http = cl.router.wait_for("http listening on", support::START);
     let decode_addr = cl.decode[0].workers_addr();
-    let prefill_addrs: Vec<String> = cl.prefill.iter().map(Proc::workers_addr).collect();
     let rt = rt();
     rt.block_on(async {
         cl.wait_workers(2, 1, Duration::from_secs(20)).await;
