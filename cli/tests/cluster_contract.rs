@@ -55,10 +55,9 @@ fn cluster() -> &'static Cluster {
     }
 }
 
-/// Flags of the shared cluster beyond `--listen 127.0.0.1:0`.
+/// Flags of the shared cluster beyond what `support::up` sets.
 ///
-/// `--kv-pool 512MiB` (the production default; `--kv-pool` cannot be given twice, so the
-/// cluster is started here rather than by `support::up`).
+/// `--kv-pool 512MiB`: the production default.
 ///
 /// `--max-attempts 1`: there is one decode worker, so a retry can only repeat the same
 /// placement; a failure then surfaces with its own reason at once.
@@ -84,16 +83,7 @@ const MAX_REQUEST_BYTES: usize = 65536;
 // never waited on.
 #[allow(clippy::zombie_processes)]
 fn start() -> Cluster {
-    let mut args = vec![
-        "up",
-        "--listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-    ];
-    args.extend_from_slice(FLAGS);
-    let p = Proc::start("up", &args);
-    let url = p.wait_for("router listening on", support::START);
+    let (p, url) = support::up(FLAGS);
     let http = p.wait_for("http listening on", support::START);
     // A static is never dropped, so `Proc`'s kill-on-drop does not run at exit. A watchdog
     // holds the read end of a pipe whose write end only this test process has (Rust opens

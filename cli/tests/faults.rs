@@ -39,16 +39,58 @@ fn scrape(http: &str) -> String {
     body
 }
 
+/// [`scrape`] off the async runtime's threads.
+async fn scrape_async(http: &str) -> String {
+    let http = http.to_string();
+    tokio::task::spawn_blocking(move || scrape(&http))
+        .await
+        .expect("join")
+}
+
+/// Streams `req` and, after `after` tokens, calls `disturb` with the index of the decode
+/// worker running it (the one with a running sequence). Panics on any error the client
+/// sees. Returns what the client got and that index.
+async fn stream_disturbing_decode(
+    c: &mut pb::generation_client::GenerationClient<tonic::transport::Channel>,
+    req: pb::GenerateRequest,
+    decode_addrs: &[String],
+    after: usize,
+    mut disturb: impl FnMut(usize),
+) -> (support::Completion, usize) {
+    let mut s = c.generate(req).await.expect("stream").into_inner();
+    let mut got = support::Completion::default();
+    let mut disturbed = None;
+    while let Some(m) = s.message().await.unwrap_or_else(|e| {
+        panic!(
+            "the client must see no error: {e:?} after {} tokens",
+            got.ids.len()
+        )
+    }) {
+        match m.event {
+            Some(pb::generate_response::Event::Token(t)) => {
+                got.ids.push(t.id);
+                got.text.push_str(&t.text);
+                if got.ids.len() == after {
+                    for (i, a) in decode_addrs.iter().enumerate() {
+                        if support::decode_status(a).await.running > 0 {
+                            disturbed = Some(i);
+                        }
+                    }
+                    disturb(disturbed.expect("a decode worker runs the request"));
+                }
+            }
+            Some(pb::generate_response::Event::Final(f)) => got.fin = Some(f),
+            None => {}
+        }
+    }
+    (got, disturbed.expect("disturbed a worker"))
+}
+
 /// Waits until the router's in-flight and queued gauges are both zero.
 async fn router_idle(http: &str, within: Duration) {
     let end = Instant::now() + within;
     loop {
-        let m = {
-            let http = http.to_string();
-            tokio::task::spawn_blocking(move || scrape(&http))
-                .await
-                .expect("join")
-        };
+        let m = scrape_async(http).await;
         let in_flight = support::scrape_sum(&m, "duet_router_requests_in_flight", &[]);
         let queued = support::scrape_sum(&m, "duet_router_requests_queued", &[]);
         if in_flight == 0.0 && queued == 0.0 {
@@ -148,7 +190,7 @@ fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
             "completed on the surviving prefill worker"
         );
         support::assert_pool_empty(&decode_addr, Duration::from_secs(10)).await;
-        let m = scrape(&http);
+        let m = scrape_async(&http).await;
         assert!(
             support::scrape_sum(&m, "duet_router_retries_total", &[]) >= 1.0,
             "the retry is counted"
@@ -164,23 +206,14 @@ fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
 fn kv_pool_exhausted_requests_queue_then_resource_exhausted() {
     // 8 MiB of f32 KV is 11 blocks of 16 tokens (176 tokens): one 120-token prompt with its
     // generation leaves no room for a second.
-    let p = Proc::start(
-        "up",
-        &[
-            "up",
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--kv-pool",
-            "8MiB",
-            "--max-queued",
-            "2",
-            "--max-queue-wait",
-            "120s",
-        ],
-    );
-    let url = p.wait_for("router listening on", support::START);
+    let (p, url) = support::up(&[
+        "--kv-pool",
+        "8MiB",
+        "--max-queued",
+        "2",
+        "--max-queue-wait",
+        "120s",
+    ]);
     let http = p.wait_for("http listening on", support::START);
     let decode_addr = p.workers("decode")[0].clone();
     let rt = rt();
@@ -211,12 +244,7 @@ fn kv_pool_exhausted_requests_queue_then_resource_exhausted() {
         }
         let end = Instant::now() + Duration::from_secs(30);
         loop {
-            let m = {
-                let http = http.clone();
-                tokio::task::spawn_blocking(move || scrape(&http))
-                    .await
-                    .expect("join")
-            };
+            let m = scrape_async(&http).await;
             if support::scrape_sum(&m, "duet_router_requests_queued", &[]) >= 2.0 {
                 break;
             }
@@ -340,7 +368,7 @@ fn thousand_random_cancellations_leave_every_block_free() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         router_idle(&http, Duration::from_secs(30)).await;
-        let m = scrape(&http);
+        let m = scrape_async(&http).await;
         let cancelled =
             support::scrape_sum(&m, "duet_router_requests_total", &["outcome=\"cancelled\""]);
         assert!(cancelled >= 400.0, "cancellations counted: {cancelled}");
@@ -375,38 +403,15 @@ fn decode_worker_killed_mid_stream_the_stream_continues_elsewhere() {
         };
         let reference = generate(&mut c, req()).await.expect("undisturbed run");
         assert_eq!(reference.ids.len(), 48);
-        let mut s = c.generate(req()).await.expect("stream").into_inner();
-        let (mut ids, mut text, mut fin) = (Vec::new(), String::new(), None);
-        let mut killed = None;
-        while let Some(m) = s.message().await.unwrap_or_else(|e| {
-            panic!(
-                "the client must see no error: {e:?} after {} tokens",
-                ids.len()
-            )
-        }) {
-            match m.event {
-                Some(pb::generate_response::Event::Token(t)) => {
-                    ids.push(t.id);
-                    text.push_str(&t.text);
-                    if ids.len() == 8 && killed.is_none() {
-                        // The worker streaming it is the one running a sequence.
-                        for (i, a) in decode_addrs.iter().enumerate() {
-                            if support::decode_status(a).await.running > 0 {
-                                killed = Some(i);
-                            }
-                        }
-                        let i = killed.expect("a decode worker runs the request");
-                        cl.decode[i].kill9();
-                    }
-                }
-                Some(pb::generate_response::Event::Final(f)) => fin = Some(f),
-                None => {}
-            }
-        }
-        let killed = killed.expect("killed a worker");
-        assert_eq!(ids, reference.ids, "no repeated or missing token");
-        assert_eq!(text, reference.text, "the same text as an undisturbed run");
-        let fin = fin.expect("final message");
+        let (got, killed) =
+            stream_disturbing_decode(&mut c, req(), &decode_addrs, 8, |i| cl.decode[i].kill9())
+                .await;
+        assert_eq!(got.ids, reference.ids, "no repeated or missing token");
+        assert_eq!(
+            got.text, reference.text,
+            "the same text as an undisturbed run"
+        );
+        let fin = got.fin.expect("final message");
         let usage = fin.usage.expect("usage");
         assert_eq!(usage.completion_tokens, 48, "{usage:?}");
         assert_eq!(
@@ -424,7 +429,7 @@ fn decode_worker_killed_mid_stream_the_stream_continues_elsewhere() {
             "finished on the surviving decode worker"
         );
         support::assert_pool_empty(&decode_addrs[survivor], Duration::from_secs(10)).await;
-        let m = scrape(&http);
+        let m = scrape_async(&http).await;
         assert_eq!(
             support::scrape_sum(&m, "duet_router_migrations_total", &[]),
             1.0,
@@ -482,37 +487,16 @@ fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
         );
 
         // Decode: stop the worker streaming a request after 8 tokens.
-        let mut s = c.generate(req()).await.expect("stream").into_inner();
-        let (mut ids, mut stopped, mut fin) = (Vec::new(), None, None);
-        while let Some(m) = s
-            .message()
-            .await
-            .unwrap_or_else(|e| panic!("no error for the client: {e:?}"))
-        {
-            match m.event {
-                Some(pb::generate_response::Event::Token(t)) => {
-                    ids.push(t.id);
-                    if ids.len() == 8 {
-                        for (i, a) in decode_addrs.iter().enumerate() {
-                            if support::decode_status(a).await.running > 0 {
-                                stopped = Some(i);
-                            }
-                        }
-                        let i = stopped.expect("a decode worker runs the request");
-                        cl.decode[i].signal("-STOP");
-                    }
-                }
-                Some(pb::generate_response::Event::Final(f)) => fin = Some(f),
-                None => {}
-            }
-        }
-        let stopped = stopped.expect("stopped a worker");
-        assert_eq!(ids, reference.ids, "the migrated stream is unchanged");
+        let (got, stopped) = stream_disturbing_decode(&mut c, req(), &decode_addrs, 8, |i| {
+            cl.decode[i].signal("-STOP")
+        })
+        .await;
+        assert_eq!(got.ids, reference.ids, "the migrated stream is unchanged");
         assert_eq!(
-            fin.and_then(|f| f.timings).map(|t| t.decode_worker),
+            got.fin.and_then(|f| f.timings).map(|t| t.decode_worker),
             Some(format!("decode-{}", 1 - stopped))
         );
-        let m = scrape(&http);
+        let m = scrape_async(&http).await;
         assert_eq!(
             support::scrape_sum(&m, "duet_router_migrations_total", &[]),
             1.0
@@ -572,12 +556,7 @@ fn etcd_down_for_30_seconds_under_load_fails_no_request() {
         let down = Instant::now();
         // The router notices and says so, and keeps routing.
         loop {
-            let m = {
-                let http = http.clone();
-                tokio::task::spawn_blocking(move || scrape(&http))
-                    .await
-                    .expect("join")
-            };
+            let m = scrape_async(&http).await;
             if support::scrape_sum(&m, "duet_registry_view_stale", &[]) == 1.0 {
                 break;
             }
@@ -597,12 +576,7 @@ fn etcd_down_for_30_seconds_under_load_fails_no_request() {
                 let cl = &cl;
                 tokio::task::block_in_place(|| cl.registered())
             };
-            let m = {
-                let http = http.clone();
-                tokio::task::spawn_blocking(move || scrape(&http))
-                    .await
-                    .expect("join")
-            };
+            let m = scrape_async(&http).await;
             let fresh = support::scrape_sum(&m, "duet_registry_view_stale", &[]) == 0.0;
             if fresh && ids.len() == 2 {
                 eprintln!(

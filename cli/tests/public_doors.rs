@@ -16,18 +16,7 @@ const KEYS: &str = "first-k3y,second-k3y";
 /// `duet up` with `extra` flags: (process, gRPC URL, HTTP base URL). Logs are kept at debug
 /// level so a test can search them.
 fn up(extra: &[&str]) -> (Proc, String, String) {
-    let mut args = vec![
-        "up",
-        "--listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--kv-pool",
-        "64MiB",
-    ];
-    args.extend_from_slice(extra);
-    let p = Proc::start_logged("up", &args, &[("DUET_LOG", "debug")]);
-    let url = p.wait_for("router listening on", support::START);
+    let (p, url) = support::up_logged(extra, &[("DUET_LOG", "debug")]);
     let http = p.wait_for("http listening on", support::START);
     (p, url, http)
 }

@@ -76,8 +76,9 @@ impl Claims {
         })
     }
 
-    /// Requests in flight for `client` (for tests and status).
-    pub fn in_flight(&self, client: IpAddr) -> usize {
+    /// Requests in flight for `client`.
+    #[cfg(test)]
+    fn in_flight(&self, client: IpAddr) -> usize {
         self.table().per_client.get(&client).copied().unwrap_or(0)
     }
 }

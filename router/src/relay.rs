@@ -62,7 +62,6 @@ pub struct Job {
 /// What reached the client so far, across attempts and migrations.
 #[derive(Default)]
 struct Progress {
-    tokens_sent: u32,
     first_token_at: Option<Instant>,
     /// The tokens sent (ids and text): after a migration they extend the prompt.
     sent_ids: Vec<u32>,
@@ -81,55 +80,46 @@ pub async fn run(shared: Arc<Shared>, mut job: Job, out: Out) {
     let mut migrations = 0;
     loop {
         attempt += 1;
-        match attempt_once(&shared, &mut job, &out, &mut progress).await {
+        let e = match attempt_once(&shared, &mut job, &out, &mut progress).await {
             Ok(Outcome::Finished) => return job.metrics.finish(Ok(())),
             // Dropping the job's metrics counts the request as cancelled.
             Ok(Outcome::ClientGone) => return,
-            Err(e)
-                if e.worker_full()
-                    && progress.tokens_sent == 0
-                    && within_queue_wait(&shared, &job) =>
-            {
-                // Not an attempt: the request queues again until a worker has room.
-                tracing::debug!(error = %e, "no room on the worker after all: queued again");
-                attempt -= 1;
-                job.slot.requeue();
-                tokio::select! {
-                    _ = out.closed() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-                }
+            Err(e) => e,
+        };
+        if let Some(id) = e.suspect_worker() {
+            shared.workers.mark_suspect(id, shared.cfg.suspect_for);
+        }
+        let sent = progress.sent_ids.len();
+        if e.worker_full() && sent == 0 && within_queue_wait(&shared, &job) {
+            // Not an attempt: the request queues again until a worker has room.
+            tracing::debug!(error = %e, "no room on the worker after all: queued again");
+            attempt -= 1;
+            job.slot.requeue();
+            tokio::select! {
+                _ = out.closed() => return,
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
             }
-            Err(e)
-                if progress.tokens_sent > 0
-                    && e.retryable()
-                    && migrations < shared.cfg.max_migrations
-                    && (progress.sent_ids.len()) < job.prep.params.max_tokens =>
-            {
-                // The decode worker failed mid-stream: prefill the prompt plus what was sent
-                // on another pair and continue the same stream (greedy output is unchanged).
-                migrations += 1;
-                tracing::warn!(error = %e, migrations, sent = progress.tokens_sent, "decode failed mid-stream: migrating");
-                if let Some(id) = e.suspect_worker() {
-                    shared.workers.mark_suspect(id, shared.cfg.suspect_for);
-                }
-                metrics::counter!(duet_telemetry::names::ROUTER_MIGRATIONS_TOTAL).increment(1);
-                attempt = 0;
-                job.slot.requeue();
+        } else if sent > 0
+            && e.retryable()
+            && migrations < shared.cfg.max_migrations
+            && sent < job.prep.params.max_tokens
+        {
+            // The decode worker failed mid-stream: prefill the prompt plus what was sent on
+            // another pair and continue the same stream (greedy output is unchanged).
+            migrations += 1;
+            tracing::warn!(error = %e, migrations, sent, "decode failed mid-stream: migrating");
+            metrics::counter!(duet_telemetry::names::ROUTER_MIGRATIONS_TOTAL).increment(1);
+            attempt = 0;
+            job.slot.requeue();
+        } else {
+            let retry = e.retryable() && sent == 0 && attempt < shared.cfg.max_attempts;
+            tracing::warn!(error = %e, attempt, retry, "attempt failed");
+            if !retry {
+                job.metrics.finish(Err(e.class()));
+                let _ = out.send(Err(e.status())).await;
+                return;
             }
-            Err(e) => {
-                let retry =
-                    e.retryable() && progress.tokens_sent == 0 && attempt < shared.cfg.max_attempts;
-                tracing::warn!(error = %e, attempt, retry, "attempt failed");
-                if let Some(id) = e.suspect_worker() {
-                    shared.workers.mark_suspect(id, shared.cfg.suspect_for);
-                }
-                if !retry {
-                    job.metrics.finish(Err(e.class()));
-                    let _ = out.send(Err(e.status())).await;
-                    return;
-                }
-                metrics::counter!(duet_telemetry::names::ROUTER_RETRIES_TOTAL).increment(1);
-            }
+            metrics::counter!(duet_telemetry::names::ROUTER_RETRIES_TOTAL).increment(1);
         }
     }
 }
@@ -561,11 +551,8 @@ async fn attempt_once(
             Ok(Some(pb::DecodeEvent { event: None })) => continue,
             Ok(None) => {
                 release().await;
-                return Err(RouterError::Worker {
-                    worker: format!("decode {}", decoder.id),
-                    worker_id: decoder.id.clone(),
-                    status: Status::unavailable("stream ended without a final message"),
-                });
+                let status = Status::unavailable("stream ended without a final message");
+                return Err(worker_err(&decoder, status));
             }
             Err(s) => {
                 release().await;
@@ -578,7 +565,6 @@ async fn attempt_once(
                     progress.first_token_at = Some(Instant::now());
                 }
                 streaming = true;
-                progress.tokens_sent += 1;
                 progress.sent_ids.push(t.id);
                 progress.sent_text.push_str(&t.text);
                 let r = response(&job.client_id, pb::generate_response::Event::Token(t));

@@ -190,19 +190,33 @@ pub const START: Duration = Duration::from_secs(120);
 
 /// `duet up` on free ports; returns the process and the router URL.
 pub fn up(extra: &[&str]) -> (Proc, String) {
+    let p = Proc::start("up", &up_args(extra));
+    let url = p.wait_for("router listening on", START);
+    (p, url)
+}
+
+/// [`up`] with extra environment variables, its logs kept in [`Proc::log_lines`].
+pub fn up_logged(extra: &[&str], env: &[(&str, &str)]) -> (Proc, String) {
+    let p = Proc::start_logged("up", &up_args(extra), env);
+    let url = p.wait_for("router listening on", START);
+    (p, url)
+}
+
+/// `duet up` on ephemeral ports plus `extra`; a 64 MiB KV pool unless `extra` sets one
+/// (the flag may not be given twice).
+fn up_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec![
         "up",
         "--listen",
         "127.0.0.1:0",
         "--http-listen",
         "127.0.0.1:0",
-        "--kv-pool",
-        "64MiB",
     ];
+    if !extra.contains(&"--kv-pool") {
+        args.extend_from_slice(&["--kv-pool", "64MiB"]);
+    }
     args.extend_from_slice(extra);
-    let p = Proc::start("up", &args);
-    let url = p.wait_for("router listening on", START);
-    (p, url)
+    args
 }
 
 /// What one streamed completion produced.

@@ -22,7 +22,30 @@ pub struct EtcdServer {
     peer_port: u16,
 }
 
+/// A free port below the kernel's ephemeral range. A port from `bind(0)` would do for one
+/// start, but a restart needs the same port back, and while etcd is down any process that
+/// binds port 0 (other tests run beside this one) may be handed it. Ports outside the
+/// ephemeral range are never handed out that way.
 fn free_port() -> u16 {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let base = 10_000u16;
+    if low > base + 100 {
+        // Spread concurrent test processes over the range; bind to check it is free.
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let seed = std::process::id()
+            .wrapping_mul(2_654_435_761)
+            .wrapping_add(NEXT.fetch_add(7_919, Ordering::SeqCst));
+        let span = u32::from(low - base);
+        for i in 0..span {
+            let port = base + ((seed.wrapping_add(i) % span) as u16);
+            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return port;
+            }
+        }
+    }
     let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0 to find a free port");
     l.local_addr().expect("local addr").port()
 }

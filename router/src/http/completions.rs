@@ -96,6 +96,14 @@ struct Parsed {
     include_usage: bool,
 }
 
+/// The API key in the `authorization` header (a refusal is counted on the HTTP door).
+fn authorize_http(svc: &GenerationService, headers: &HeaderMap) -> Result<(), ApiError> {
+    let auth = headers
+        .get(header::AUTHORIZATION)
+        .map(HeaderValue::as_bytes);
+    Ok(authorize(svc.api_keys(), auth, Door::Http)?)
+}
+
 /// The body's media type must say JSON. Absent is fine, and so is
 /// `application/x-www-form-urlencoded`: curl's `-d` sends it by default with a JSON body.
 fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
@@ -173,10 +181,7 @@ async fn handle(
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0.ip());
     let r = async {
-        let auth = headers
-            .get(header::AUTHORIZATION)
-            .map(HeaderValue::as_bytes);
-        authorize(svc.api_keys(), auth, Door::Http)?;
+        authorize_http(&svc, &headers)?;
         check_content_type(&headers).map_err(refused)?;
         let id = request_id_of(&headers).map_err(refused)?;
         let body = read_body(body, svc.max_request_bytes())
@@ -244,10 +249,7 @@ pub(super) async fn models(
     State(svc): State<GenerationService>,
     headers: HeaderMap,
 ) -> Result<Json<Value>, ApiError> {
-    let auth = headers
-        .get(header::AUTHORIZATION)
-        .map(HeaderValue::as_bytes);
-    authorize(svc.api_keys(), auth, Door::Http)?;
+    authorize_http(&svc, &headers)?;
     Ok(Json(json!({
         "object": "list",
         "data": [{
