@@ -39,6 +39,16 @@ fn scrape(http: &str) -> String {
     body
 }
 
+/// A cluster (real etcd, separate processes) whose router also serves HTTP, for
+/// `/metrics`: the cluster and that HTTP URL.
+fn cluster_with_metrics(prefill: usize, decode: usize, router_args: &[&str]) -> (Cluster, String) {
+    let mut args = vec!["--http-listen", "127.0.0.1:0"];
+    args.extend_from_slice(router_args);
+    let cl = Cluster::start(prefill, decode, &args);
+    let http = cl.router.wait_for("http listening on", support::START);
+    (cl, http)
+}
+
 /// [`scrape`] off the async runtime's threads.
 async fn scrape_async(http: &str) -> String {
     let http = http.to_string();
@@ -138,17 +148,7 @@ async fn router_sees_prefill_idle(url: &str, within: Duration) {
 /// the decode worker's reservation for the failed attempt is released.
 #[test]
 fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
-    let mut cl = Cluster::start(
-        2,
-        1,
-        &[
-            "--local-prefill-max-tokens",
-            "0",
-            "--http-listen",
-            "127.0.0.1:0",
-        ],
-    );
-    let http = cl.router.wait_for("http listening on", support::START);
+    let (mut cl, http) = cluster_with_metrics(2, 1, &["--local-prefill-max-tokens", "0"]);
     let decode_addr = cl.decode[0].workers_addr();
     let rt = rt();
     rt.block_on(async {
@@ -275,19 +275,16 @@ fn kv_pool_exhausted_requests_queue_then_resource_exhausted() {
 /// Afterwards every block on every worker is free and nothing is left running or queued.
 #[test]
 fn thousand_random_cancellations_leave_every_block_free() {
-    let cl = Cluster::start(
+    let (cl, http) = cluster_with_metrics(
         1,
         1,
         &[
             "--local-prefill-max-tokens",
             "24",
-            "--http-listen",
-            "127.0.0.1:0",
             "--max-queue-wait",
             "300s",
         ],
     );
-    let http = cl.router.wait_for("http listening on", support::START);
     let decode_addr = cl.decode[0].workers_addr();
     let prefill_addr = cl.prefill[0].workers_addr();
     let rt = rt();
@@ -381,17 +378,7 @@ fn thousand_random_cancellations_leave_every_block_free() {
 /// undisturbed run.
 #[test]
 fn decode_worker_killed_mid_stream_the_stream_continues_elsewhere() {
-    let mut cl = Cluster::start(
-        1,
-        2,
-        &[
-            "--local-prefill-max-tokens",
-            "0",
-            "--http-listen",
-            "127.0.0.1:0",
-        ],
-    );
-    let http = cl.router.wait_for("http listening on", support::START);
+    let (mut cl, http) = cluster_with_metrics(1, 2, &["--local-prefill-max-tokens", "0"]);
     let decode_addrs: Vec<String> = cl.decode.iter().map(Proc::workers_addr).collect();
     let rt = rt();
     rt.block_on(async {
@@ -445,7 +432,7 @@ fn decode_worker_killed_mid_stream_the_stream_continues_elsewhere() {
 /// unchanged. Nothing waits for the hung processes' leases to expire.
 #[test]
 fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
-    let cl = Cluster::start(
+    let (cl, http) = cluster_with_metrics(
         2,
         2,
         &[
@@ -455,11 +442,8 @@ fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
             "3s",
             "--stream-stall-timeout",
             "2s",
-            "--http-listen",
-            "127.0.0.1:0",
         ],
     );
-    let http = cl.router.wait_for("http listening on", support::START);
     let decode_addrs: Vec<String> = cl.decode.iter().map(Proc::workers_addr).collect();
     let rt = rt();
     rt.block_on(async {
@@ -513,17 +497,7 @@ fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
 /// again and the router's view is fresh.
 #[test]
 fn etcd_down_for_30_seconds_under_load_fails_no_request() {
-    let mut cl = Cluster::start(
-        1,
-        1,
-        &[
-            "--local-prefill-max-tokens",
-            "8",
-            "--http-listen",
-            "127.0.0.1:0",
-        ],
-    );
-    let http = cl.router.wait_for("http listening on", support::START);
+    let (mut cl, http) = cluster_with_metrics(1, 1, &["--local-prefill-max-tokens", "8"]);
     let rt = rt();
     rt.block_on(async {
         cl.wait_workers(1, 1, Duration::from_secs(20)).await;
