@@ -39,6 +39,34 @@ pub struct EtcdOptions {
     /// HTTP/2 keep-alive (interval, timeout) to notice dead connections. etcd rejects pings
     /// more frequent than its `--grpc-keepalive-min-time` (5 s by default).
     pub http2_keep_alive: Option<(Duration, Duration)>,
+    /// TLS towards etcd (`https://` endpoints): its CA, and a client certificate when etcd
+    /// runs with `--client-cert-auth`.
+    pub tls: Option<etcd_client::TlsOptions>,
+    /// User and password when etcd has authentication enabled; the token is refreshed
+    /// when it expires.
+    pub credentials: Option<EtcdCredentials>,
+}
+
+/// An etcd user and password. `Debug` never shows the password.
+#[derive(Clone)]
+pub struct EtcdCredentials {
+    user: String,
+    password: String,
+}
+
+impl EtcdCredentials {
+    pub fn new(user: impl Into<String>, password: impl Into<String>) -> Self {
+        EtcdCredentials {
+            user: user.into(),
+            password: password.into(),
+        }
+    }
+}
+
+impl fmt::Debug for EtcdCredentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "EtcdCredentials({}, <hidden>)", self.user)
+    }
 }
 
 impl EtcdOptions {
@@ -49,6 +77,8 @@ impl EtcdOptions {
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(3),
             http2_keep_alive: Some((Duration::from_secs(10), Duration::from_secs(5))),
+            tls: None,
+            credentials: None,
         }
     }
 }
@@ -101,6 +131,14 @@ impl EtcdRegistry {
         let mut copts = ConnectOptions::new().with_connect_timeout(opts.connect_timeout);
         if let Some((interval, timeout)) = opts.http2_keep_alive {
             copts = copts.with_keep_alive(interval, timeout);
+        }
+        if let Some(tls) = &opts.tls {
+            copts = copts.with_tls(tls.clone());
+        }
+        if let Some(c) = &opts.credentials {
+            copts = copts
+                .with_user(c.user.clone(), c.password.clone())
+                .with_auto_token_refresh(true);
         }
         let client = with_timeout("connect", opts.connect_timeout, async {
             Client::connect(&opts.endpoints, Some(copts))

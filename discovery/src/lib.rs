@@ -27,7 +27,7 @@ mod registry;
 mod view;
 
 pub use error::{BoxError, Error, ErrorClass, Result};
-pub use etcd::{EtcdOptions, EtcdRegistry};
+pub use etcd::{EtcdCredentials, EtcdOptions, EtcdRegistry};
 pub use memory::{MemoryRegistry, DEFAULT_HISTORY_LIMIT};
 pub use record::{
     now_ms, parse_worker_key, role_prefix, worker_key, workers_prefix, Capacity, KvEndpoint, Role,

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use duet_serving::tls::ClientTls;
+
 use crate::api_keys::ApiKeys;
 
 /// How prefill and decode are placed.
@@ -57,6 +59,9 @@ pub struct RouterConfig {
     pub suspect_for: Duration,
     /// Largest request accepted on the public doors (gRPC message, HTTP body), in bytes.
     pub max_request_bytes: usize,
+    /// TLS towards the workers' gRPC servers (their addresses are `https://`); `None`: the
+    /// router cannot reach a worker that serves TLS.
+    pub worker_tls: Option<ClientTls>,
 }
 
 impl RouterConfig {
@@ -88,6 +93,7 @@ impl Default for RouterConfig {
             suspect_for: Duration::from_secs(10),
             prefill_timeout: Duration::from_secs(120),
             stream_stall_timeout: Duration::from_secs(30),
+            worker_tls: None,
         }
     }
 }

@@ -66,14 +66,11 @@ impl GenerationService {
     pub fn new(front: Arc<TextFrontend>, cfg: RouterConfig, view: ClusterView) -> Self {
         let admission = Admission::new(cfg.max_queued_per_priority);
         let claims = Claims::new(cfg.max_in_flight_per_client);
+        let workers = Workers::new(cfg.worker_tls.clone());
         GenerationService {
             claims,
             front,
-            shared: Arc::new(Shared {
-                cfg,
-                view,
-                workers: Workers::new(),
-            }),
+            shared: Arc::new(Shared { cfg, view, workers }),
             admission,
         }
     }

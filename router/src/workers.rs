@@ -9,12 +9,16 @@ use duet_proto::v1::decode_client::DecodeClient;
 use duet_proto::v1::prefill_client::PrefillClient;
 use tonic::transport::{Channel, Endpoint};
 
+use duet_serving::tls::ClientTls;
+
 use crate::error::RouterError;
 use crate::placement::InFlight;
 
 /// Channels and counters shared by every request.
 #[derive(Debug, Default)]
 pub struct Workers {
+    /// TLS for `https://` workers.
+    tls: Option<ClientTls>,
     channels: Mutex<HashMap<String, Channel>>,
     inflight: Mutex<InFlight>,
     prefill_tokens: Mutex<HashMap<String, u64>>,
@@ -23,8 +27,11 @@ pub struct Workers {
 }
 
 impl Workers {
-    pub fn new() -> Arc<Workers> {
-        Arc::new(Workers::default())
+    pub fn new(tls: Option<ClientTls>) -> Arc<Workers> {
+        Arc::new(Workers {
+            tls,
+            ..Workers::default()
+        })
     }
 
     fn channel(&self, addr: &str) -> Result<Channel, RouterError> {
@@ -35,11 +42,19 @@ impl Workers {
         if let Some(c) = m.get(addr) {
             return Ok(c.clone());
         }
-        let c = Endpoint::from_shared(addr.to_string())
-            .map_err(|e| RouterError::NoWorker {
-                role: "any",
-                reason: format!("bad worker address {addr}: {e}"),
-            })?
+        let bad = |reason: String| RouterError::NoWorker {
+            role: "any",
+            reason: format!("worker address {addr}: {reason}"),
+        };
+        let mut e = Endpoint::from_shared(addr.to_string()).map_err(|e| bad(e.to_string()))?;
+        if addr.starts_with("https://") {
+            let tls = self
+                .tls
+                .as_ref()
+                .ok_or_else(|| bad("the worker serves TLS; give the router --tls-ca".into()))?;
+            e = e.tls_config(tls.tonic()).map_err(|e| bad(e.to_string()))?;
+        }
+        let c = e
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))
@@ -148,7 +163,7 @@ mod tests {
 
     #[test]
     fn a_suspect_is_remembered_for_its_period_only() {
-        let w = Workers::new();
+        let w = Workers::new(None);
         w.mark_suspect("p-1", Duration::from_millis(40));
         w.mark_suspect("p-2", Duration::from_secs(60));
         assert!(w.suspects().contains("p-1"));

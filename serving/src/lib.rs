@@ -5,6 +5,7 @@
 //! - [`status`]: the one mapping from an error class to a gRPC status code;
 //! - [`server`]: serving a tonic router with `grpc.health.v1`, server reflection and
 //!   graceful shutdown (health NOT_SERVING, stop accepting, drain with a deadline);
+//! - [`tls`]: TLS (optionally mutual) for servers and clients, from PEM files;
 //! - [`trace_context`]: W3C `traceparent` in gRPC metadata, one trace id per request across
 //!   the router and the workers.
 //!
@@ -13,4 +14,5 @@
 pub mod convert;
 pub mod server;
 pub mod status;
+pub mod tls;
 pub mod trace_context;

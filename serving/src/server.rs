@@ -13,6 +13,8 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 
+use crate::tls::ServerTls;
+
 /// Errors from serving.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -27,9 +29,11 @@ pub type Health = tonic_health::server::HealthReporter;
 
 /// Serves `routes` (built with `Routes::new(svc).add_service(...)`) on `listener`, with
 /// health (the named `services` and "" SERVING) and reflection, until `shutdown` fires; then
-/// drains for at most `drain`.
+/// drains for at most `drain`. With `tls`, every connection is TLS (mutual when `tls` names
+/// a client CA): health and reflection included.
 pub async fn serve(
     listener: TcpListener,
+    tls: Option<&ServerTls>,
     routes: Routes,
     services: &[&str],
     shutdown: CancellationToken,
@@ -69,7 +73,13 @@ pub async fn serve(
         }
     };
     tokio::spawn(watcher);
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls.tonic())
+            .map_err(ServeError::Transport)?;
+    }
+    let server = builder
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))
         .add_routes(routes)

@@ -69,6 +69,8 @@ catalogue! {
         "Prompt tokens of admitted requests (after truncation).";
     Counter ROUTER_GENERATION_TOKENS_TOTAL = "duet_router_generation_tokens_total",
         "Tokens streamed to clients.";
+    Counter ROUTER_TLS_HANDSHAKE_FAILURES_TOTAL = "duet_router_tls_handshake_failures_total",
+        "Connections to the HTTPS door dropped at the TLS handshake (not TLS, untrusted client certificate, timeout).";
     Gauge ROUTER_WORKERS = "duet_router_workers",
         "Workers in the router's cluster view, by `role` and `state` (`ready`, `draining`).";
 

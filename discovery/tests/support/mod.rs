@@ -20,6 +20,18 @@ pub struct EtcdServer {
     dir: PathBuf,
     client_port: u16,
     peer_port: u16,
+    /// Plain-HTTP `/health` and `/metrics`, also when clients must speak TLS.
+    metrics_port: u16,
+    tls: Option<EtcdTls>,
+}
+
+/// TLS of the client port: etcd's certificate and key, and the CA client certificates
+/// must chain to (`--client-cert-auth`).
+#[derive(Clone, Debug)]
+pub struct EtcdTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
 }
 
 /// A free port below the kernel's ephemeral range. A port from `bind(0)` would do for one
@@ -75,6 +87,15 @@ fn find_etcd() -> PathBuf {
 
 impl EtcdServer {
     pub fn start() -> EtcdServer {
+        EtcdServer::start_with(None)
+    }
+
+    /// An etcd whose clients must speak TLS and present a certificate signed by `tls.ca`.
+    pub fn start_tls(tls: EtcdTls) -> EtcdServer {
+        EtcdServer::start_with(Some(tls))
+    }
+
+    fn start_with(tls: Option<EtcdTls>) -> EtcdServer {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let bin = find_etcd();
         let nanos = std::time::SystemTime::now()
@@ -93,13 +114,16 @@ impl EtcdServer {
             dir,
             client_port: free_port(),
             peer_port: free_port(),
+            metrics_port: free_port(),
+            tls,
         };
         server.spawn();
         server
     }
 
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     fn pid(&self) -> u32 {
@@ -115,7 +139,14 @@ impl EtcdServer {
             .append(true)
             .open(self.dir.join("etcd.log"))
             .expect("open etcd log");
-        let child = Command::new(&self.bin)
+        let mut cmd = Command::new(&self.bin);
+        if let Some(tls) = &self.tls {
+            cmd.arg(format!("--cert-file={}", tls.cert.display()))
+                .arg(format!("--key-file={}", tls.key.display()))
+                .arg(format!("--trusted-ca-file={}", tls.ca.display()))
+                .arg("--client-cert-auth");
+        }
+        let child = cmd
             .arg("--name=duet-test")
             .arg(format!("--data-dir={}", self.dir.join("data").display()))
             .arg(format!("--listen-client-urls={client}"))
@@ -124,6 +155,10 @@ impl EtcdServer {
             .arg(format!("--initial-advertise-peer-urls={peer}"))
             .arg(format!("--initial-cluster=duet-test={peer}"))
             .arg("--initial-cluster-state=new")
+            .arg(format!(
+                "--listen-metrics-urls=http://127.0.0.1:{}",
+                self.metrics_port
+            ))
             .arg("--heartbeat-interval=50")
             .arg("--election-timeout=300")
             .arg("--logger=zap")
@@ -139,7 +174,7 @@ impl EtcdServer {
 
     fn healthy(&self) -> bool {
         let Ok(mut s) = TcpStream::connect_timeout(
-            &([127, 0, 0, 1], self.client_port).into(),
+            &([127, 0, 0, 1], self.metrics_port).into(),
             Duration::from_millis(200),
         ) else {
             return false;
@@ -147,7 +182,7 @@ impl EtcdServer {
         let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
         let req = format!(
             "GET /health HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nConnection: close\r\n\r\n",
-            self.client_port
+            self.metrics_port
         );
         if s.write_all(req.as_bytes()).is_err() {
             return false;

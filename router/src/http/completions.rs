@@ -8,11 +8,12 @@
 //! drops the event receiver, which cancels the request and frees its KV.
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Request, State};
+
+use super::tls_listener::ClientAddr;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -178,8 +179,8 @@ async fn handle(
     let headers = parts.headers;
     let client = parts
         .extensions
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0.ip());
+        .get::<ConnectInfo<ClientAddr>>()
+        .map(|c| c.0 .0.ip());
     let r = async {
         authorize_http(&svc, &headers)?;
         check_content_type(&headers).map_err(refused)?;

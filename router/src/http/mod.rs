@@ -8,6 +8,7 @@ mod api_error;
 mod completions;
 mod health;
 pub mod openai_request;
+pub mod tls_listener;
 
 use std::future::IntoFuture;
 use std::time::Duration;
@@ -16,6 +17,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::service::GenerationService;
+use duet_serving::tls::ServerTls;
+use tls_listener::{ClientAddr, DoorListener};
 
 /// The HTTP door's routes; `extra` (e.g. `/metrics`) is merged in.
 pub fn app(svc: GenerationService, extra: axum::Router) -> axum::Router {
@@ -56,17 +59,27 @@ async fn unknown_route(uri: axum::http::Uri) -> api_error::ApiError {
     }
 }
 
-/// Serves `app` on `listener` until `shutdown` fires, then lets open responses finish for up
-/// to `drain` (long streams are cut at the deadline).
+/// Serves `app` on `listener` (plain HTTP, or HTTPS with `tls`) until `shutdown` fires, then
+/// lets open responses finish for up to `drain` (long streams are cut at the deadline).
 pub async fn serve(
     listener: TcpListener,
+    tls: Option<&ServerTls>,
     app: axum::Router,
     shutdown: CancellationToken,
     drain: Duration,
 ) -> std::io::Result<()> {
     let stop = shutdown.clone();
+    let listener = match tls {
+        Some(tls) => DoorListener::tls(
+            listener,
+            tls.rustls(&[b"http/1.1"])
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
+            shutdown.child_token(),
+        )?,
+        None => DoorListener::plain(listener),
+    };
     // The peer address feeds the per-client concurrency limit.
-    let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
+    let app = app.into_make_service_with_connect_info::<ClientAddr>();
     let server = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
     tokio::select! {
         r = server.into_future() => r,

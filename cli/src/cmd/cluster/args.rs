@@ -9,6 +9,8 @@ use duet_discovery::{EtcdOptions, EtcdRegistry, RegistrationOptions, Registry};
 use duet_engine::{KvCacheConfig, KvDtype, Model};
 use duet_kv_transfer::{SharedSecret, TransferConfig};
 
+use super::tls_args::EtcdTlsArgs;
+
 /// Registry flags.
 #[derive(Args, Debug, Clone)]
 pub struct RegistryArgs {
@@ -21,6 +23,8 @@ pub struct RegistryArgs {
     /// Worker lease TTL (e.g. 5s).
     #[arg(long, env = "DUET_LEASE_TTL", default_value = "5s", value_parser = parse_duration)]
     pub lease_ttl: Duration,
+    #[command(flatten)]
+    pub etcd_auth: EtcdTlsArgs,
 }
 
 impl RegistryArgs {
@@ -39,7 +43,10 @@ impl RegistryArgs {
 
     pub async fn connect(&self) -> anyhow::Result<Arc<dyn Registry>> {
         self.validate()?;
-        let r = EtcdRegistry::connect(EtcdOptions::new(self.etcd.clone()))
+        let mut opts = EtcdOptions::new(self.etcd.clone());
+        opts.tls = self.etcd_auth.tls()?.map(|t| t.tonic());
+        opts.credentials = self.etcd_auth.credentials();
+        let r = EtcdRegistry::connect(opts)
             .await
             .context("connecting to etcd")?;
         Ok(Arc::new(r))

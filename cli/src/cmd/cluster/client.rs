@@ -11,6 +11,7 @@ use duet_proto::v1 as pb;
 use duet_proto::v1::generation_client::GenerationClient;
 
 use super::args::{parse_duration, RegistryArgs};
+use super::tls_args::ClientTlsArgs;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -47,6 +48,8 @@ pub struct GenerateArgs {
     /// API key for a router started with `--api-key` (sent as `authorization: Bearer`).
     #[arg(long, env = "DUET_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    #[command(flatten)]
+    pub tls: ClientTlsArgs,
 }
 
 /// Adds `authorization: Bearer <key>` to `req` when a key is given.
@@ -65,9 +68,13 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let mut client = GenerationClient::connect(a.router.clone())
+        let channel = a
+            .tls
+            .endpoint(&a.router)?
+            .connect()
             .await
             .with_context(|| format!("connecting to {}", a.router))?;
+        let mut client = GenerationClient::new(channel);
         let prompt = if a.chat {
             pb::generate_request::Prompt::Chat(pb::ChatMessages {
                 messages: vec![pb::ChatMessage {
@@ -177,6 +184,8 @@ pub struct StatusArgs {
     /// API key for a router started with `--api-key`.
     #[arg(long, env = "DUET_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    #[command(flatten)]
+    pub tls: ClientTlsArgs,
 }
 
 /// Prints one JSON line per worker (its registry record), from etcd or from a router.
@@ -186,9 +195,13 @@ pub fn status(a: StatusArgs) -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async move {
         if let Some(url) = &a.router {
-            let mut c = duet_proto::v1::cluster_client::ClusterClient::connect(url.clone())
+            let channel = a
+                .tls
+                .endpoint(url)?
+                .connect()
                 .await
                 .with_context(|| format!("connecting to {url}"))?;
+            let mut c = duet_proto::v1::cluster_client::ClusterClient::new(channel);
             let mut req = tonic::Request::new(pb::ListWorkersRequest {});
             with_api_key(&mut req, a.api_key.as_deref())?;
             let r = c.list_workers(req).await.map_err(status_err)?.into_inner();

@@ -5,5 +5,6 @@
 pub mod args;
 pub mod client;
 pub mod router;
+pub mod tls_args;
 pub mod up;
 pub mod worker;

@@ -7,6 +7,7 @@ use clap::Args;
 use duet_discovery::{ClusterView, Registry};
 use duet_engine::TextFrontend;
 use duet_router::{ApiKeys, ClusterService, GenerationService, RouterConfig};
+use duet_serving::tls::ServerTls;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -130,6 +131,8 @@ pub struct RouterListeners {
     pub grpc: TcpListener,
     /// The HTTP door (OpenAI-compatible API, `/health`, `/metrics`).
     pub http: TcpListener,
+    /// TLS on both doors (`None`: plain text).
+    pub tls: Option<ServerTls>,
 }
 
 /// Serves the public doors until `shutdown`.
@@ -148,15 +151,17 @@ pub async fn run_router(
     let ops = ClusterService::new(view.clone(), cfg.api_keys.clone());
     let svc = GenerationService::new(front, cfg, view);
     let app = duet_router::http::app(svc.clone(), duet_telemetry::metrics_router(metrics));
-    let http = tokio::spawn(duet_router::http::serve(
-        listeners.http,
-        app,
-        shutdown.clone(),
-        drain,
-    ));
+    let http = {
+        let tls = listeners.tls.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            duet_router::http::serve(listeners.http, tls.as_ref(), app, shutdown, drain).await
+        })
+    };
     let routes = tonic::service::Routes::new(svc.into_server()).add_service(ops.into_server());
     duet_serving::server::serve(
         listeners.grpc,
+        listeners.tls.as_ref(),
         routes,
         &["duet.v1.Generation", "duet.v1.Cluster"],
         shutdown,

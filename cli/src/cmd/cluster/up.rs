@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::args::{parse_duration, KvArgs, RegistryArgs};
 use super::router::{model_name, run_router, serve_metrics_on, RouterListeners, RoutingArgs};
+use super::tls_args::TlsArgs;
 use super::worker::{run_decode, run_prefill, WorkerEnv};
 use crate::cmd::model_args::ModelArgs;
 
@@ -96,6 +97,8 @@ pub struct UpArgs {
     /// or over loopback tcp, as between hosts (`tcp`, to measure the transport).
     #[arg(long, env = "DUET_KV_TRANSPORT", value_enum, default_value = "local")]
     pub kv_transport: KvTransport,
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 /// KV transport inside `duet up`.
@@ -119,6 +122,8 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 pub fn up(a: UpArgs) -> anyhow::Result<()> {
     a.routing.validate()?;
+    let server_tls = a.tls.server()?;
+    let scheme = duet_serving::tls::scheme(server_tls.is_some());
     // Before anything records: metric handles taken earlier would go nowhere.
     duet_telemetry::install()?;
     if a.decode_workers == 0 {
@@ -150,6 +155,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             advertise_host: "127.0.0.1".into(),
             hub: (a.kv_transport == KvTransport::Local).then(|| (hub.clone(), tag.clone())),
             drain: a.drain,
+            tls: server_tls.clone(),
         };
         for i in 0..a.decode_workers {
             let model = load(&a.model)?;
@@ -183,16 +189,17 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding --http-listen {}", a.http_listen))?;
         let http_addr = http.local_addr()?;
-        let cfg = a.routing.config(name.clone());
+        let mut cfg = a.routing.config(name.clone());
+        cfg.worker_tls = a.tls.client()?;
         println!(
             "duet up: model {name}, {} prefill + {} decode workers, mode {:?}",
             a.prefill_workers, a.decode_workers, a.routing.mode
         );
-        println!("duet up: router listening on http://{addr}");
-        println!("duet up: http listening on http://{http_addr} (OpenAI API under /v1)");
-        println!("duet up: metrics on http://{http_addr}/metrics");
+        println!("duet up: router listening on {scheme}://{addr}");
+        println!("duet up: http listening on {scheme}://{http_addr} (OpenAI API under /v1)");
+        println!("duet up: metrics on {scheme}://{http_addr}/metrics");
         println!(
-            "duet up: try  duet generate --router http://{addr} --prompt 'Why is the sky blue?'"
+            "duet up: try  duet generate --router {scheme}://{addr} --prompt 'Why is the sky blue?'"
         );
         tasks.spawn(run_router(
             front,
@@ -202,6 +209,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             RouterListeners {
                 grpc: listener,
                 http,
+                tls: server_tls,
             },
             shutdown.clone(),
             a.drain,
@@ -246,6 +254,8 @@ pub struct ProcessArgs {
     /// Where `/metrics` is served (port 0: any free port, printed at start).
     #[arg(long, env = "DUET_METRICS_LISTEN", default_value = "127.0.0.1:0")]
     pub metrics_listen: SocketAddr,
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 impl ProcessArgs {
@@ -320,11 +330,13 @@ async fn worker_env(
     model_name: String,
     kv: KvArgs,
 ) -> anyhow::Result<WorkerEnv> {
+    let tls = p.tls.server()?;
     let registry = p.registry.connect().await?;
     let grpc = TcpListener::bind(p.listen)
         .await
         .with_context(|| format!("binding {}", p.listen))?;
     Ok(WorkerEnv {
+        tls,
         model,
         model_name,
         kv,
@@ -370,6 +382,9 @@ pub fn prefill(a: PrefillCmd) -> anyhow::Result<()> {
 pub fn router(a: RouterCmd) -> anyhow::Result<()> {
     a.process.registry.validate()?;
     a.routing.validate()?;
+    let tls = a.process.tls.server()?;
+    let scheme = duet_serving::tls::scheme(tls.is_some());
+    let worker_tls = a.process.tls.client()?;
     let front = Arc::new(
         TextFrontend::load(&a.model).with_context(|| format!("reading {}", a.model.display()))?,
     );
@@ -385,14 +400,15 @@ pub fn router(a: RouterCmd) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding --http-listen {}", a.http_listen))?;
         println!(
-            "duet: router listening on http://{}",
+            "duet: router listening on {scheme}://{}",
             listener.local_addr()?
         );
         println!(
-            "duet: http listening on http://{} (OpenAI API under /v1)",
+            "duet: http listening on {scheme}://{} (OpenAI API under /v1)",
             http.local_addr()?
         );
-        let cfg = a.routing.config(name);
+        let mut cfg = a.routing.config(name);
+        cfg.worker_tls = worker_tls;
         run_router(
             front,
             cfg,
@@ -401,6 +417,7 @@ pub fn router(a: RouterCmd) -> anyhow::Result<()> {
             RouterListeners {
                 grpc: listener,
                 http,
+                tls,
             },
             shutdown,
             a.process.drain,

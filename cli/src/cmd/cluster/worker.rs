@@ -17,6 +17,7 @@ use duet_engine::Model;
 use duet_kv_transfer::{Connector, LocalHub};
 use duet_prefill_worker::{service::PrefillService, PrefillConfig, PrefillHandle};
 use duet_proto::v1 as pb;
+use duet_serving::tls::ServerTls;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -39,6 +40,8 @@ pub struct WorkerEnv {
     /// In-process hub and this process's tag (all-in-one mode).
     pub hub: Option<(LocalHub, String)>,
     pub drain: Duration,
+    /// TLS on the gRPC server (mutual when it names a client CA).
+    pub tls: Option<ServerTls>,
 }
 
 fn record(env: &WorkerEnv, role: Role, id: &str, grpc_addr: &str) -> WorkerRecord {
@@ -65,7 +68,15 @@ async fn serve_until(
         }
         s.cancel();
     });
-    duet_serving::server::serve(env.grpc, routes, &[service], stop_server, env.drain).await?;
+    duet_serving::server::serve(
+        env.grpc,
+        env.tls.as_ref(),
+        routes,
+        &[service],
+        stop_server,
+        env.drain,
+    )
+    .await?;
     Ok(())
 }
 
@@ -103,7 +114,8 @@ async fn register_and_publish(
 /// The address routers reach this worker's gRPC service at.
 fn grpc_addr(env: &WorkerEnv) -> std::io::Result<String> {
     Ok(format!(
-        "http://{}:{}",
+        "{}://{}:{}",
+        duet_serving::tls::scheme(env.tls.is_some()),
         env.advertise_host,
         env.grpc.local_addr()?.port()
     ))
