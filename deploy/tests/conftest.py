@@ -31,6 +31,9 @@ VALUE_SETS: dict[str, dict] = {
     "defaults": {},
     "etcd-3": {"etcd": {"replicas": 3}},
     "etcd-external": {"etcd": {"enabled": False, "external": {"endpoints": EXTERNAL_ETCD}}},
+    "etcd-external-tls-auth": {"etcd": {"enabled": False, "external": {
+        "endpoints": [e.replace("http://", "https://") for e in EXTERNAL_ETCD],
+        "tlsSecret": "etcd-client-tls", "authSecret": "etcd-duet-user"}}},
     "monitoring": {"monitoring": {"prometheusOperator": {"enabled": True, "labels": {"release": "kps"}}}},
     "monitoring-servicemonitor": {
         "monitoring": {"prometheusOperator": {"enabled": True, "monitor": "ServiceMonitor"}}},
@@ -42,7 +45,8 @@ VALUE_SETS: dict[str, dict] = {
             "selector": {"namespace": NAMESPACE}, "averageValue": "2"}}}},
     "model-pvc-tls-drain": {
         "model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "smollm2"}},
-        "tls": {"enabled": True, "cert": "-----BEGIN CERTIFICATE-----", "key": "-----BEGIN PRIVATE KEY-----"},
+        "tls": {"enabled": True, "cert": "-----BEGIN CERTIFICATE-----", "key": "-----BEGIN PRIVATE KEY-----",
+                "ca": "-----BEGIN CERTIFICATE-----", "serverName": "duet-worker.duet.svc"},
         "kvSecret": {"existingSecret": "duet-kv-managed", "existingSecretKey": "secret"},
         "config": {"drain": "30s"},
         "router": {"terminationGracePeriodSeconds": 60},

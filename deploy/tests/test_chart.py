@@ -64,6 +64,7 @@ def test_schema_rejects(helm, chart, values, message):
     ({"model": {"source": "pvc"}}, "model.pvc.claimName is required"),
     ({"model": {"source": "hostPath"}}, "model.hostPath.path is required"),
     ({"tls": {"enabled": True}}, "tls.cert"),
+    ({"tls": {"enabled": True, "cert": "C", "key": "K"}}, "tls.ca"),
 ])
 def test_render_refuses(helm, chart, values, message):
     """Combinations the schema cannot see are refused at render time, with a message."""
@@ -203,7 +204,7 @@ def test_etcd_endpoints_reach_every_duet_container(rendered: Rendered):
             assert adv == f"http://{fqdn(i)}:{client_port}"
     else:
         assert not r.of_kind("StatefulSet")
-        want = ",".join(EXTERNAL_ETCD)
+        want = ",".join(r.effective["etcd"]["external"]["endpoints"])
     seen = 0
     for w, c in r.duet_containers():
         assert r.env(w, c).get("DUET_ETCD") == want, f"{c['name']}: DUET_ETCD"
@@ -272,14 +273,50 @@ def test_every_container_is_locked_down(rendered: Rendered):
 
 
 def test_probes_use_grpc_on_the_grpc_port(rendered: Rendered):
+    """gRPC health probes on the gRPC port; with TLS (which Kubernetes' gRPC probes cannot
+    speak) a TCP check of the same port."""
+    want = "tcpSocket" if rendered.effective["tls"]["enabled"] else "grpc"
     for w, c in rendered.duet_containers():
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         listen_port = int(rendered.env(w, c)["DUET_LISTEN"].rsplit(":", 1)[1])
         assert ports["grpc"] == listen_port == 50051
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c[kind]
-            assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, f"{c['name']} {kind}"
-            assert probe["grpc"]["port"] == ports["grpc"], f"{c['name']} {kind}"
+            assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {want}, f"{c['name']} {kind}"
+            assert probe[want]["port"] == ports["grpc"], f"{c['name']} {kind}"
+
+
+def test_tls_settings(rendered: Rendered):
+    """With tls.enabled every duet container gets the mounted material; workers require
+    client certificates (tls.mutual), the router expects tls.serverName in workers'
+    certificates. With an external etcd's tlsSecret/authSecret, every container gets the etcd
+    CA, client certificate and user/password from those Secrets."""
+    eff = rendered.effective
+    ext = eff["etcd"]["external"] if not eff["etcd"]["enabled"] else {}
+    for w, c in rendered.duet_containers():
+        env = rendered.env(w, c)
+        mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in w["spec"]["template"]["spec"].get("volumes", [])}
+        if eff["tls"]["enabled"]:
+            assert env["DUET_TLS_CERT"].startswith("/etc/duet/tls/") and mounts["/etc/duet/tls"] == "tls"
+            assert env["DUET_TLS_CA"] == "/etc/duet/tls/ca.crt"
+            worker = c["name"] != "router"
+            assert (env.get("DUET_TLS_CLIENT_AUTH") == "required") == (worker and eff["tls"]["mutual"])
+            if c["name"] == "router" and eff["tls"]["serverName"]:
+                assert env["DUET_TLS_SERVER_NAME"] == eff["tls"]["serverName"]
+        else:
+            assert not any(k.startswith("DUET_TLS_") for k in env), c["name"]
+        if ext.get("tlsSecret"):
+            assert env["DUET_ETCD_CA"] == "/etc/duet/etcd-tls/ca.crt"
+            assert mounts["/etc/duet/etcd-tls"] == "etcd-tls"
+            assert volumes["etcd-tls"]["secret"]["secretName"] == ext["tlsSecret"]
+        else:
+            assert "DUET_ETCD_CA" not in env
+        if ext.get("authSecret"):
+            for var, key in (("DUET_ETCD_USER", "username"), ("DUET_ETCD_PASSWORD", "password")):
+                assert env[var] == {"secretKeyRef": {"name": ext["authSecret"], "key": key}}
+        else:
+            assert "DUET_ETCD_PASSWORD" not in env
 
 
 def test_role_ports_and_settings(rendered: Rendered):
@@ -490,9 +527,8 @@ def test_monitoring(renders):
 
 # ---- duet's flags ------------------------------------------------------------------------------
 
-# Variables the chart sets that no Rust source reads yet: duet has no TLS flags (values.yaml
-# says so); the chart only mounts the material for when it does.
-PENDING_ENV = {"DUET_TLS_CERT", "DUET_TLS_KEY", "DUET_TLS_CA"}
+# Variables the chart sets that no Rust source reads yet (none today).
+PENDING_ENV: set[str] = set()
 
 
 def test_every_duet_variable_is_a_flag(renders):

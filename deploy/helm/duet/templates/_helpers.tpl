@@ -292,24 +292,23 @@ prometheus.io/path: /metrics
 {{/* gRPC probes on the gRPC port. */}}
 {{- define "duet.grpcProbes" -}}
 {{- $p := .Values.probes -}}
+{{- /* Kubernetes' gRPC probes speak plain text only: with TLS on, check the port is open. */ -}}
+{{- $check := dict "grpc" (dict "port" .Values.ports.grpc "service" $p.grpcService) -}}
+{{- if .Values.tls.enabled -}}
+{{- $check = dict "tcpSocket" (dict "port" .Values.ports.grpc) -}}
+{{- end -}}
 startupProbe:
-  grpc:
-    port: {{ .Values.ports.grpc }}
-    service: {{ $p.grpcService | quote }}
+  {{- toYaml $check | nindent 2 }}
   periodSeconds: {{ $p.startup.periodSeconds }}
   failureThreshold: {{ $p.startup.failureThreshold }}
   timeoutSeconds: {{ $p.startup.timeoutSeconds }}
 readinessProbe:
-  grpc:
-    port: {{ .Values.ports.grpc }}
-    service: {{ $p.grpcService | quote }}
+  {{- toYaml $check | nindent 2 }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
 livenessProbe:
-  grpc:
-    port: {{ .Values.ports.grpc }}
-    service: {{ $p.grpcService | quote }}
+  {{- toYaml $check | nindent 2 }}
   periodSeconds: {{ $p.liveness.periodSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
