@@ -40,8 +40,22 @@ impl PrefillError {
         }
     }
 
-    /// As a gRPC status.
+    /// Whether the KV link to the decode worker failed (timed out, broke, or could not be
+    /// opened): not this worker's fault, nor necessarily the decode worker's.
+    pub fn is_link_failure(&self) -> bool {
+        matches!(self, PrefillError::Transfer(e) if matches!(
+            e.class(),
+            duet_kv_transfer::ErrorClass::DeadlineExceeded | duet_kv_transfer::ErrorClass::Unavailable
+        ))
+    }
+
+    /// As a gRPC status (a link failure carries [`duet_serving::status::KV_LINK_FAILED`]).
     pub fn status(&self) -> tonic::Status {
-        duet_serving::status::status(self.class(), self.to_string())
+        let s = duet_serving::status::status(self.class(), self.to_string());
+        if self.is_link_failure() {
+            duet_serving::status::mark_kv_link_failed(s)
+        } else {
+            s
+        }
     }
 }

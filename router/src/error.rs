@@ -28,6 +28,15 @@ pub enum RouterError {
         #[source]
         status: tonic::Status,
     },
+    #[error(
+        "KV link from prefill worker {prefill_id} to decode worker {decode_id} failed: {status}"
+    )]
+    KvLink {
+        prefill_id: String,
+        decode_id: String,
+        #[source]
+        status: tonic::Status,
+    },
     #[error("request id `{0}` is already in flight")]
     DuplicateRequestId(String),
     #[error("this client already has {limit} requests in flight (the per-client limit)")]
@@ -68,6 +77,8 @@ impl RouterError {
                     c => c,
                 }
             }
+            // To the client, a pair of workers that cannot talk is unavailable capacity.
+            RouterError::KvLink { .. } => ErrorClass::Unavailable,
             RouterError::Deadline(_) => ErrorClass::DeadlineExceeded,
             RouterError::DuplicateRequestId(_) => ErrorClass::AlreadyExists,
             RouterError::ClientBusy { .. } => ErrorClass::ResourceExhausted,
@@ -85,6 +96,8 @@ impl RouterError {
                 duet_serving::status::class_of(status.code()),
                 ErrorClass::Unavailable | ErrorClass::ResourceExhausted | ErrorClass::NotFound
             ),
+            // Another pair (or a local prefill) does not need that link.
+            RouterError::KvLink { .. } => true,
             _ => false,
         }
     }
@@ -107,6 +120,18 @@ impl RouterError {
                 ErrorClass::Unavailable | ErrorClass::DeadlineExceeded
             )
             .then_some(worker_id.as_str()),
+            _ => None,
+        }
+    }
+
+    /// The prefill -> decode pair whose KV link failed (placement avoids it for a while).
+    pub fn failed_link(&self) -> Option<(&str, &str)> {
+        match self {
+            RouterError::KvLink {
+                prefill_id,
+                decode_id,
+                ..
+            } => Some((prefill_id.as_str(), decode_id.as_str())),
             _ => None,
         }
     }

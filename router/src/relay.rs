@@ -89,6 +89,11 @@ pub async fn run(shared: Arc<Shared>, mut job: Job, out: Out) {
         if let Some(id) = e.suspect_worker() {
             shared.workers.mark_suspect(id, shared.cfg.suspect_for);
         }
+        if let Some((prefill, decode)) = e.failed_link() {
+            shared
+                .workers
+                .mark_bad_link(prefill, decode, shared.cfg.suspect_for);
+        }
         let sent = progress.sent_ids.len();
         if e.worker_full() && sent == 0 && within_queue_wait(&shared, &job) {
             // Not an attempt: the request queues again until a worker has room.
@@ -338,24 +343,34 @@ async fn attempt_once(
         placement = pb::PrefillPlacement::Local;
         reason = format!("migrated stream: {resumed} sent tokens replayed on the decode worker");
     }
-    let mut prefill_choice = None;
-    let mut prefill_tracked = None;
+    // Remote prefill: candidates for the first decode worker's model, suspects last. A
+    // prefill -> decode pair whose KV link failed recently is not used; when no pair is
+    // left, the decode worker prefills locally (no KV link needed).
+    let mut candidates: Vec<WorkerRecord> = Vec::new();
     if placement == pb::PrefillPlacement::Remote {
         let fp = decoders[0].fingerprint.clone();
         let tokens = shared.workers.prefill_tokens();
-        let mut candidates = prefill_candidates(&snap, &shared.cfg.model_name, &fp, &tokens);
+        candidates = prefill_candidates(&snap, &shared.cfg.model_name, &fp, &tokens)
+            .into_iter()
+            .cloned()
+            .collect();
         candidates.sort_by_key(|p| suspects.contains(&p.id));
-        match candidates.first() {
-            Some(p) => {
-                // Counted at once, so that concurrent requests spread before records update.
-                prefill_tracked = Some(shared.workers.track_prefill(&p.id, prompt_len as u64));
-                prefill_choice = Some((*p).clone());
-            }
-            None => {
-                placement = pb::PrefillPlacement::Local;
-                reason =
-                    "no prefill worker with the decode worker's model: prefilled locally".into();
-            }
+        let linked = |d: &WorkerRecord| {
+            candidates
+                .iter()
+                .any(|p| !shared.workers.is_bad_link(&p.id, &d.id))
+        };
+        if candidates.is_empty() {
+            placement = pb::PrefillPlacement::Local;
+            reason = "no prefill worker with the decode worker's model: prefilled locally".into();
+        } else if !decoders.iter().any(linked) {
+            placement = pb::PrefillPlacement::Local;
+            reason = "the KV links from the prefill workers to the decode workers failed \
+                      recently: prefilled locally"
+                .into();
+        } else {
+            // Decode workers some prefill worker reaches come first.
+            decoders.sort_by_key(|d| !linked(d));
         }
     }
     // Reserve on the first decode worker that accepts (remote), or just pick the first.
@@ -365,9 +380,15 @@ async fn attempt_once(
         // Counted before any await, so that concurrent requests spread across workers.
         let tracked = shared.workers.track_decode(&d.id);
         if placement != pb::PrefillPlacement::Remote {
-            chosen = Some((d.clone(), None, tracked));
+            chosen = Some((d.clone(), None, None, tracked));
             break;
         }
+        let Some(p) = candidates
+            .iter()
+            .find(|p| !shared.workers.is_bad_link(&p.id, &d.id))
+        else {
+            continue;
+        };
         let mut client = shared.workers.decode(&d.grpc_addr)?;
         let req = outgoing(
             job,
@@ -382,18 +403,22 @@ async fn attempt_once(
             .unwrap_or_else(|_| Err(no_answer("reserve", CONTROL_TIMEOUT)));
         match answer {
             Ok(r) => {
-                chosen = Some((d.clone(), Some(r.into_inner()), tracked));
+                chosen = Some((d.clone(), Some(r.into_inner()), Some(p.clone()), tracked));
                 break;
             }
             Err(s) => last_err = Some(worker_err(d, s)),
         }
     }
-    let Some((decoder, reservation, _decode_tracked)) = chosen else {
+    let Some((decoder, reservation, prefill_choice, _decode_tracked)) = chosen else {
         return Err(last_err.unwrap_or(RouterError::NoWorker {
             role: "decode",
             reason: "no decode worker accepted the reservation".into(),
         }));
     };
+    // Counted at once, so that concurrent requests spread before records update.
+    let prefill_tracked = prefill_choice
+        .as_ref()
+        .map(|p| shared.workers.track_prefill(&p.id, prompt_len as u64));
     job.slot.release();
     job.metrics.placed(placement_label(placement));
     let queue_seconds = job.arrival.elapsed().as_secs_f64();
@@ -485,6 +510,14 @@ async fn attempt_once(
                 pb::decode_request::Prefill::Remote(pb::RemotePrefill {
                     first_token: r.first_token,
                 })
+            }
+            Err(s) if duet_serving::status::is_kv_link_failure(&s) => {
+                release().await;
+                return Err(RouterError::KvLink {
+                    prefill_id: p.id.clone(),
+                    decode_id: decoder.id.clone(),
+                    status: s,
+                });
             }
             Err(s) => {
                 release().await;

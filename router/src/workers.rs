@@ -24,6 +24,8 @@ pub struct Workers {
     prefill_tokens: Mutex<HashMap<String, u64>>,
     /// Workers that recently failed to answer, until when.
     suspects: Mutex<HashMap<String, Instant>>,
+    /// (prefill id, decode id) pairs whose KV link recently failed, until when.
+    bad_links: Mutex<HashMap<(String, String), Instant>>,
 }
 
 impl Workers {
@@ -79,6 +81,27 @@ impl Workers {
             m.retain(|_, until| *until > now);
             m.insert(id.to_string(), now + period);
         }
+    }
+
+    /// Avoids sending KV from `prefill` to `decode` for `period` (their link failed).
+    pub fn mark_bad_link(&self, prefill: &str, decode: &str, period: Duration) {
+        if let Ok(mut m) = self.bad_links.lock() {
+            let now = Instant::now();
+            m.retain(|_, until| *until > now);
+            m.insert((prefill.to_string(), decode.to_string()), now + period);
+        }
+    }
+
+    /// Whether the KV link from `prefill` to `decode` failed recently.
+    pub fn is_bad_link(&self, prefill: &str, decode: &str) -> bool {
+        let now = Instant::now();
+        self.bad_links
+            .lock()
+            .map(|m| {
+                m.get(&(prefill.to_string(), decode.to_string()))
+                    .is_some_and(|until| *until > now)
+            })
+            .unwrap_or(false)
     }
 
     /// The workers currently suspect.

@@ -42,3 +42,22 @@ pub fn status(class: ErrorClass, message: impl Into<String>) -> Status {
 pub fn engine_status(e: &EngineError) -> Status {
     status(e.class(), e.to_string())
 }
+
+/// Metadata key a prefill worker sets on a failure of the KV link to the decode worker
+/// (the link timed out, broke or could not be opened), as opposed to a failure of its own:
+/// the router then avoids that prefill -> decode pair rather than either worker.
+pub const KV_LINK_FAILED: &str = "duet-kv-link-failed";
+
+/// Marks `status` as a KV link failure.
+pub fn mark_kv_link_failed(mut status: Status) -> Status {
+    status.metadata_mut().insert(
+        KV_LINK_FAILED,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    status
+}
+
+/// Whether a prefill worker's `status` reports a KV link failure.
+pub fn is_kv_link_failure(status: &Status) -> bool {
+    status.metadata().contains_key(KV_LINK_FAILED)
+}

@@ -41,8 +41,26 @@ impl Proc {
         Proc::spawn(name, args, env, true)
     }
 
+    /// Starts `duet <args>` inside network namespace `netns` (`ip netns exec`, which execs
+    /// duet in place: the child is duet itself), logs kept.
+    pub fn start_in_netns(netns: &str, name: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", netns, env!("CARGO_BIN_EXE_duet")]);
+        Proc::spawn_cmd(cmd, name, args, env, true)
+    }
+
     fn spawn(name: &str, args: &[&str], env: &[(&str, &str)], keep_stderr: bool) -> Proc {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_duet"));
+        let cmd = Command::new(env!("CARGO_BIN_EXE_duet"));
+        Proc::spawn_cmd(cmd, name, args, env, keep_stderr)
+    }
+
+    fn spawn_cmd(
+        mut cmd: Command,
+        name: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        keep_stderr: bool,
+    ) -> Proc {
         cmd.args(args)
             .env("DUET_MODEL", model())
             .env_remove("DUET_ETCD")

@@ -22,6 +22,8 @@ pub struct EtcdServer {
     peer_port: u16,
     /// Plain-HTTP `/health` and `/metrics`, also when clients must speak TLS.
     metrics_port: u16,
+    /// The address clients reach etcd at (127.0.0.1 unless started with [`EtcdServer::start_on`]).
+    host: String,
     tls: Option<EtcdTls>,
 }
 
@@ -87,15 +89,21 @@ fn find_etcd() -> PathBuf {
 
 impl EtcdServer {
     pub fn start() -> EtcdServer {
-        EtcdServer::start_with(None)
+        EtcdServer::start_with(None, "127.0.0.1")
+    }
+
+    /// An etcd whose client port listens on `host` (e.g. a bridge address other network
+    /// namespaces reach); its ports are still picked free on 127.0.0.1.
+    pub fn start_on(host: &str) -> EtcdServer {
+        EtcdServer::start_with(None, host)
     }
 
     /// An etcd whose clients must speak TLS and present a certificate signed by `tls.ca`.
     pub fn start_tls(tls: EtcdTls) -> EtcdServer {
-        EtcdServer::start_with(Some(tls))
+        EtcdServer::start_with(Some(tls), "127.0.0.1")
     }
 
-    fn start_with(tls: Option<EtcdTls>) -> EtcdServer {
+    fn start_with(tls: Option<EtcdTls>, host: &str) -> EtcdServer {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let bin = find_etcd();
         let nanos = std::time::SystemTime::now()
@@ -115,6 +123,7 @@ impl EtcdServer {
             client_port: free_port(),
             peer_port: free_port(),
             metrics_port: free_port(),
+            host: host.to_string(),
             tls,
         };
         server.spawn();
@@ -123,7 +132,7 @@ impl EtcdServer {
 
     pub fn endpoint(&self) -> String {
         let scheme = if self.tls.is_some() { "https" } else { "http" };
-        format!("{scheme}://127.0.0.1:{}", self.client_port)
+        format!("{scheme}://{}:{}", self.host, self.client_port)
     }
 
     fn pid(&self) -> u32 {

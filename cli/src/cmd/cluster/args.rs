@@ -73,6 +73,11 @@ pub struct KvArgs {
         default_value = "duet-dev-secret-change-me"
     )]
     pub kv_secret: String,
+    /// Longest a KV transfer may make no progress (a write, a read, the wait for the
+    /// receiver's verdict) before it fails; the router then avoids that prefill -> decode
+    /// link for a while and retries.
+    #[arg(long, env = "DUET_KV_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub kv_timeout: Duration,
 }
 
 /// Tokens per KV block (fixed: every worker of a cluster must agree).
@@ -95,10 +100,12 @@ impl KvArgs {
         }
         let layout =
             duet_serving::convert::transfer_layout(&model.kv_layout(BLOCK_SIZE, self.kv_dtype))?;
-        Ok(TransferConfig::new(
-            layout,
-            SharedSecret::new(&self.kv_secret)?,
-        ))
+        if self.kv_timeout < Duration::from_millis(100) {
+            bail!("--kv-timeout: at least 100ms");
+        }
+        let mut cfg = TransferConfig::new(layout, SharedSecret::new(&self.kv_secret)?);
+        cfg.timeouts.io = self.kv_timeout;
+        Ok(cfg)
     }
 }
 

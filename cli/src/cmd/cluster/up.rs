@@ -154,6 +154,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             grpc,
             advertise_host: "127.0.0.1".into(),
             hub: (a.kv_transport == KvTransport::Local).then(|| (hub.clone(), tag.clone())),
+            kv_advertise_host: None,
             drain: a.drain,
             tls: server_tls.clone(),
         };
@@ -289,6 +290,10 @@ pub struct DecodeCmd {
     /// KV receive address (tcp).
     #[arg(long, env = "DUET_KV_LISTEN", default_value = "127.0.0.1:0")]
     pub kv_listen: SocketAddr,
+    /// Host prefill workers send KV to, when KV travels on another network than gRPC (a
+    /// dedicated data network); default: --advertise-host.
+    #[arg(long, env = "DUET_KV_ADVERTISE_HOST")]
+    pub kv_advertise_host: Option<String>,
     /// Served model name (default: the GGUF file name without extension).
     #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -346,6 +351,7 @@ async fn worker_env(
         grpc,
         advertise_host: p.host(),
         hub: None,
+        kv_advertise_host: None,
         drain: p.drain,
     })
 }
@@ -358,7 +364,8 @@ pub fn decode(a: DecodeCmd) -> anyhow::Result<()> {
     runtime()?.block_on(async move {
         let shutdown = duet_serving::server::shutdown_on_signal();
         serve_metrics_on(a.process.metrics_listen, shutdown.clone()).await?;
-        let env = worker_env(&a.process, model, name, a.kv.clone()).await?;
+        let mut env = worker_env(&a.process, model, name, a.kv.clone()).await?;
+        env.kv_advertise_host = a.kv_advertise_host.clone();
         let kv = TcpListener::bind(a.kv_listen)
             .await
             .with_context(|| format!("binding {}", a.kv_listen))?;

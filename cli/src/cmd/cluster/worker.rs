@@ -37,6 +37,8 @@ pub struct WorkerEnv {
     pub grpc: TcpListener,
     /// Host other processes reach this worker at.
     pub advertise_host: String,
+    /// Host prefill workers reach this worker's KV endpoint at (default: `advertise_host`).
+    pub kv_advertise_host: Option<String>,
     /// In-process hub and this process's tag (all-in-one mode).
     pub hub: Option<(LocalHub, String)>,
     pub drain: Duration,
@@ -146,7 +148,13 @@ pub async fn run_decode(
     if let Some(l) = &kv_tcp {
         endpoints.push(KvEndpoint {
             transport: "tcp".into(),
-            address: format!("{}:{}", env.advertise_host, l.local_addr()?.port()),
+            address: format!(
+                "{}:{}",
+                env.kv_advertise_host
+                    .as_ref()
+                    .unwrap_or(&env.advertise_host),
+                l.local_addr()?.port()
+            ),
         });
     }
     let local = env
