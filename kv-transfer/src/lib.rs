@@ -25,6 +25,8 @@ pub mod bench;
 pub mod config;
 pub mod endpoint;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub(crate) mod handshake;
 pub mod layout;
 pub mod mem_sink;

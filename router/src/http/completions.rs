@@ -69,7 +69,7 @@ fn usage_json(u: &Option<pb::Usage>) -> Value {
     })
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+pub(super) fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid("body", format!("invalid JSON body: {e}")))
 }
@@ -107,7 +107,7 @@ fn authorize_http(svc: &GenerationService, headers: &HeaderMap) -> Result<(), Ap
 
 /// The body's media type must say JSON. Absent is fine, and so is
 /// `application/x-www-form-urlencoded`: curl's `-d` sends it by default with a JSON body.
-fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+pub(super) fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(v) = headers.get(header::CONTENT_TYPE) else {
         return Ok(());
     };
@@ -153,7 +153,7 @@ async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
 }
 
 /// `X-Request-Id`, as vLLM reads it: the request's id (unique while in flight), echoed back.
-fn request_id_of(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+pub(super) fn request_id_of(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     match headers.get("x-request-id") {
         None => Ok(None),
         Some(v) => match v.to_str() {

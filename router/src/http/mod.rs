@@ -6,6 +6,8 @@
 
 mod api_error;
 mod completions;
+#[doc(hidden)]
+pub mod fuzzing;
 mod health;
 pub mod openai_request;
 pub mod tls_listener;
