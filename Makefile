@@ -33,6 +33,7 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p duet-kv-transfer --all-targets --features nccl -- -D warnings
+	./scripts/audit.sh
 
 fmt:
 	$(CARGO) fmt --all

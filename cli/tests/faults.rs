@@ -496,7 +496,7 @@ fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
 /// its last view and says it is stale); when etcd is back, every worker is registered
 /// again and the router's view is fresh.
 #[test]
-fn etcd_down_for_30_seconds_under_load_fails_no_request() {
+fn etcd_down_for_30_seconds_then_frozen_under_load_fails_no_request() {
     let (mut cl, http) = cluster_with_metrics(1, 1, &["--local-prefill-max-tokens", "8"]);
     let rt = rt();
     rt.block_on(async {
@@ -566,6 +566,28 @@ fn etcd_down_for_30_seconds_under_load_fails_no_request() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         cl.wait_workers(1, 1, Duration::from_secs(10)).await;
+        // Frozen (SIGSTOP) longer than the leases: when it thaws, etcd revokes the expired
+        // leases and the workers vanish from the view for a moment before they register
+        // again. Requests arriving in that gap wait for them instead of failing.
+        cl.etcd.pause();
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        cl.etcd.resume();
+        let thawed = Instant::now();
+        loop {
+            let ids = {
+                let cl = &cl;
+                tokio::task::block_in_place(|| cl.registered())
+            };
+            if ids.len() == 2 {
+                break;
+            }
+            assert!(
+                thawed.elapsed() < Duration::from_secs(20),
+                "after etcd thawed: registered {ids:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        cl.wait_workers(1, 1, Duration::from_secs(10)).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
         let mut total = 0;
@@ -574,7 +596,69 @@ fn etcd_down_for_30_seconds_under_load_fails_no_request() {
             assert!(failed.is_empty(), "requests failed: {failed:?}");
             total += ok;
         }
-        eprintln!("{total} requests completed across a 30 s etcd outage");
+        eprintln!("{total} requests completed across a 30 s etcd outage and a 6 s freeze");
         assert!(total >= 20, "steady load kept going: {total}");
+    });
+}
+
+/// When the last decode worker has just left the view (its lease expired), a request waits
+/// for one to come back instead of failing after `--no-worker-grace`: that is what a worker
+/// re-registering after a registry hiccup looks like from the router.
+#[test]
+fn requests_wait_for_decode_workers_that_just_left() {
+    let mut cl = Cluster::start(
+        0,
+        1,
+        &[
+            "--no-worker-grace",
+            "100ms",
+            "--local-prefill-max-tokens",
+            "64",
+        ],
+    );
+    let rt = rt();
+    rt.block_on(async {
+        cl.wait_workers(0, 1, Duration::from_secs(20)).await;
+        cl.decode[0].kill9();
+        // Its lease (2 s) runs out and the router's view loses it.
+        cl.wait_workers(0, 0, Duration::from_secs(10)).await;
+        let lost = Instant::now();
+        let replacement = {
+            let (etcd, cluster) = (&cl.etcd, cl.cluster.clone());
+            let ep = etcd.endpoint();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(1500));
+                let p = Proc::start(
+                    "decode-1",
+                    &[
+                        "decode",
+                        "--etcd",
+                        &ep,
+                        "--cluster",
+                        &cluster,
+                        "--lease-ttl",
+                        "2s",
+                        "--id",
+                        "decode-1",
+                        "--kv-pool",
+                        "64MiB",
+                    ],
+                );
+                p.wait_for("serving gRPC on", support::START);
+                p
+            })
+        };
+        let mut c = client(&cl.url).await;
+        let done = generate(&mut c, greedy(text("Hello there"), 4))
+            .await
+            .expect("the request waits for the returning decode worker");
+        assert_eq!(done.ids.len(), 4);
+        assert_eq!(done.timings().decode_worker, "decode-1");
+        assert!(
+            lost.elapsed() > Duration::from_secs(1),
+            "it waited past the 100 ms grace"
+        );
+        cl.decode
+            .push(replacement.join().expect("replacement worker"));
     });
 }

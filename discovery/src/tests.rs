@@ -305,12 +305,27 @@ async fn deregister_removes_at_once() {
     assert_eq!(mem.lease_count(), 0, "lease must be revoked");
     wait_view(&mut view, "worker gone", |s| s.workers.is_empty()).await;
     assert!(before.elapsed() < Duration::from_millis(50));
+    // The view remembers when its last decode worker left (callers wait a little for it to
+    // come back); a role that never had a worker has no such instant.
+    assert!(view.snapshot().lost_at(Role::Decode).is_some());
+    assert_eq!(view.snapshot().lost_at(Role::Prefill), None);
     assert!(!reg.status().registered);
     // Idempotent, and later updates are ignored.
     reg.deregister().await.unwrap();
     reg.set_draining(true);
     sleep(Duration::from_secs(3)).await;
     assert!(mem.get(reg.key()).is_none());
+    // A decode worker back: nothing is lost any more.
+    let _again = Registration::start(
+        registry.clone(),
+        record(Role::Decode, "d1"),
+        ttl2(),
+        cancel.clone(),
+    )
+    .await
+    .unwrap();
+    wait_view(&mut view, "worker back", |s| s.workers.len() == 1).await;
+    assert_eq!(view.snapshot().lost_at(Role::Decode), None);
 }
 
 #[tokio::test(start_paused = true)]

@@ -65,6 +65,11 @@ pub struct Snapshot {
     pub stale: bool,
     /// Since when the view is stale.
     pub stale_since: Option<Instant>,
+    /// When the last worker of a role left the view, for roles that have none now (by
+    /// `Role::as_str`): workers that vanished a moment ago are likely to come back (leases
+    /// that expired while etcd was frozen, workers registering again), so a caller may wait
+    /// a little longer for them than for a role that never had any.
+    pub lost_at: BTreeMap<&'static str, Instant>,
 }
 
 impl Snapshot {
@@ -74,7 +79,13 @@ impl Snapshot {
             revision: 0,
             stale: true,
             stale_since: Some(Instant::now()),
+            lost_at: BTreeMap::new(),
         }
+    }
+
+    /// When the last worker of `role` left the view (`None`: it has some, or never had).
+    pub fn lost_at(&self, role: Role) -> Option<Instant> {
+        self.lost_at.get(role.as_str()).copied()
     }
 
     /// Workers of one role, in key order.
@@ -227,7 +238,17 @@ impl ViewTask {
         }
     }
 
-    fn publish(&self) {
+    fn publish(&mut self) {
+        let now = Instant::now();
+        let before = self.tx.borrow().clone();
+        for role in Role::ALL {
+            let has = self.snap.workers(role).next().is_some();
+            if has {
+                self.snap.lost_at.remove(role.as_str());
+            } else if before.workers(role).next().is_some() {
+                self.snap.lost_at.insert(role.as_str(), now);
+            }
+        }
         self.export_gauges();
         self.tx.send_replace(Arc::new(self.snap.clone()));
     }

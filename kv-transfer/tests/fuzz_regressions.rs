@@ -24,7 +24,12 @@ fn valid_transfer(checksum: bool) -> Vec<u8> {
         dst_blocks: FUZZ_RESERVED.to_vec(),
     };
     let data: Vec<_> = (0..layout.layers())
-        .map(|l| (l, common::layer_regions(&layout, FUZZ_REQUEST, l, &FUZZ_RESERVED)))
+        .map(|l| {
+            (
+                l,
+                common::layer_regions(&layout, FUZZ_REQUEST, l, &FUZZ_RESERVED),
+            )
+        })
         .collect();
     let regions: Vec<LayerRegions<'_>> = data
         .iter()
@@ -50,12 +55,21 @@ fn seeds_are_valid_transfers() {
         let receipt = decode_transfer(&layout, &bytes, &mut sink, checksum).expect("decode seed");
         assert_eq!(receipt.desc.dst_blocks, FUZZ_RESERVED);
         common::assert_landed(&sink, &layout, FUZZ_REQUEST, &FUZZ_RESERVED);
-        let path = fuzz_dir("seeds").join(if checksum { "valid-crc.bin" } else { "valid.bin" });
+        let path = fuzz_dir("seeds").join(if checksum {
+            "valid-crc.bin"
+        } else {
+            "valid.bin"
+        });
         if std::env::var_os("DUET_WRITE_FUZZ_SEEDS").is_some() {
             std::fs::write(&path, &bytes).expect("write seed");
         }
         let stored = std::fs::read(&path).expect("read seed");
-        assert_eq!(stored, bytes, "{} is stale: rerun with DUET_WRITE_FUZZ_SEEDS=1", path.display());
+        assert_eq!(
+            stored,
+            bytes,
+            "{} is stale: rerun with DUET_WRITE_FUZZ_SEEDS=1",
+            path.display()
+        );
     }
 }
 
@@ -74,5 +88,8 @@ fn past_findings_and_seeds_do_not_panic() {
             }
         }
     }
-    assert!(n >= 2, "no fuzz inputs found under fuzz/seeds and fuzz/regressions");
+    assert!(
+        n >= 2,
+        "no fuzz inputs found under fuzz/seeds and fuzz/regressions"
+    );
 }

@@ -88,6 +88,7 @@ mod tests {
             revision: 1,
             stale: false,
             stale_since: None,
+            lost_at: Default::default(),
         }
     }
 

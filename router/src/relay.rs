@@ -142,6 +142,11 @@ fn response(id: &str, ev: pb::generate_response::Event) -> pb::GenerateResponse 
     }
 }
 
+/// How long after the view lost its last decode worker a request still waits for one to
+/// come back (two default lease TTLs: enough for a worker whose lease expired to register
+/// again once etcd answers).
+const WORKERS_RETURN_WINDOW: Duration = Duration::from_secs(10);
+
 /// Waits for a decode worker with room (the queue), bounded by the deadline and
 /// `max_queue_wait`. `None`: the client went away.
 async fn wait_for_decode(
@@ -191,9 +196,16 @@ async fn wait_for_decode(
             return Err(RouterError::Deadline("waiting for a decode worker"));
         }
         // With no decode worker at all (beyond a short grace for workers that are just
-        // registering), waiting cannot help: say so at once (HTTP 503, UNAVAILABLE).
+        // registering), waiting cannot help: say so at once (HTTP 503, UNAVAILABLE). Unless
+        // the view lost its decode workers a moment ago: leases that expired while etcd was
+        // frozen come back within seconds, and the request waits for them (bounded by
+        // `max_queue_wait` and its deadline).
         let none_known = largest.is_none();
-        if now >= give_up || (none_known && now >= started + shared.cfg.no_worker_grace) {
+        let just_lost = snap
+            .lost_at(Role::Decode)
+            .is_some_and(|t| now.saturating_duration_since(t) < WORKERS_RETURN_WINDOW);
+        let grace_over = now >= started + shared.cfg.no_worker_grace && !just_lost;
+        if now >= give_up || (none_known && grace_over) {
             let known = snap.workers(Role::Decode).count();
             return Err(RouterError::NoWorker {
                 role: "decode",

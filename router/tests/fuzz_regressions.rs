@@ -22,5 +22,8 @@ fn past_findings_and_seeds_do_not_panic() {
             }
         }
     }
-    assert!(n >= 4, "the seeds under fuzz/seeds/openai_request are missing");
+    assert!(
+        n >= 4,
+        "the seeds under fuzz/seeds/openai_request are missing"
+    );
 }

@@ -6,8 +6,8 @@
 //! parsed as a completion or a chat request and turned into a generation request. It never
 //! panics; a request it accepts has a prompt (or messages) and a positive token budget.
 
-use axum::http::{header, HeaderMap, HeaderValue};
 use axum::body::Bytes;
+use axum::http::{header, HeaderMap, HeaderValue};
 
 use super::completions::{check_content_type, parse, request_id_of};
 use super::openai_request::{ChatRequest, CompletionRequest};
@@ -35,7 +35,10 @@ pub fn openai_request(data: &[u8]) {
     }
     let _ = check_content_type(&headers);
     if let Ok(Some(id)) = request_id_of(&headers) {
-        assert!(!id.trim().is_empty() && id.len() <= 256, "accepted id {id:?}");
+        assert!(
+            !id.trim().is_empty() && id.len() <= 256,
+            "accepted id {id:?}"
+        );
     }
     let req = if kind % 2 == 0 {
         parse::<CompletionRequest>(&body).and_then(|r| r.to_generate())
@@ -44,6 +47,9 @@ pub fn openai_request(data: &[u8]) {
     };
     if let Ok(r) = req {
         assert!(r.prompt.is_some(), "an accepted request without a prompt");
-        assert!(r.max_tokens > 0, "an accepted request without a token budget");
+        assert!(
+            r.max_tokens > 0,
+            "an accepted request without a token budget"
+        );
     }
 }

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Audits duet's dependency tree with cargo-deny (policy: deny.toml).
+#
+#   scripts/audit.sh            licenses, bans, sources (offline: from Cargo.lock and the
+#                               registry cache), then advisories if the RustSec database
+#                               can be fetched; says plainly when it cannot
+#   scripts/audit.sh --strict   also fails when the advisories could not be checked
+#
+# `make lint` (and so CI) runs it. The RustSec advisory database is a git repository on
+# GitHub: machines that reach only the package registries cannot fetch it, so there the
+# advisories are NOT checked; run this where GitHub is reachable, or point cargo-deny at a
+# local copy (`db-path` in deny.toml).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+strict=0
+[ "${1:-}" = "--strict" ] && strict=1
+say() { echo "audit: $*" >&2; }
+if ! cargo deny --version >/dev/null 2>&1; then
+  say "installing cargo-deny from crates.io (a few minutes, once)"
+  cargo install cargo-deny --locked --version 0.20.2
+fi
+cargo deny --offline check licenses bans sources
+say "licenses, bans, sources: ok"
+if cargo deny check advisories 2>"${TMPDIR:-/tmp}/duet-audit.err"; then
+  say "advisories: ok"
+elif grep -q "failed to fetch advisory database" "${TMPDIR:-/tmp}/duet-audit.err"; then
+  say "advisories: NOT CHECKED: the RustSec database (github.com) is unreachable from here"
+  [ "$strict" = 1 ] && exit 1
+else
+  cat "${TMPDIR:-/tmp}/duet-audit.err" >&2
+  exit 1
+fi
