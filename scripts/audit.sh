@@ -22,12 +22,14 @@ if ! cargo deny --version >/dev/null 2>&1; then
 fi
 cargo deny --offline check licenses bans sources
 say "licenses, bans, sources: ok"
-if cargo deny check advisories 2>"${TMPDIR:-/tmp}/duet-audit.err"; then
+err="$(mktemp)"
+trap 'rm -f "$err"' EXIT
+if cargo deny check advisories 2>"$err"; then
   say "advisories: ok"
-elif grep -q "failed to fetch advisory database" "${TMPDIR:-/tmp}/duet-audit.err"; then
+elif grep -q "failed to fetch advisory database" "$err"; then
   say "advisories: NOT CHECKED: the RustSec database (github.com) is unreachable from here"
-  [ "$strict" = 1 ] && exit 1
+  if [ "$strict" = 1 ]; then exit 1; fi
 else
-  cat "${TMPDIR:-/tmp}/duet-audit.err" >&2
+  cat "$err" >&2
   exit 1
 fi

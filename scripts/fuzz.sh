@@ -44,18 +44,20 @@ for t in "${targets[@]}"; do
   rm -rf "$artifacts" && mkdir -p "$artifacts"
   say "$t for ${secs}s (corpus $(ls "$corpus" | wc -l) inputs)"
   set +e
-  cargo "${tc[@]}" fuzz run --fuzz-dir fuzz "$t" "$corpus" -- \
+  cargo ${tc[@]+"${tc[@]}"} fuzz run --fuzz-dir fuzz "$t" "$corpus" -- \
     -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
     -artifact_prefix="$artifacts" -print_final_stats=1 2>&1 | tail -n 25
   rc=${PIPESTATUS[0]}
   set -e
+  here=0
   for f in "$artifacts"*; do
     [ -f "$f" ] || continue
     cp "$f" "fuzz/regressions/$t/"
     say "finding: fuzz/regressions/$t/$(basename "$f")"
-    found=$((found + 1))
+    here=$((here + 1))
   done
-  if [ "$rc" -ne 0 ] && [ "$found" -eq 0 ]; then
+  found=$((found + here))
+  if [ "$rc" -ne 0 ] && [ "$here" -eq 0 ]; then
     say "$t: cargo fuzz exited with $rc and left no artifact"
     exit "$rc"
   fi

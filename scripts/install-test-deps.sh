@@ -14,6 +14,8 @@ command -v protoc >/dev/null || need_apt+=(protobuf-compiler)
 command -v iperf3 >/dev/null || need_apt+=(iperf3)
 command -v curl >/dev/null || need_apt+=(curl)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
+# `ip netns`, veth and bridges: the KV link cut test (cli/tests/fault_network_cut.rs).
+command -v ip >/dev/null || need_apt+=(iproute2)
 # Prometheus and promtool: the observability tests scrape a live cluster with them.
 command -v promtool >/dev/null && command -v prometheus >/dev/null || need_apt+=(prometheus)
 

@@ -31,6 +31,7 @@ CAPACITY_PROMPTS="${CAPACITY_PROMPTS:-40}"
 read -r -a WORKLOAD <<<"${WORKLOAD:---dataset fixed --input-len 128 --output-len 64}"
 OUT="${OUT:-$root/bench/results/soak-$(date +%F)}"
 say() { echo "soak: $*" >&2; }
+[ "$DURATION" -gt "$WARMUP_S" ] || { say "DURATION ($DURATION) must exceed WARMUP_S ($WARMUP_S)"; exit 2; }
 mkdir -p "$OUT"
 
 ./scripts/fetch-model.sh >/dev/null
@@ -79,7 +80,7 @@ sampler=""
 
 # After the load: everything must drain to zero.
 for _ in $(seq 100); do
-  curl -sf "$http/metrics" >"$OUT/metrics-after.txt"
+  curl -sf --max-time 5 "$http/metrics" >"$OUT/metrics-after.txt" || { sleep 0.1; continue; }
   python3 - "$OUT/metrics-after.txt" <<'PY' && break
 import re, sys
 text = open(sys.argv[1]).read()

@@ -28,6 +28,8 @@ use support::{greedy, text, Proc, START};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 const PASSWORD: &str = "s3cret-etcd-pass";
+/// The only name in the workers' certificate.
+const WORKER_NAME: &str = "duet-worker.cluster.internal";
 
 /// PEM files of one test PKI.
 struct Pki {
@@ -57,9 +59,14 @@ fn new_ca(name: &str) -> (rcgen::Certificate, KeyPair) {
 }
 
 fn leaf(cn: &str, issuer: &(rcgen::Certificate, KeyPair)) -> (String, String) {
+    leaf_for(cn, &["localhost", "127.0.0.1"], issuer)
+}
+
+/// A certificate for `names` (DNS names or IPs), good for server and client use.
+fn leaf_for(cn: &str, names: &[&str], issuer: &(rcgen::Certificate, KeyPair)) -> (String, String) {
     let key = KeyPair::generate().expect("leaf key");
-    let mut p = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
-        .expect("leaf params");
+    let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    let mut p = CertificateParams::new(names).expect("leaf params");
     p.extended_key_usages = vec![
         ExtendedKeyUsagePurpose::ServerAuth,
         ExtendedKeyUsagePurpose::ClientAuth,
@@ -86,6 +93,11 @@ fn make_pki() -> Pki {
     let (cert, key) = leaf("duet-node", &ca);
     write("node.pem", &cert);
     write("node.key", &key);
+    // The workers' certificate names a service, not the address they advertise (as in
+    // Kubernetes, where they advertise pod IPs): the router needs --tls-server-name.
+    let (cert, key) = leaf_for("duet-worker", &[WORKER_NAME], &ca);
+    write("worker.pem", &cert);
+    write("worker.key", &key);
     let rogue_ca = new_ca("somebody else's CA");
     let (cert, key) = leaf("intruder", &rogue_ca);
     write("rogue.pem", &cert);
@@ -149,8 +161,21 @@ async fn tls_channel(
     pki: &Pki,
     identity: Option<(&str, &str)>,
 ) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    tls_channel_named(url, pki, identity, None).await
+}
+
+/// [`tls_channel`] expecting `name` in the server's certificate.
+async fn tls_channel_named(
+    url: &str,
+    pki: &Pki,
+    identity: Option<(&str, &str)>,
+    name: Option<&str>,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
     let mut tls =
         ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read(&pki.path("ca.pem"))));
+    if let Some(n) = name {
+        tls = tls.domain_name(n);
+    }
     if let Some((c, k)) = identity {
         tls = tls.identity(Identity::from_pem(read(&pki.path(c)), read(&pki.path(k))));
     }
@@ -232,11 +257,19 @@ fn tls_on_every_link_and_etcd_authentication() {
         "--tls-ca",
         &pki.arg("ca.pem"),
     ];
+    let worker_tls_flags = [
+        "--tls-cert",
+        &pki.arg("worker.pem"),
+        "--tls-key",
+        &pki.arg("worker.key"),
+        "--tls-ca",
+        &pki.arg("ca.pem"),
+    ];
     let env = [("DUET_ETCD_PASSWORD", PASSWORD)];
     let worker = |role: &str| {
         let mut args = vec![role, "--kv-pool", "64MiB", "--tls-client-auth", "required"];
         args.extend_from_slice(&etcd_flags);
-        args.extend_from_slice(&tls_flags);
+        args.extend_from_slice(&worker_tls_flags);
         let p = Proc::start_logged(role, &args, &env);
         let addr = p.wait_for("serving gRPC on", START);
         (p, addr)
@@ -247,7 +280,13 @@ fn tls_on_every_link_and_etcd_authentication() {
         decode_addr.starts_with("https://") && prefill_addr.starts_with("https://"),
         "TLS workers must advertise https:// addresses: {decode_addr}, {prefill_addr}"
     );
-    let mut args = vec!["router", "--http-listen", "127.0.0.1:0"];
+    let mut args = vec![
+        "router",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--tls-server-name",
+        WORKER_NAME,
+    ];
     args.extend_from_slice(&etcd_flags);
     args.extend_from_slice(&tls_flags);
     let router = Proc::start_logged("router", &args, &env);
@@ -320,11 +359,20 @@ fn tls_on_every_link_and_etcd_authentication() {
         assert_ne!(plain_result, "answered", "plain text reached the TLS door");
 
         // Workers: mutual TLS. The node certificate passes; none, or a foreign CA's, fails.
+        // Their certificate names only WORKER_NAME: dialled by address without
+        // expecting that name, the handshake fails (what --tls-server-name is for).
+        let named = Some(WORKER_NAME);
         for addr in [&decode_addr, &prefill_addr] {
-            let ok = health(tls_channel(addr, &pki, Some(("node.pem", "node.key"))).await).await;
+            let node = Some(("node.pem", "node.key"));
+            let ok = health(tls_channel_named(addr, &pki, node, named).await).await;
             assert_eq!(ok, "status 1", "{addr} with the cluster's certificate");
+            let by_ip = health(tls_channel(addr, &pki, node).await).await;
+            assert!(
+                by_ip.contains("error"),
+                "{addr}: a certificate without the IP was accepted for it: {by_ip}"
+            );
             for identity in [None, Some(("rogue.pem", "rogue.key"))] {
-                let refused = health(tls_channel(addr, &pki, identity).await).await;
+                let refused = health(tls_channel_named(addr, &pki, identity, named).await).await;
                 assert!(
                     refused.contains("error"),
                     "{addr} answered a client with identity {identity:?}: {refused}"

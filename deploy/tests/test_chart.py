@@ -63,8 +63,11 @@ def test_schema_rejects(helm, chart, values, message):
     ({"config": {"drain": "2m"}}, "probes.liveness"),
     ({"model": {"source": "pvc"}}, "model.pvc.claimName is required"),
     ({"model": {"source": "hostPath"}}, "model.hostPath.path is required"),
-    ({"tls": {"enabled": True}}, "tls.cert"),
-    ({"tls": {"enabled": True, "cert": "C", "key": "K"}}, "tls.ca"),
+    ({"tls": {"enabled": True, "serverName": "w"}}, "tls.cert"),
+    ({"tls": {"enabled": True, "cert": "C", "key": "K", "serverName": "w"}}, "tls.ca"),
+    ({"tls": {"enabled": True, "cert": "C", "key": "K", "ca": "A"}}, "tls.serverName is required"),
+    ({"etcd": {"enabled": False, "external": {"endpoints": ["http://e:2379"], "authSecret": "s"}}},
+     "needs etcd.external.tlsSecret"),
 ])
 def test_render_refuses(helm, chart, values, message):
     """Combinations the schema cannot see are refused at render time, with a message."""

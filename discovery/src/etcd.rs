@@ -27,8 +27,8 @@ use crate::registry::{
     with_timeout, KeyValue, Lease, LeaseId, Listing, Registry, WatchEvent, WatchStream,
 };
 
-/// How to reach etcd.
-#[derive(Debug, Clone)]
+/// How to reach etcd. `Debug` shows neither key material nor the password.
+#[derive(Clone)]
 pub struct EtcdOptions {
     /// Client URLs (`http://host:port` or `host:port`).
     pub endpoints: Vec<String>,
@@ -45,6 +45,19 @@ pub struct EtcdOptions {
     /// User and password when etcd has authentication enabled; the token is refreshed
     /// when it expires.
     pub credentials: Option<EtcdCredentials>,
+}
+
+impl fmt::Debug for EtcdOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdOptions")
+            .field("endpoints", &self.endpoints)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .field("http2_keep_alive", &self.http2_keep_alive)
+            .field("tls", &self.tls.as_ref().map(|_| "<configured>"))
+            .field("credentials", &self.credentials)
+            .finish()
+    }
 }
 
 /// An etcd user and password. `Debug` never shows the password.

@@ -432,6 +432,15 @@ impl Error {
         }
     }
 
+    /// True when the link itself failed (timed out, closed, broke, or an I/O error), as
+    /// opposed to the peer refusing the transfer or this side failing.
+    pub fn is_link_failure(&self) -> bool {
+        matches!(
+            self.root(),
+            Error::PeerClosed { .. } | Error::Timeout { .. } | Error::Io { .. } | Error::Broken
+        )
+    }
+
     /// True when the peer closed the connection cleanly between two transfers.
     pub fn is_clean_close(&self) -> bool {
         matches!(self, Error::PeerClosed { during } if *during == crate::protocol::IDLE)

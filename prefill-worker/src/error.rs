@@ -41,12 +41,10 @@ impl PrefillError {
     }
 
     /// Whether the KV link to the decode worker failed (timed out, broke, or could not be
-    /// opened): not this worker's fault, nor necessarily the decode worker's.
+    /// opened): not this worker's fault, nor necessarily the decode worker's. A transfer the
+    /// decode worker refused, or a local failure, is not a link failure.
     pub fn is_link_failure(&self) -> bool {
-        matches!(self, PrefillError::Transfer(e) if matches!(
-            e.class(),
-            duet_kv_transfer::ErrorClass::DeadlineExceeded | duet_kv_transfer::ErrorClass::Unavailable
-        ))
+        matches!(self, PrefillError::Transfer(e) if e.is_link_failure())
     }
 
     /// As a gRPC status (a link failure carries [`duet_serving::status::KV_LINK_FAILED`]).

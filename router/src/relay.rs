@@ -104,6 +104,13 @@ pub async fn run(shared: Arc<Shared>, mut job: Job, out: Out) {
                 _ = out.closed() => return,
                 _ = tokio::time::sleep(Duration::from_millis(100)) => {}
             }
+        } else if e.failed_link().is_some() && sent == 0 && within_queue_wait(&shared, &job) {
+            // Not an attempt either: the pair is avoided from now on, and once every pair's
+            // link has failed the decode worker prefills locally. Bounded by the number of
+            // pairs and by `max_queue_wait`.
+            tracing::warn!(error = %e, "KV link failed: retrying without that pair");
+            attempt -= 1;
+            metrics::counter!(duet_telemetry::names::ROUTER_RETRIES_TOTAL).increment(1);
         } else if sent > 0
             && e.retryable()
             && migrations < shared.cfg.max_migrations
@@ -355,34 +362,35 @@ async fn attempt_once(
         placement = pb::PrefillPlacement::Local;
         reason = format!("migrated stream: {resumed} sent tokens replayed on the decode worker");
     }
-    // Remote prefill: candidates for the first decode worker's model, suspects last. A
-    // prefill -> decode pair whose KV link failed recently is not used; when no pair is
-    // left, the decode worker prefills locally (no KV link needed).
-    let mut candidates: Vec<WorkerRecord> = Vec::new();
+    // Remote prefill: for each decode worker, the prefill workers with its model
+    // fingerprint, suspects last, without the pairs whose KV link failed recently. When no
+    // decode worker has such a prefill worker, the decode worker prefills locally.
+    let tokens = shared.workers.prefill_tokens();
+    let prefill_for = |d: &WorkerRecord| -> Vec<WorkerRecord> {
+        let mut v: Vec<WorkerRecord> =
+            prefill_candidates(&snap, &shared.cfg.model_name, &d.fingerprint, &tokens)
+                .into_iter()
+                .filter(|p| !shared.workers.is_bad_link(&p.id, &d.id))
+                .cloned()
+                .collect();
+        v.sort_by_key(|p| suspects.contains(&p.id));
+        v
+    };
     if placement == pb::PrefillPlacement::Remote {
-        let fp = decoders[0].fingerprint.clone();
-        let tokens = shared.workers.prefill_tokens();
-        candidates = prefill_candidates(&snap, &shared.cfg.model_name, &fp, &tokens)
-            .into_iter()
-            .cloned()
-            .collect();
-        candidates.sort_by_key(|p| suspects.contains(&p.id));
-        let linked = |d: &WorkerRecord| {
-            candidates
-                .iter()
-                .any(|p| !shared.workers.is_bad_link(&p.id, &d.id))
-        };
-        if candidates.is_empty() {
+        let any_prefill = decoders.iter().any(|d| {
+            !prefill_candidates(&snap, &shared.cfg.model_name, &d.fingerprint, &tokens).is_empty()
+        });
+        if !any_prefill {
             placement = pb::PrefillPlacement::Local;
             reason = "no prefill worker with the decode worker's model: prefilled locally".into();
-        } else if !decoders.iter().any(linked) {
+        } else if decoders.iter().all(|d| prefill_for(d).is_empty()) {
             placement = pb::PrefillPlacement::Local;
             reason = "the KV links from the prefill workers to the decode workers failed \
                       recently: prefilled locally"
                 .into();
         } else {
             // Decode workers some prefill worker reaches come first.
-            decoders.sort_by_key(|d| !linked(d));
+            decoders.sort_by_key(|d| prefill_for(d).is_empty());
         }
     }
     // Reserve on the first decode worker that accepts (remote), or just pick the first.
@@ -395,10 +403,7 @@ async fn attempt_once(
             chosen = Some((d.clone(), None, None, tracked));
             break;
         }
-        let Some(p) = candidates
-            .iter()
-            .find(|p| !shared.workers.is_bad_link(&p.id, &d.id))
-        else {
+        let Some(p) = prefill_for(d).into_iter().next() else {
             continue;
         };
         let mut client = shared.workers.decode(&d.grpc_addr)?;
@@ -415,7 +420,7 @@ async fn attempt_once(
             .unwrap_or_else(|_| Err(no_answer("reserve", CONTROL_TIMEOUT)));
         match answer {
             Ok(r) => {
-                chosen = Some((d.clone(), Some(r.into_inner()), Some(p.clone()), tracked));
+                chosen = Some((d.clone(), Some(r.into_inner()), Some(p), tracked));
                 break;
             }
             Err(s) => last_err = Some(worker_err(d, s)),

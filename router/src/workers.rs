@@ -49,12 +49,27 @@ impl Workers {
             reason: format!("worker address {addr}: {reason}"),
         };
         let mut e = Endpoint::from_shared(addr.to_string()).map_err(|e| bad(e.to_string()))?;
-        if addr.starts_with("https://") {
-            let tls = self
-                .tls
-                .as_ref()
-                .ok_or_else(|| bad("the worker serves TLS; give the router --tls-ca".into()))?;
-            e = e.tls_config(tls.tonic()).map_err(|e| bad(e.to_string()))?;
+        match (addr.starts_with("https://"), &self.tls) {
+            (true, Some(tls)) => {
+                e = e.tls_config(tls.tonic()).map_err(|e| bad(e.to_string()))?;
+            }
+            (true, None) => {
+                return Err(bad("the worker serves TLS; give the router --tls-ca".into()));
+            }
+            // A router configured for TLS never falls back to plain text towards a worker
+            // that was started without it: that would silently drop mutual TLS.
+            (false, Some(_)) => {
+                tracing::warn!(
+                    addr,
+                    "refusing a plain-text worker: the router requires TLS"
+                );
+                return Err(bad(
+                    "the worker serves plain text but the router requires TLS (--tls-ca); \
+                     start the worker with --tls-cert/--tls-key"
+                        .into(),
+                ));
+            }
+            (false, None) => {}
         }
         let c = e
             .connect_timeout(Duration::from_secs(2))

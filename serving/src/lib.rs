@@ -1,5 +1,6 @@
 //! What every duet gRPC server (router, prefill worker, decode worker) shares:
 //!
+//! - [`error`]: the crate's one error type;
 //! - [`convert`]: proto messages <-> engine types (sampling parameters, finish reasons) and
 //!   the engine's KV layout as kv-transfer describes it;
 //! - [`status`]: the one mapping from an error class to a gRPC status code;
@@ -12,6 +13,7 @@
 //! The conversions live here once so that the router and both workers agree on them.
 
 pub mod convert;
+pub mod error;
 pub mod server;
 pub mod status;
 pub mod tls;

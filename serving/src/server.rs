@@ -13,16 +13,8 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 
+pub use crate::error::ServeError;
 use crate::tls::ServerTls;
-
-/// Errors from serving.
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    #[error("gRPC server: {0}")]
-    Transport(#[source] tonic::transport::Error),
-    #[error("reflection service: {0}")]
-    Reflection(#[source] tonic_reflection::server::Error),
-}
 
 /// Health reporter handle, to flip services to NOT_SERVING.
 pub type Health = tonic_health::server::HealthReporter;

@@ -20,20 +20,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
-/// Why TLS material could not be used.
-#[derive(Debug, thiserror::Error)]
-pub enum TlsError {
-    #[error("reading {path}: {source}")]
-    Read {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path}: {what}")]
-    Pem { path: PathBuf, what: String },
-    #[error("TLS configuration: {0}")]
-    Config(#[source] rustls::Error),
-}
+use crate::error::ServeError;
 
 /// One PEM file's bytes, checked to hold what it must.
 #[derive(Clone)]
@@ -50,8 +37,8 @@ impl std::fmt::Debug for Pem {
 }
 
 impl Pem {
-    fn read(path: &Path) -> Result<Pem, TlsError> {
-        let bytes = std::fs::read(path).map_err(|source| TlsError::Read {
+    fn read(path: &Path) -> Result<Pem, ServeError> {
+        let bytes = std::fs::read(path).map_err(|source| ServeError::TlsRead {
             path: path.to_path_buf(),
             source,
         })?;
@@ -61,7 +48,7 @@ impl Pem {
         })
     }
 
-    fn certs(&self) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    fn certs(&self) -> Result<Vec<CertificateDer<'static>>, ServeError> {
         let certs = CertificateDer::pem_slice_iter(&self.bytes)
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| self.bad(format!("not PEM certificates: {e}")))?;
@@ -71,13 +58,13 @@ impl Pem {
         Ok(certs)
     }
 
-    fn key(&self) -> Result<PrivateKeyDer<'static>, TlsError> {
+    fn key(&self) -> Result<PrivateKeyDer<'static>, ServeError> {
         PrivateKeyDer::from_pem_slice(&self.bytes)
             .map_err(|e| self.bad(format!("no PEM private key: {e}")))
     }
 
-    fn bad(&self, what: String) -> TlsError {
-        TlsError::Pem {
+    fn bad(&self, what: String) -> ServeError {
+        ServeError::TlsPem {
             path: self.path.clone(),
             what,
         }
@@ -103,7 +90,11 @@ pub struct ServerTls {
 impl ServerTls {
     /// Loads and checks `cert` (chain), `key`, and the CA that client certificates must
     /// chain to (`None`: clients are not asked for a certificate).
-    pub fn load(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<ServerTls, TlsError> {
+    pub fn load(
+        cert: &Path,
+        key: &Path,
+        client_ca: Option<&Path>,
+    ) -> Result<ServerTls, ServeError> {
         let tls = ServerTls {
             cert: Pem::read(cert)?,
             key: Pem::read(key)?,
@@ -135,10 +126,10 @@ impl ServerTls {
 
     /// A rustls server configuration offering `alpn` (e.g. `http/1.1`), for servers tonic
     /// does not run (the HTTP door).
-    pub fn rustls(&self, alpn: &[&[u8]]) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    pub fn rustls(&self, alpn: &[&[u8]]) -> Result<Arc<rustls::ServerConfig>, ServeError> {
         let builder = rustls::ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(TlsError::Config)?;
+            .map_err(ServeError::TlsConfig)?;
         let builder = match &self.client_ca {
             Some(ca) => {
                 let mut roots = rustls::RootCertStore::empty();
@@ -159,7 +150,7 @@ impl ServerTls {
         };
         let mut cfg = builder
             .with_single_cert(self.cert.certs()?, self.key.key()?)
-            .map_err(TlsError::Config)?;
+            .map_err(ServeError::TlsConfig)?;
         cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         Ok(Arc::new(cfg))
     }
@@ -176,7 +167,7 @@ pub struct ClientTls {
 impl ClientTls {
     /// Loads the CA to trust, and this client's certificate and key when servers require
     /// one.
-    pub fn load(ca: &Path, identity: Option<(&Path, &Path)>) -> Result<ClientTls, TlsError> {
+    pub fn load(ca: &Path, identity: Option<(&Path, &Path)>) -> Result<ClientTls, ServeError> {
         let ca = Pem::read(ca)?;
         ca.certs()?;
         let identity = match identity {

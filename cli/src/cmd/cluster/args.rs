@@ -45,7 +45,7 @@ impl RegistryArgs {
         self.validate()?;
         let mut opts = EtcdOptions::new(self.etcd.clone());
         opts.tls = self.etcd_auth.tls()?.map(|t| t.tonic());
-        opts.credentials = self.etcd_auth.credentials();
+        opts.credentials = self.etcd_auth.credentials(&self.etcd)?;
         let r = EtcdRegistry::connect(opts)
             .await
             .context("connecting to etcd")?;

@@ -101,6 +101,9 @@ impl ClientTlsArgs {
         let e = tonic::transport::Endpoint::from_shared(url.to_string())
             .with_context(|| format!("{url}: not a URL"))?;
         if !url.starts_with("https://") {
+            if self.tls_ca.is_some() {
+                bail!("--tls-ca given but {url} is plain text: use https://");
+            }
             return Ok(e);
         }
         let tls = client_tls(&self.tls_ca, &self.tls_cert, &self.tls_key)?
@@ -151,12 +154,22 @@ impl std::fmt::Debug for EtcdTlsArgs {
 }
 
 impl EtcdTlsArgs {
-    /// The user and password, when given.
-    pub fn credentials(&self) -> Option<duet_discovery::EtcdCredentials> {
-        match (&self.etcd_user, &self.etcd_password) {
-            (Some(u), Some(p)) => Some(duet_discovery::EtcdCredentials::new(u, p)),
-            _ => None,
+    /// The user and password, when given. Refused towards `http://` endpoints: the
+    /// password would cross the network in clear.
+    pub fn credentials(
+        &self,
+        endpoints: &[String],
+    ) -> anyhow::Result<Option<duet_discovery::EtcdCredentials>> {
+        let (Some(u), Some(p)) = (&self.etcd_user, &self.etcd_password) else {
+            return Ok(None);
+        };
+        if let Some(plain) = endpoints.iter().find(|e| !e.starts_with("https://")) {
+            bail!(
+                "--etcd-password: etcd endpoint {plain} is not https://, the password would \
+                 cross the network in clear (give https:// endpoints and --etcd-ca)"
+            );
         }
+        Ok(Some(duet_discovery::EtcdCredentials::new(u, p)))
     }
 
     pub fn tls(&self) -> anyhow::Result<Option<ClientTls>> {

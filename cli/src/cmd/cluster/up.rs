@@ -123,6 +123,10 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 pub fn up(a: UpArgs) -> anyhow::Result<()> {
     a.routing.validate()?;
     let server_tls = a.tls.server()?;
+    if server_tls.is_some() && a.tls.tls_ca.is_none() {
+        // The workers of this process serve TLS too, and the router must verify them.
+        anyhow::bail!("--tls-cert: `duet up` also needs --tls-ca (the router checks its workers' certificates)");
+    }
     let scheme = duet_serving::tls::scheme(server_tls.is_some());
     // Before anything records: metric handles taken earlier would go nowhere.
     duet_telemetry::install()?;
