@@ -406,6 +406,9 @@ async fn attempt_once(
         let Some(p) = prefill_for(d).into_iter().next() else {
             continue;
         };
+        // Counted before the await too, so that concurrent requests spread across prefill
+        // workers before their records update.
+        let prefill_tracked = shared.workers.track_prefill(&p.id, prompt_len as u64);
         let mut client = shared.workers.decode(&d.grpc_addr)?;
         let req = outgoing(
             job,
@@ -420,22 +423,27 @@ async fn attempt_once(
             .unwrap_or_else(|_| Err(no_answer("reserve", CONTROL_TIMEOUT)));
         match answer {
             Ok(r) => {
-                chosen = Some((d.clone(), Some(r.into_inner()), Some(p), tracked));
+                chosen = Some((
+                    d.clone(),
+                    Some(r.into_inner()),
+                    Some((p, prefill_tracked)),
+                    tracked,
+                ));
                 break;
             }
             Err(s) => last_err = Some(worker_err(d, s)),
         }
     }
-    let Some((decoder, reservation, prefill_choice, _decode_tracked)) = chosen else {
+    let Some((decoder, reservation, prefill_pick, _decode_tracked)) = chosen else {
         return Err(last_err.unwrap_or(RouterError::NoWorker {
             role: "decode",
             reason: "no decode worker accepted the reservation".into(),
         }));
     };
-    // Counted at once, so that concurrent requests spread before records update.
-    let prefill_tracked = prefill_choice
-        .as_ref()
-        .map(|p| shared.workers.track_prefill(&p.id, prompt_len as u64));
+    let (prefill_choice, prefill_tracked) = match prefill_pick {
+        Some((p, t)) => (Some(p), Some(t)),
+        None => (None, None),
+    };
     job.slot.release();
     job.metrics.placed(placement_label(placement));
     let queue_seconds = job.arrival.elapsed().as_secs_f64();
