@@ -43,6 +43,17 @@ impl Pki {
     fn arg(&self, name: &str) -> String {
         self.path(name).display().to_string()
     }
+    /// `--tls-cert <who>.pem --tls-key <who>.key --tls-ca ca.pem`.
+    fn tls_flags(&self, who: &str) -> Vec<String> {
+        vec![
+            "--tls-cert".into(),
+            self.arg(&format!("{who}.pem")),
+            "--tls-key".into(),
+            self.arg(&format!("{who}.key")),
+            "--tls-ca".into(),
+            self.arg("ca.pem"),
+        ]
+    }
 }
 
 fn new_ca(name: &str) -> (rcgen::Certificate, KeyPair) {
@@ -249,27 +260,13 @@ fn tls_on_every_link_and_etcd_authentication() {
         "--etcd-user",
         "root",
     ];
-    let tls_flags = [
-        "--tls-cert",
-        &pki.arg("node.pem"),
-        "--tls-key",
-        &pki.arg("node.key"),
-        "--tls-ca",
-        &pki.arg("ca.pem"),
-    ];
-    let worker_tls_flags = [
-        "--tls-cert",
-        &pki.arg("worker.pem"),
-        "--tls-key",
-        &pki.arg("worker.key"),
-        "--tls-ca",
-        &pki.arg("ca.pem"),
-    ];
+    let tls_flags = pki.tls_flags("node");
+    let worker_tls_flags = pki.tls_flags("worker");
     let env = [("DUET_ETCD_PASSWORD", PASSWORD)];
     let worker = |role: &str| {
         let mut args = vec![role, "--kv-pool", "64MiB", "--tls-client-auth", "required"];
         args.extend_from_slice(&etcd_flags);
-        args.extend_from_slice(&worker_tls_flags);
+        args.extend(worker_tls_flags.iter().map(String::as_str));
         let p = Proc::start_logged(role, &args, &env);
         let addr = p.wait_for("serving gRPC on", START);
         (p, addr)
@@ -288,7 +285,7 @@ fn tls_on_every_link_and_etcd_authentication() {
         WORKER_NAME,
     ];
     args.extend_from_slice(&etcd_flags);
-    args.extend_from_slice(&tls_flags);
+    args.extend(tls_flags.iter().map(String::as_str));
     let router = Proc::start_logged("router", &args, &env);
     let url = router.wait_for("router listening on", START);
     let http = router.wait_for("http listening on", START);

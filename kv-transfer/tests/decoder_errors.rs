@@ -3,8 +3,8 @@
 
 mod common;
 
-use duet_kv_transfer::protocol::{decode_transfer, encode_transfer};
-use duet_kv_transfer::{Error, ErrorClass, KvLayout, LayerRegions, MemorySink, TransferDesc};
+use duet_kv_transfer::protocol::decode_transfer;
+use duet_kv_transfer::{Error, ErrorClass, KvLayout, MemorySink, TransferDesc};
 
 const REQ: u64 = 42;
 
@@ -15,27 +15,6 @@ fn desc() -> TransferDesc {
         token_count: 7,
         dst_blocks: vec![5, 2],
     }
-}
-
-fn encode_layers(layout: &KvLayout, d: &TransferDesc, layers: &[u32], crc: bool) -> Vec<u8> {
-    let data: Vec<_> = layers
-        .iter()
-        .map(|&l| {
-            (
-                l,
-                common::layer_regions(layout, d.request_id, l, &d.dst_blocks),
-            )
-        })
-        .collect();
-    let regions: Vec<LayerRegions<'_>> = data
-        .iter()
-        .map(|(l, (k, v))| LayerRegions {
-            layer: *l,
-            k: k.iter().map(Vec::as_slice).collect(),
-            v: v.iter().map(Vec::as_slice).collect(),
-        })
-        .collect();
-    encode_transfer(layout, d, &regions, crc).unwrap()
 }
 
 fn sink(layout: KvLayout) -> MemorySink {
@@ -64,7 +43,7 @@ fn decode(layout: KvLayout, bytes: &[u8]) -> (Result<(), Error>, MemorySink) {
 #[test]
 fn valid_stream_decodes() {
     let l = common::small_layout();
-    let bytes = encode_layers(&l, &desc(), &[0, 1, 2], true);
+    let bytes = common::encode_layers(&l, &desc(), &[0, 1, 2], true);
     let (r, s) = decode(l, &bytes);
     r.unwrap();
     common::assert_landed(&s, &l, REQ, &[5, 2]);
@@ -75,7 +54,7 @@ fn never_reserved_blocks_are_refused_before_any_write() {
     let l = common::small_layout();
     let mut d = desc();
     d.dst_blocks = vec![5, 3]; // 3 is not reserved
-    let bytes = encode_layers(&l, &d, &[0, 1, 2], false);
+    let bytes = common::encode_layers(&l, &d, &[0, 1, 2], false);
     let (r, s) = decode(l, &bytes);
     let e = r.unwrap_err();
     assert!(
@@ -98,7 +77,7 @@ fn blocks_of_another_request_are_refused() {
     let l = common::small_layout();
     let mut d = desc();
     d.request_id = REQ + 1;
-    let bytes = encode_layers(&l, &d, &[0, 1, 2], false);
+    let bytes = common::encode_layers(&l, &d, &[0, 1, 2], false);
     let (r, s) = decode(l, &bytes);
     assert!(matches!(
         r.unwrap_err().root(),
@@ -111,7 +90,7 @@ fn blocks_of_another_request_are_refused() {
 fn layer_out_of_range() {
     let l = common::small_layout();
     let d = desc();
-    let mut bytes = encode_layers(&l, &d, &[0, 1, 2], false);
+    let mut bytes = common::encode_layers(&l, &d, &[0, 1, 2], false);
     let at = begin_len(&d, false) + 4;
     bytes[at..at + 4].copy_from_slice(&99u32.to_le_bytes());
     let (r, _) = decode(l, &bytes);
@@ -135,7 +114,7 @@ fn layer_out_of_range() {
 fn duplicate_layer() {
     let l = common::small_layout();
     let d = desc();
-    let mut bytes = encode_layers(&l, &d, &[0, 1, 2], false);
+    let mut bytes = common::encode_layers(&l, &d, &[0, 1, 2], false);
     let at = begin_len(&d, false) + layer_len(&l, &d, false) + 4;
     bytes[at..at + 4].copy_from_slice(&0u32.to_le_bytes());
     let (r, _) = decode(l, &bytes);
@@ -149,7 +128,7 @@ fn duplicate_layer() {
 fn oversized_layer_length() {
     let l = common::small_layout();
     let d = desc();
-    let mut bytes = encode_layers(&l, &d, &[0, 1, 2], false);
+    let mut bytes = common::encode_layers(&l, &d, &[0, 1, 2], false);
     let at = begin_len(&d, false) + 8;
     bytes[at..at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
     let (r, s) = decode(l, &bytes);
@@ -178,7 +157,7 @@ fn oversized_block_list() {
 fn truncated_stream() {
     let l = common::small_layout();
     let d = desc();
-    let bytes = encode_layers(&l, &d, &[0, 1, 2], true);
+    let bytes = common::encode_layers(&l, &d, &[0, 1, 2], true);
     let cut = begin_len(&d, true) + 100;
     let (r, _) = decode(l, &bytes[..cut]);
     let e = r.unwrap_err();
@@ -191,7 +170,7 @@ fn truncated_stream() {
 fn corrupted_payload_fails_crc() {
     let l = common::small_layout();
     let d = desc();
-    let mut bytes = encode_layers(&l, &d, &[0, 1, 2], true);
+    let mut bytes = common::encode_layers(&l, &d, &[0, 1, 2], true);
     let at = begin_len(&d, true) + 16 + 10;
     bytes[at] ^= 0x40;
     let (r, _) = decode(l, &bytes);
@@ -205,7 +184,7 @@ fn corrupted_payload_fails_crc() {
 #[test]
 fn missing_layers() {
     let l = common::small_layout();
-    let bytes = encode_layers(&l, &desc(), &[0, 2], false);
+    let bytes = common::encode_layers(&l, &desc(), &[0, 2], false);
     let (r, _) = decode(l, &bytes);
     assert!(matches!(
         r.unwrap_err().root(),
@@ -228,7 +207,7 @@ fn garbage_and_unknown_tags() {
 #[test]
 fn checksum_required_by_receiver() {
     let l = common::small_layout();
-    let bytes = encode_layers(&l, &desc(), &[0, 1, 2], false);
+    let bytes = common::encode_layers(&l, &desc(), &[0, 1, 2], false);
     let mut s = sink(l);
     let e = decode_transfer(&l, &bytes, &mut s, true).unwrap_err();
     assert!(matches!(e.root(), Error::Malformed { .. }), "{e}");

@@ -8,8 +8,8 @@ mod common;
 use std::path::PathBuf;
 
 use duet_kv_transfer::fuzzing::{fuzz_layout, kv_frames, FUZZ_REQUEST, FUZZ_RESERVED};
-use duet_kv_transfer::protocol::{decode_transfer, encode_transfer};
-use duet_kv_transfer::{LayerRegions, MemorySink, TransferDesc};
+use duet_kv_transfer::protocol::decode_transfer;
+use duet_kv_transfer::{MemorySink, TransferDesc};
 
 fn fuzz_dir(kind: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../fuzz/{kind}/kv_frames"))
@@ -23,23 +23,8 @@ fn valid_transfer(checksum: bool) -> Vec<u8> {
         token_count: 6,
         dst_blocks: FUZZ_RESERVED.to_vec(),
     };
-    let data: Vec<_> = (0..layout.layers())
-        .map(|l| {
-            (
-                l,
-                common::layer_regions(&layout, FUZZ_REQUEST, l, &FUZZ_RESERVED),
-            )
-        })
-        .collect();
-    let regions: Vec<LayerRegions<'_>> = data
-        .iter()
-        .map(|(l, (k, v))| LayerRegions {
-            layer: *l,
-            k: k.iter().map(Vec::as_slice).collect(),
-            v: v.iter().map(Vec::as_slice).collect(),
-        })
-        .collect();
-    encode_transfer(&layout, &desc, &regions, checksum).expect("encode a valid transfer")
+    let layers: Vec<u32> = (0..layout.layers()).collect();
+    common::encode_layers(&layout, &desc, &layers, checksum)
 }
 
 /// The seeds are what the encoder writes today, and the decoder lands them in the reserved

@@ -3,9 +3,10 @@
 
 use std::time::Duration;
 
+use duet_kv_transfer::protocol::encode_transfer;
 use duet_kv_transfer::{
-    Dtype, Fingerprint, KvKind, KvLayout, KvSink, MemorySink, SharedSecret, SinkError, Timeouts,
-    TransferConfig,
+    Dtype, Fingerprint, KvKind, KvLayout, KvSink, LayerRegions, MemorySink, SharedSecret,
+    SinkError, Timeouts, TransferConfig, TransferDesc,
 };
 
 /// A sink that implements only the required methods, so receivers take the one-region-at-a-
@@ -122,4 +123,21 @@ pub fn assert_untouched(sink: &MemorySink, layout: &KvLayout, block: u32) {
             );
         }
     }
+}
+
+/// A whole transfer of `layers` of request `d`, with the deterministic region contents.
+pub fn encode_layers(layout: &KvLayout, d: &TransferDesc, layers: &[u32], crc: bool) -> Vec<u8> {
+    let data: Vec<_> = layers
+        .iter()
+        .map(|&l| (l, layer_regions(layout, d.request_id, l, &d.dst_blocks)))
+        .collect();
+    let regions: Vec<LayerRegions<'_>> = data
+        .iter()
+        .map(|(l, (k, v))| LayerRegions {
+            layer: *l,
+            k: k.iter().map(Vec::as_slice).collect(),
+            v: v.iter().map(Vec::as_slice).collect(),
+        })
+        .collect();
+    encode_transfer(layout, d, &regions, crc).unwrap()
 }
