@@ -58,10 +58,17 @@ fn check_mode(extra: &[&str], expect_long: pb::PrefillPlacement, reference: &[Ve
                 };
             assert_eq!(placement(&got), want_placement, "{prompt:?}: {t:?}");
             if want_placement == pb::PrefillPlacement::Remote {
-                // The whole prompt's KV moved: whole 16-token blocks x 30 layers x K and V x
-                // 3 KV heads x 64 dims x 4 bytes (f32).
+                // The prompt's KV moved but for the blocks the decode worker already held
+                // (the chat prompts share the template's system line, one full block):
+                // whole 16-token blocks x 30 layers x K and V x 3 KV heads x 64 dims x 4
+                // bytes (f32).
                 let blocks = u64::from(prompt_tokens).div_ceil(16);
-                assert_eq!(t.kv_bytes, blocks * 16 * 30 * 2 * 3 * 64 * 4, "{t:?}");
+                let held = u64::from(t.kv_reused_tokens) / 16;
+                assert_eq!(
+                    t.kv_bytes,
+                    (blocks - held) * 16 * 30 * 2 * 3 * 64 * 4,
+                    "{t:?}"
+                );
                 assert!(
                     !t.prefill_worker.is_empty() && t.kv_transfer_seconds > 0.0,
                     "{t:?}"

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use duet_engine::PrefixCacheConfig;
+
 /// How a decode worker batches and bounds its work.
 #[derive(Debug, Clone)]
 pub struct DecodeConfig {
@@ -19,6 +21,9 @@ pub struct DecodeConfig {
     pub kv_wait_timeout: Duration,
     /// Longest reservation lifetime a router may ask for.
     pub max_reservation_ttl: Duration,
+    /// The prefix cache and its lower tiers (`None`: off; every prompt is computed or
+    /// transferred whole, and blocks return to the pool when a sequence ends).
+    pub prefix_cache: Option<PrefixCacheConfig>,
 }
 
 impl Default for DecodeConfig {
@@ -31,6 +36,7 @@ impl Default for DecodeConfig {
             admit_watermark_blocks: 4,
             kv_wait_timeout: Duration::from_secs(30),
             max_reservation_ttl: Duration::from_secs(120),
+            prefix_cache: Some(PrefixCacheConfig::default()),
         }
     }
 }

@@ -7,7 +7,8 @@ use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use duet_engine::{FinishReason, GenerationParams, KvKind, Model};
+use duet_engine::{BlockHash, FinishReason, GenerationParams, KvKind, Model};
+use duet_serving::kv_events::KvEventHub;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -53,6 +54,9 @@ pub struct Done {
     /// Tokens generated when the sequence was first preempted (its KV was recomputed from
     /// the prompt and those tokens).
     pub first_preempted_at: Option<u32>,
+    /// Prompt tokens whose KV came from the prefix cache (not computed by a local prefill,
+    /// not transferred by a remote one).
+    pub cached_tokens: usize,
 }
 
 /// What a generating sequence streams.
@@ -68,6 +72,8 @@ pub enum Event {
 pub struct DecodeStatus {
     pub kv_blocks_total: u64,
     pub kv_blocks_free: u64,
+    /// Of the free blocks, those holding cached prefixes.
+    pub kv_blocks_cached: u64,
     pub block_size: u32,
     pub running: u32,
     pub waiting: u32,
@@ -82,7 +88,8 @@ pub(crate) enum Cmd {
         request_id: u64,
         prompt_tokens: usize,
         ttl: Duration,
-        reply: oneshot::Sender<Result<Vec<u32>, DecodeError>>,
+        block_hashes: Vec<BlockHash>,
+        reply: oneshot::Sender<Result<Reserved, DecodeError>>,
     },
     Generate {
         job: GenerateJob,
@@ -105,6 +112,17 @@ pub(crate) enum Cmd {
         request_id: u64,
         reason: String,
     },
+    Prefetch {
+        block_hashes: Vec<BlockHash>,
+    },
+}
+
+/// A reservation: the leading prompt tokens the worker already holds (prefix cache) and
+/// the fresh blocks the rest of the KV goes to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    pub cached_tokens: usize,
+    pub blocks: Vec<u32>,
 }
 
 /// Blocks reserved for in-flight transfers: block id -> request id. Written by the engine
@@ -120,6 +138,7 @@ pub struct DecodeHandle {
     layout: duet_engine::KvLayout,
     context_length: usize,
     stopped: Arc<AtomicBool>,
+    kv_events: KvEventHub,
 }
 
 impl DecodeHandle {
@@ -138,6 +157,7 @@ impl DecodeHandle {
         let status = Arc::new(Mutex::new(DecodeStatus::default()));
         let reserved: ReservedBlocks = Arc::default();
         let stopped = Arc::new(AtomicBool::new(false));
+        let kv_events = KvEventHub::new(cfg.id.clone(), kv.block_size);
         let sched = Scheduler::new(
             model,
             kv,
@@ -145,8 +165,9 @@ impl DecodeHandle {
             rx,
             status.clone(),
             reserved.clone(),
+            kv_events.clone(),
             cancel,
-        );
+        )?;
         let flag = stopped.clone();
         std::thread::Builder::new()
             .name(format!("{}-engine", cfg.id))
@@ -167,6 +188,7 @@ impl DecodeHandle {
             layout,
             context_length,
             stopped,
+            kv_events,
         })
     }
 
@@ -174,18 +196,21 @@ impl DecodeHandle {
         self.tx.send(c).map_err(|_| DecodeError::ShuttingDown)
     }
 
-    /// Reserves blocks for a prompt whose KV will arrive by kv-transfer.
+    /// Reserves blocks for a prompt whose KV will arrive by kv-transfer, after the leading
+    /// blocks of `block_hashes` that the prefix cache holds.
     pub async fn reserve(
         &self,
         request_id: u64,
         prompt_tokens: usize,
         ttl: Duration,
-    ) -> Result<Vec<u32>, DecodeError> {
+        block_hashes: Vec<BlockHash>,
+    ) -> Result<Reserved, DecodeError> {
         let (reply, rx) = oneshot::channel();
         self.send(Cmd::Reserve {
             request_id,
             prompt_tokens,
             ttl,
+            block_hashes,
             reply,
         })?;
         rx.await.map_err(|_| DecodeError::ShuttingDown)?
@@ -216,6 +241,16 @@ impl DecodeHandle {
             return false;
         }
         rx.await.unwrap_or(false)
+    }
+
+    /// Starts bringing a prompt's blocks up from the host and disk tiers (fire and forget).
+    pub fn prefetch(&self, block_hashes: Vec<BlockHash>) {
+        let _ = self.send(Cmd::Prefetch { block_hashes });
+    }
+
+    /// The worker's prefix-cache events (for `duet.v1.KvCache`).
+    pub fn kv_events(&self) -> &KvEventHub {
+        &self.kv_events
     }
 
     /// Latest status.

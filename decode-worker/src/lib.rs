@@ -22,4 +22,6 @@ pub mod service;
 
 pub use config::DecodeConfig;
 pub use error::DecodeError;
-pub use handle::{DecodeHandle, DecodeStatus, Event, GenerateJob, PrefillSource, Priority};
+pub use handle::{
+    DecodeHandle, DecodeStatus, Event, GenerateJob, PrefillSource, Priority, Reserved,
+};

@@ -6,9 +6,16 @@
 //! every running sequence's next token plus up to `prefill_chunk_tokens` prompt tokens of
 //! sequences being prefilled here.
 //!
+//! Prefix cache: a reservation or a local prefill starts from the leading blocks the cache
+//! holds (only the rest is transferred or computed); a sequence's full prompt blocks are
+//! registered once their KV is complete and stay cached after it ends, for the next turn of
+//! the conversation (generated tokens are not: see `Seq::cacheable`); the cache's changes
+//! are published to routers after every iteration.
+//!
 //! Invariants:
 //! - a cache sequence exists iff its request is in `reservations` or `active`
 //!   (`waiting` sequences hold no KV);
+//! - KV receivers may write only the reservation's fresh blocks, never its cached prefix;
 //! - before a forward, the blocks it needs are free: otherwise the lowest-priority, newest
 //!   sequence is preempted (freed; recomputed from its tokens when it is admitted again),
 //!   so one long request never stalls or fails the others;
@@ -21,15 +28,19 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use duet_engine::{
-    EngineError, FinishReason, Generation, KvCache, KvCacheConfig, Model, SeqChunk, TokenStep,
+    reusable_tokens, BlockHash, EngineError, FinishReason, Generation, KvCache, KvCacheConfig,
+    Model, PrefixHasher, SeqChunk, TokenStep,
 };
+use duet_serving::kv_events::KvEventHub;
+use duet_serving::prefix_cache::PrefixCacheBook;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::DecodeConfig;
 use crate::error::DecodeError;
 use crate::handle::{
-    secs, Cmd, DecodeStatus, Done, Event, GenerateJob, PrefillSource, Priority, ReservedBlocks,
+    secs, Cmd, DecodeStatus, Done, Event, GenerateJob, PrefillSource, Priority, Reserved,
+    ReservedBlocks,
 };
 use crate::metrics::DecodeMetrics;
 
@@ -67,12 +78,25 @@ struct Seq {
     kv_wait_seconds: f64,
     preemptions: u32,
     first_preempted_at: Option<u32>,
+    /// Prompt tokens whose KV came from the prefix cache at the first prefill.
+    cached_tokens: usize,
+    /// Leading prompt tokens whose KV is computed as a prompt (by a prefill worker, or by a
+    /// local prefill here); only those are registered in the prefix cache. Tokens computed
+    /// one per step (a replay after migration) are not, nor are generated ones: a later
+    /// prompt recomputes them as a prompt, so its KV, and its output, never depend on
+    /// whether the cache served it.
+    cacheable: usize,
     span: tracing::Span,
 }
 
 struct Reservation {
+    /// The fresh blocks the KV arrives in (the cached prefix's blocks are not listed).
     blocks: Vec<u32>,
     prompt_tokens: usize,
+    /// Leading prompt tokens attached from the prefix cache, and their block hashes (checked
+    /// against the prompt when Generate claims the reservation).
+    cached: usize,
+    cached_hashes: Vec<BlockHash>,
     received: usize,
     /// Unclaimed reservations expire; every piece of KV that arrives extends the lifetime
     /// by `ttl`, so a long prefill streaming its KV keeps its blocks.
@@ -96,9 +120,13 @@ pub(crate) struct Scheduler {
     waiting: VecDeque<Seq>,
     tokens_per_second: f64,
     metrics: DecodeMetrics,
+    /// Prefix-cache bookkeeping (`None`: the cache is off).
+    book: Option<PrefixCacheBook>,
+    hasher: PrefixHasher,
 }
 
 impl Scheduler {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         model: Arc<Model>,
         kv: KvCacheConfig,
@@ -106,10 +134,19 @@ impl Scheduler {
         rx: std_mpsc::Receiver<Cmd>,
         status: Arc<Mutex<DecodeStatus>>,
         reserved: ReservedBlocks,
+        hub: KvEventHub,
         cancel: CancellationToken,
-    ) -> Scheduler {
+    ) -> Result<Scheduler, DecodeError> {
         let layout = model.kv_layout(kv.block_size, kv.dtype);
-        let cache = KvCache::new(layout, kv.num_blocks);
+        let mut cache = KvCache::new(layout, kv.num_blocks);
+        let book = match &cfg.prefix_cache {
+            Some(pc) => {
+                cache.enable_prefix_cache(pc)?;
+                Some(PrefixCacheBook::new(hub, "decode", &cfg.id))
+            }
+            None => None,
+        };
+        let hasher = cache.prefix_hasher();
         let cfg_id = cfg.id.clone();
         let s = Scheduler {
             model,
@@ -124,9 +161,12 @@ impl Scheduler {
             waiting: VecDeque::new(),
             tokens_per_second: 0.0,
             metrics: DecodeMetrics::new(&cfg_id),
+            book,
+            hasher,
         };
+        let mut s = s;
         s.publish();
-        s
+        Ok(s)
     }
 
     pub(crate) fn run(mut self) {
@@ -168,11 +208,15 @@ impl Scheduler {
         self.publish();
     }
 
-    fn publish(&self) {
+    fn publish(&mut self) {
+        if let Some(b) = &self.book {
+            b.flush(&mut self.cache);
+        }
         if let Ok(mut st) = self.status.lock() {
             *st = DecodeStatus {
                 kv_blocks_total: self.cache.total_blocks() as u64,
                 kv_blocks_free: self.cache.free_blocks() as u64,
+                kv_blocks_cached: self.cache.allocator().cached_blocks() as u64,
                 block_size: self.cache.block_size() as u32,
                 running: self.active.len() as u32,
                 waiting: self.waiting.len() as u32,
@@ -200,9 +244,10 @@ impl Scheduler {
                 request_id,
                 prompt_tokens,
                 ttl,
+                block_hashes,
                 reply,
             } => {
-                let r = self.reserve(request_id, prompt_tokens, ttl);
+                let r = self.reserve(request_id, prompt_tokens, ttl, &block_hashes);
                 // Status is current before the caller hears back.
                 self.publish();
                 let _ = reply.send(r);
@@ -249,10 +294,25 @@ impl Scheduler {
                     r.failed = Some(reason);
                 }
             }
+            Cmd::Prefetch { block_hashes } => {
+                if let Some(b) = &self.book {
+                    let moved = self.cache.prefetch(&block_hashes);
+                    b.prefetched(moved);
+                }
+            }
         }
     }
 
-    fn reserve(&mut self, id: u64, tokens: usize, ttl: Duration) -> Result<Vec<u32>, DecodeError> {
+    /// Reserves room for a prompt of `tokens` tokens whose KV arrives from a prefill worker,
+    /// after the cached prefix of `hashes`; returns the tokens already held and the fresh
+    /// blocks for the rest.
+    fn reserve(
+        &mut self,
+        id: u64,
+        tokens: usize,
+        ttl: Duration,
+        hashes: &[BlockHash],
+    ) -> Result<Reserved, DecodeError> {
         if self.known(id) {
             return Err(DecodeError::Duplicate(id));
         }
@@ -264,7 +324,24 @@ impl Scheduler {
             )
             .into());
         }
-        let blocks = self.cache.reserve_sequence(id, tokens)?;
+        self.cache.add_sequence(id)?;
+        let bs = self.cache.block_size();
+        let hit = match &self.book {
+            Some(book) if !hashes.is_empty() => {
+                let hit = self
+                    .cache
+                    .attach_prefix(id, hashes, reusable_tokens(tokens, bs))?;
+                book.lookup(tokens, hit, bs);
+                hit
+            }
+            _ => Default::default(),
+        };
+        let cached = hit.blocks() * bs;
+        if let Err(e) = self.cache.prepare_append(id, tokens - cached) {
+            self.cache.free_sequence(id);
+            return Err(e.into());
+        }
+        let blocks = self.cache.sequence_blocks(id)?[cached / bs..].to_vec();
         if let Ok(mut m) = self.reserved.lock() {
             for &b in &blocks {
                 m.insert(b, id);
@@ -275,14 +352,19 @@ impl Scheduler {
             Reservation {
                 blocks: blocks.clone(),
                 prompt_tokens: tokens,
-                received: 0,
+                cached,
+                cached_hashes: hashes[..cached / bs].to_vec(),
+                received: cached,
                 expires: Instant::now() + ttl.min(self.cfg.max_reservation_ttl),
                 ttl: ttl.min(self.cfg.max_reservation_ttl),
                 failed: None,
                 claim: None,
             },
         );
-        Ok(blocks)
+        Ok(Reserved {
+            cached_tokens: cached,
+            blocks,
+        })
     }
 
     fn new_seq(
@@ -297,6 +379,10 @@ impl Scheduler {
         {
             Ok(g) => g,
             Err(e) => return Err((e.into(), events)),
+        };
+        let cacheable = match job.prefill {
+            PrefillSource::Local { replay } => job.prompt.len().saturating_sub(replay),
+            PrefillSource::Remote { .. } => job.prompt.len(),
         };
         Ok(Seq {
             id: job.request_id,
@@ -319,6 +405,8 @@ impl Scheduler {
             kv_wait_seconds: 0.0,
             preemptions: 0,
             first_preempted_at: None,
+            cached_tokens: 0,
+            cacheable,
             span: job.span,
         })
     }
@@ -340,10 +428,11 @@ impl Scheduler {
         }
         match source {
             PrefillSource::Remote { first_token } => {
-                let claimed = self
-                    .reservations
-                    .get(&id)
-                    .map(|r| r.claim.is_some() || r.prompt_tokens != job.prompt.len());
+                let claimed = self.reservations.get(&id).map(|r| {
+                    r.claim.is_some()
+                        || r.prompt_tokens != job.prompt.len()
+                        || !self.prefix_matches(&job.prompt, &r.cached_hashes)
+                });
                 match claimed {
                     None => {
                         let _ = events.send(Event::Error(DecodeError::NoReservation(id)));
@@ -383,6 +472,30 @@ impl Scheduler {
         }
     }
 
+    /// Whether `prompt` starts with the blocks whose hashes a reservation attached (the
+    /// router hashed the same prompt; a mismatch would continue another prompt's KV).
+    fn prefix_matches(&self, prompt: &[u32], hashes: &[BlockHash]) -> bool {
+        let bs = self.cache.block_size();
+        let n = hashes.len() * bs;
+        n <= prompt.len() && self.hasher.hashes(&prompt[..n]) == hashes
+    }
+
+    /// Registers the blocks of a sequence whose KV is complete (the prefix cache keeps them
+    /// after the sequence ends).
+    fn register(&mut self, id: u64, tokens: &[u32]) {
+        if self.book.is_some() {
+            if let Err(e) = self.cache.register_blocks(id, tokens) {
+                tracing::debug!(request_id = id, error = %e, "registering blocks");
+            }
+        }
+    }
+
+    /// Frees a running sequence's KV, keeping its complete prompt blocks in the prefix cache.
+    fn end_sequence(&mut self, s: &Seq) {
+        self.register(s.id, &s.prompt[..s.cacheable]);
+        self.cache.free_sequence(s.id);
+    }
+
     /// Waiting order: interactive before batch; preempted sequences first in their class.
     fn enqueue(&mut self, seq: Seq, front: bool) {
         let pos = if front {
@@ -406,8 +519,7 @@ impl Scheduler {
         }
         if let Some(i) = self.active.iter().position(|s| s.id == id) {
             let s = self.active.swap_remove(i);
-            self.cache.free_sequence(id);
-            drop(s);
+            self.end_sequence(&s);
             return true;
         }
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
@@ -484,11 +596,14 @@ impl Scheduler {
             let Some((mut seq, first, claimed)) = r.claim else {
                 continue;
             };
-            if let Err(e) = self.cache.commit_append(id, r.prompt_tokens) {
+            if let Err(e) = self.cache.commit_append(id, r.prompt_tokens - r.cached) {
                 self.cache.free_sequence(id);
                 let _ = seq.events.send(Event::Error(e.into()));
                 continue;
             }
+            seq.cached_tokens = r.cached;
+            let prompt = seq.prompt.clone();
+            self.register(id, &prompt);
             seq.kv_wait_seconds = secs(claimed);
             let left = self.model.config.context_length - r.prompt_tokens;
             let step = seq.gen.accept_first(&self.model.tokenizer, first, left);
@@ -515,7 +630,7 @@ impl Scheduler {
     }
 
     fn finish(&mut self, seq: Seq, finish: FinishReason) {
-        self.cache.free_sequence(seq.id);
+        self.end_sequence(&seq);
         // A client that saw Done and then reads the status sees the blocks free.
         self.publish();
         tracing::info!(
@@ -532,6 +647,7 @@ impl Scheduler {
             kv_wait_seconds: seq.kv_wait_seconds,
             preemptions: seq.preemptions,
             first_preempted_at: seq.first_preempted_at,
+            cached_tokens: seq.cached_tokens,
         }));
     }
 
@@ -540,7 +656,7 @@ impl Scheduler {
         while i < self.active.len() {
             if self.active[i].events.is_closed() {
                 let s = self.active.swap_remove(i);
-                self.cache.free_sequence(s.id);
+                self.end_sequence(&s);
             } else {
                 i += 1;
             }
@@ -577,6 +693,11 @@ impl Scheduler {
                 let _ = s.events.send(Event::Error(e.into()));
                 continue;
             }
+            if let Err(e) = self.attach_cached_prefix(&mut s) {
+                self.cache.free_sequence(s.id);
+                let _ = s.events.send(Event::Error(e.into()));
+                continue;
+            }
             s.prefill_started.get_or_insert_with(Instant::now);
             self.active.push(s);
         }
@@ -597,6 +718,34 @@ impl Scheduler {
                 }
             }
         }
+    }
+
+    /// Starts a local prefill after the longest prefix the cache holds. Tokens that must be
+    /// fed one per step (a replay after preemption or migration) are never taken from the
+    /// cache.
+    fn attach_cached_prefix(&mut self, s: &mut Seq) -> Result<(), EngineError> {
+        let Some(book) = &self.book else {
+            return Ok(());
+        };
+        let Phase::Prefill {
+            tokens,
+            done,
+            exact_from,
+            ..
+        } = &mut s.phase
+        else {
+            return Ok(());
+        };
+        let bs = self.cache.block_size();
+        let limit = reusable_tokens(tokens.len(), bs).min(*exact_from / bs * bs);
+        let hashes = self.hasher.hashes(&tokens[..limit]);
+        let hit = self.cache.attach_prefix(s.id, &hashes, limit)?;
+        *done = hit.blocks() * bs;
+        if s.preemptions == 0 {
+            book.lookup(tokens.len(), hit, bs);
+            s.cached_tokens = *done;
+        }
+        Ok(())
     }
 
     /// Blocks the next forward needs, per active sequence (with the tokens it will feed).
@@ -656,7 +805,8 @@ impl Scheduler {
             return false;
         };
         let mut s = self.active.swap_remove(i);
-        self.cache.free_sequence(s.id);
+        // Its complete prompt blocks stay cached: the recompute finds them unless evicted.
+        self.end_sequence(&s);
         s.phase = match s.phase {
             Phase::Decode { next } => {
                 let gen = s.gen.generated();
@@ -791,6 +941,9 @@ impl Scheduler {
                     *done += n;
                     if *done < tokens.len() {
                         continue;
+                    }
+                    if self.book.is_some() {
+                        let _ = self.cache.register_blocks(s.id, &s.prompt[..s.cacheable]);
                     }
                     if let Some(started) = s.prefill_started {
                         s.prefill_seconds += secs(started);

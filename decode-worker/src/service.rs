@@ -54,15 +54,16 @@ impl pb::decode_server::Decode for DecodeService {
     ) -> Result<Response<pb::ReserveResponse>, Status> {
         let r = req.into_inner();
         let ttl = Duration::from_millis(u64::from(r.ttl_ms.max(1)));
-        let blocks = self
+        let reserved = self
             .handle
-            .reserve(r.request_id, r.prompt_tokens as usize, ttl)
+            .reserve(r.request_id, r.prompt_tokens as usize, ttl, r.block_hashes)
             .await
             .map_err(|e| e.status())?;
         Ok(Response::new(pb::ReserveResponse {
-            block_ids: blocks,
+            block_ids: reserved.blocks,
             kv_endpoints: self.kv_endpoints.clone(),
             block_size: self.handle.layout().block_size as u32,
+            cached_tokens: reserved.cached_tokens as u32,
         }))
     }
 
@@ -132,6 +133,7 @@ impl pb::decode_server::Decode for DecodeService {
                                 prefill_seconds: d.prefill_seconds,
                                 kv_wait_seconds: d.kv_wait_seconds,
                                 preemptions: d.preemptions,
+                                cached_tokens: d.cached_tokens as u32,
                             })),
                         }),
                         true,

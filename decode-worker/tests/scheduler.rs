@@ -193,9 +193,10 @@ fn dropped_receiver_and_expired_reservation_free_their_blocks() {
         let (h, stop) = start(&m, 32, 4);
         // A reservation nobody claims expires on its own.
         let blocks = h
-            .reserve(7, 40, Duration::from_millis(100))
+            .reserve(7, 40, Duration::from_millis(100), Vec::new())
             .await
-            .expect("reserve");
+            .expect("reserve")
+            .blocks;
         assert_eq!(blocks.len(), 3);
         assert_eq!(h.status().kv_blocks_free, 29);
         assert_eq!(h.status().reservations, 1);
@@ -214,6 +215,43 @@ fn dropped_receiver_and_expired_reservation_free_their_blocks() {
         }
         // Release of an unknown request is a no-op.
         assert!(!h.release(12345).await);
+        stop.cancel();
+    });
+}
+
+/// A finished sequence's blocks stay cached: the same prompt again is prefilled from its
+/// cached prefix (and gives the same tokens), and a reservation for it receives only the
+/// KV after that prefix.
+#[test]
+fn a_repeated_prompt_reuses_the_cached_prefix_locally_and_in_reservations() {
+    let m = model();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (h, stop) = start(&m, 64, 4);
+        let prompt = "The history of the lighthouse on the northern cape begins with a storm \
+                      that wrecked three fishing boats in one night, and the village decided to build a \
+                      tower of stone on the rocks above the harbour, with a fire on its top";
+        let first = job(&m, 1, prompt, 12, Priority::Interactive);
+        let len = first.prompt.len();
+        let prompt_ids = first.prompt.clone();
+        assert!(len > 40, "{len} tokens");
+        let (ids_1, done_1) = collect(h.generate(first)).await;
+        assert_eq!(done_1.cached_tokens, 0, "nothing cached before");
+        let (ids_2, done_2) = collect(h.generate(job(&m, 2, prompt, 12, Priority::Interactive))).await;
+        assert_eq!(done_2.cached_tokens, (len - 2) / 16 * 16, "whole blocks, two tokens computed");
+        assert_eq!(ids_2, ids_1, "tokens with the cached prefix");
+        let s = h.status();
+        assert_eq!(s.kv_blocks_free, 64, "cached blocks count as free: {s:?}");
+        assert!(s.kv_blocks_cached >= (len / 16) as u64, "{s:?}");
+
+        let hashes = duet_engine::PrefixHasher::new(m.fingerprint(), 16).hashes(&prompt_ids);
+        let r = h
+            .reserve(3, len, Duration::from_secs(5), hashes)
+            .await
+            .expect("reserve");
+        assert_eq!(r.cached_tokens, (len - 2) / 16 * 16);
+        assert_eq!(r.blocks.len(), len.div_ceil(16) - r.cached_tokens / 16);
+        assert!(h.release(3).await);
         stop.cancel();
     });
 }

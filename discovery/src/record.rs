@@ -75,8 +75,12 @@ pub struct KvEndpoint {
 pub struct Capacity {
     /// KV blocks in the worker's cache.
     pub kv_blocks_total: u64,
-    /// KV blocks neither in use nor reserved.
+    /// KV blocks neither in use nor reserved (cached ones included: they are reused on a
+    /// hit and evicted when room is needed).
     pub kv_blocks_free: u64,
+    /// Of the free blocks, those holding cached prefixes.
+    #[serde(default)]
+    pub kv_blocks_cached: u64,
     /// Tokens per KV block.
     pub block_size: u32,
     /// Sequences currently in the running batch.

@@ -1,8 +1,15 @@
 //! Prefill attention as matrix products: for a chunk of many rows of one
 //! sequence, `softmax(Q K^T / sqrt(d)) V` per KV head with a GEMM, instead of
-//! one dot product per (row, head, position). Used for f32 caches and chunks
-//! of at least [`MIN_ROWS`] rows; results equal the per-row path up to
-//! floating-point summation order.
+//! one dot product per (row, head, position). Used for f32 caches: in a prompt chunk (two
+//! rows or more), the rows at position `MIN_ROWS - 1` and later take this path, the
+//! earlier ones the per-row path. Results equal the per-row path up to floating-point
+//! summation order.
+//!
+//! Why the choice depends on a row's position and not on the chunk's size: a row's result
+//! then does not depend on how its prompt was cut into chunks. A prompt computed in one
+//! chunk, in several chunks (chunked prefill), or after a cached prefix (prefix cache) takes
+//! the same kernel for the same row, and the GEMMs' sums run over the same keys in the same
+//! order (trailing masked keys add exact zeros), so its KV and logits are bit-identical.
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
@@ -10,8 +17,16 @@ use rayon::prelude::*;
 use crate::error::Result;
 use crate::kv::{BlockId, KvCache, KvKind};
 
-/// Chunks with fewer rows use the per-row path.
+/// Rows at positions `MIN_ROWS - 1` and later (those that see at least `MIN_ROWS` keys)
+/// take the GEMM path.
 pub const MIN_ROWS: usize = 32;
+
+/// The first position of a chunk of `rows` rows starting at `start` that takes the GEMM
+/// path (`None`: no row does). Single rows (decode steps) never do.
+pub fn gemm_from(start: usize, rows: usize) -> Option<usize> {
+    let from = start.max(MIN_ROWS - 1);
+    (rows >= 2 && from < start + rows).then_some(from)
+}
 
 pub struct ChunkRows<'a> {
     /// Index of the chunk's first row in the batch.

@@ -174,9 +174,24 @@ impl Model {
                 tokens.push(t);
             }
         }
-        let logits = self
-            .pool
-            .install(|| self.run_layers(cache, batch, &rows, &tokens, &tables, on_layer))?;
+        // A forward made only of prompt chunks, one of which continues its sequence (chunked
+        // prefill, a cached prefix), picks its weight kernels as a forward over the whole
+        // prompt would (by the rows up to the longest chunk's end), so the KV and the logits
+        // do not depend on how the prompt was cut.
+        let continues = batch.iter().all(|c| c.tokens.len() >= 2) && starts.iter().any(|&s| s > 0);
+        let kernel_rows = match continues {
+            true => batch
+                .iter()
+                .zip(&starts)
+                .map(|(c, s)| s + c.tokens.len())
+                .max()
+                .unwrap_or(0)
+                .max(rows.len()),
+            false => rows.len(),
+        };
+        let logits = self.pool.install(|| {
+            self.run_layers(cache, batch, &rows, &tokens, &tables, kernel_rows, on_layer)
+        })?;
         for ch in batch {
             cache.commit_append(ch.seq, ch.tokens.len())?;
         }
@@ -188,6 +203,7 @@ impl Model {
         self.forward_with(cache, batch, &mut |_, _| {})
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn run_layers(
         &self,
         cache: &mut KvCache,
@@ -195,6 +211,7 @@ impl Model {
         rows: &[Row],
         tokens: &[u32],
         tables: &[Vec<BlockId>],
+        kernel_rows: usize,
         on_layer: &mut (dyn FnMut(usize, &KvCache) + Send),
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
@@ -219,7 +236,7 @@ impl Model {
         let mut xn = vec![0f32; n * d];
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut xn);
-            let mut qkv = layer.wqkv.forward(&xn, n)?;
+            let mut qkv = layer.wqkv.forward_with(&xn, n, kernel_rows)?;
             let stride = q_dim + 2 * kv_dim;
             for (r, row) in qkv.chunks_exact_mut(stride).enumerate() {
                 let (cs, sn) = (
@@ -235,13 +252,13 @@ impl Model {
                 cache.write_token(r.block, r.slot, l, k, v);
             }
             let attn = self.attention(cache, l, &qkv, stride, rows, tables, batch)?;
-            let o = layer.wo.forward(&attn, n)?;
+            let o = layer.wo.forward_with(&attn, n, kernel_rows)?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
             on_layer(l, cache);
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut xn);
-            let gu = layer.w_gate_up.forward(&xn, n)?;
+            let gu = layer.w_gate_up.forward_with(&xn, n, kernel_rows)?;
             let f = c.ffn_hidden;
             let mut h = vec![0f32; n * f];
             for (hr, gur) in h.chunks_exact_mut(f).zip(gu.chunks_exact(2 * f)) {
@@ -250,7 +267,7 @@ impl Model {
                     *o = gv / (1.0 + (-gv).exp()) * uv;
                 }
             }
-            let down = layer.w_down.forward(&h, n)?;
+            let down = layer.w_down.forward_with(&h, n, kernel_rows)?;
             for (a, b) in x.iter_mut().zip(&down) {
                 *a += b;
             }
@@ -298,23 +315,24 @@ impl Model {
             }
             Storage::F32(data) => data,
         };
-        // Long prefill chunks go through matrix products; the rest per row.
-        let mut big = vec![false; batch.len()];
+        // Prompt rows that see many keys go through matrix products; the rest per row.
+        let mut gemm_from = vec![usize::MAX; batch.len()];
         let mut chunks = Vec::new();
         let mut first = 0;
         for (i, ch) in batch.iter().enumerate() {
-            if ch.tokens.len() >= attention_gemm::MIN_ROWS {
-                big[i] = true;
+            let start = rows[first].pos;
+            if let Some(from) = attention_gemm::gemm_from(start, ch.tokens.len()) {
+                gemm_from[i] = from;
                 chunks.push(attention_gemm::ChunkRows {
-                    first_row: first,
-                    rows: ch.tokens.len(),
-                    start_pos: rows[first].pos,
+                    first_row: first + (from - start),
+                    rows: start + ch.tokens.len() - from,
+                    start_pos: from,
                     table: &tables[i],
                 });
             }
             first += ch.tokens.len();
         }
-        let mut out = self.attention_t(cache, data, layer, qkv, stride, rows, tables, &big);
+        let mut out = self.attention_t(cache, data, layer, qkv, stride, rows, tables, &gemm_from);
         let c = &self.config;
         let dims = attention_gemm::Dims {
             n_heads: c.n_heads,
@@ -337,7 +355,7 @@ impl Model {
         stride: usize,
         rows: &[Row],
         tables: &[Vec<BlockId>],
-        skip_chunks: &[bool],
+        gemm_from: &[usize],
     ) -> Vec<f32> {
         let c = &self.config;
         let (hd, nh, group) = (c.head_dim, c.n_heads, c.group_size());
@@ -347,7 +365,10 @@ impl Model {
         out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
             let (r, h) = (idx / nh, idx % nh);
             let row = &rows[r];
-            if skip_chunks.get(row.chunk).copied().unwrap_or(false) {
+            if gemm_from
+                .get(row.chunk)
+                .is_some_and(|&from| row.pos >= from)
+            {
                 return;
             }
             let g = h / group;

@@ -29,7 +29,10 @@ pub use forward::SeqChunk;
 pub use generate::{
     generate, FinishReason, Generation, GenerationOutput, GenerationParams, TokenStep,
 };
-pub use kv::{KvCache, KvCacheConfig, KvDtype, KvExport, KvKind, KvLayout, SeqId};
+pub use kv::{
+    reusable_tokens, BlockHash, KvCache, KvCacheConfig, KvDtype, KvEvent, KvExport, KvKind,
+    KvLayout, KvTier, PrefixCacheConfig, PrefixHasher, PrefixHit, SeqId, TierCounts,
+};
 pub use linear::WeightMode;
 pub use model::{LoadOptions, Model, TextFrontend};
 pub use sampling::{Sampler, SamplingParams};

@@ -165,13 +165,21 @@ impl Linear {
 
     /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
     pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        self.forward_with(x, rows, rows)
+    }
+
+    /// [`Self::forward`], with the kernel chosen as for a batch of `kernel_rows` rows (at
+    /// least `rows`): the rows of a prompt's later chunk take the kernel a forward over the
+    /// whole prompt would have taken.
+    pub fn forward_with(&self, x: &[f32], rows: usize, kernel_rows: usize) -> Result<Vec<f32>> {
         debug_assert_eq!(x.len(), rows * self.in_dim);
         let fused_max = match self.dense {
             Some(_) => FUSED_MAX_ROWS,
             None => FUSED_MAX_ROWS_QUANTIZED_ONLY,
         };
+        let fused = kernel_rows.max(rows) <= fused_max;
         if let Some(q) = &self.quantized {
-            if rows <= fused_max && q8::supported(q.format) {
+            if fused && q8::supported(q.format) {
                 let acts: Vec<Q8Row> = x.chunks_exact(self.in_dim).map(Q8Row::quantize).collect();
                 let refs: Vec<&Q8Row> = acts.iter().collect();
                 return Ok(self
@@ -189,7 +197,7 @@ impl Linear {
             false => x,
         };
         match (&self.quantized, &self.dense) {
-            (Some(q), _) if rows <= fused_max => {
+            (Some(q), _) if fused => {
                 let xs: Vec<&[f32]> = x.chunks_exact(self.in_dim).collect();
                 Ok(self.per_output_row(rows, |w, out| {
                     kernels::dot_rows(q.format, q.row(w), &xs, out)

@@ -7,6 +7,11 @@
 //! (`token_start` block aligned). After layer `l` of the forward, the hook copies each
 //! chunk's layer-`l` regions out of the scratch cache and hands them to the request's
 //! transfer task.
+//!
+//! Prefix cache: a request starts after the longest prefix its prompt finds in the cache
+//! (only the rest is computed); KV the decode worker already holds (`dst_start`) is not
+//! sent; cached blocks the decode worker lacks are sent from the cache before the first
+//! forward. A finished prompt's blocks are registered and stay cached for the next request.
 
 use std::collections::VecDeque;
 use std::sync::mpsc as std_mpsc;
@@ -14,8 +19,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use duet_engine::{KvCache, KvCacheConfig, KvKind, Model, Sampler, SamplingParams, SeqChunk};
+use duet_engine::{
+    BlockHash, KvCache, KvCacheConfig, KvKind, Model, PrefixCacheConfig, PrefixHasher, Sampler,
+    SamplingParams, SeqChunk,
+};
 use duet_kv_transfer::{Connector, Endpoint, TransferDesc};
+use duet_serving::kv_events::KvEventHub;
+use duet_serving::prefix_cache::PrefixCacheBook;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -31,6 +41,8 @@ pub struct PrefillConfig {
     pub max_batch_tokens: usize,
     /// Requests queued before new ones are refused.
     pub max_queue: usize,
+    /// The prefix cache and its lower tiers (`None`: off).
+    pub prefix_cache: Option<PrefixCacheConfig>,
 }
 
 impl Default for PrefillConfig {
@@ -39,6 +51,7 @@ impl Default for PrefillConfig {
             id: "prefill-0".into(),
             max_batch_tokens: 2048,
             max_queue: 256,
+            prefix_cache: Some(PrefixCacheConfig::default()),
         }
     }
 }
@@ -49,8 +62,11 @@ pub struct PrefillJob {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub endpoint: Endpoint,
-    /// Destination blocks reserved by the decode worker, in sequence order.
+    /// Destination blocks reserved by the decode worker, in sequence order, for the tokens
+    /// from `dst_start` on.
     pub dst_blocks: Vec<u32>,
+    /// Leading tokens the decode worker already holds (whole blocks): not sent.
+    pub dst_start: usize,
     /// Batch requests queue behind interactive ones.
     pub batch: bool,
     pub span: tracing::Span,
@@ -67,6 +83,8 @@ pub struct PrefillResult {
     /// First layer handed to the transport -> acknowledgement (overlaps the compute).
     pub kv_stream_seconds: f64,
     pub kv_bytes: u64,
+    /// Prompt tokens found in this worker's prefix cache (not computed).
+    pub cached_tokens: usize,
 }
 
 /// Live numbers for the registry and `Status`.
@@ -77,6 +95,8 @@ pub struct PrefillStatus {
     pub queued_prefill_tokens: u64,
     pub kv_blocks_total: u64,
     pub kv_blocks_free: u64,
+    /// Of the free blocks, those holding cached prefixes.
+    pub kv_blocks_cached: u64,
     /// Prompt tokens per second, exponentially averaged over forwards.
     pub tokens_per_second: f64,
 }
@@ -84,6 +104,7 @@ pub struct PrefillStatus {
 enum Cmd {
     Prefill(PrefillJob, Reply),
     Cancel(u64),
+    Prefetch(Vec<BlockHash>),
 }
 
 /// Cloneable handle to the prefill engine thread.
@@ -92,6 +113,7 @@ pub struct PrefillHandle {
     tx: std_mpsc::Sender<Cmd>,
     status: Arc<Mutex<PrefillStatus>>,
     connector: Arc<Connector>,
+    kv_events: KvEventHub,
 }
 
 impl PrefillHandle {
@@ -107,8 +129,19 @@ impl PrefillHandle {
         let (tx, rx) = std_mpsc::channel();
         let status = Arc::new(Mutex::new(PrefillStatus::default()));
         let layout = model.kv_layout(kv.block_size, kv.dtype);
+        let mut cache = KvCache::new(layout, kv.num_blocks);
+        let kv_events = KvEventHub::new(cfg.id.clone(), kv.block_size);
+        let book = match &cfg.prefix_cache {
+            Some(pc) => {
+                cache.enable_prefix_cache(pc)?;
+                Some(PrefixCacheBook::new(kv_events.clone(), "prefill", &cfg.id))
+            }
+            None => None,
+        };
         let eng = Engine {
-            cache: KvCache::new(layout, kv.num_blocks),
+            hasher: cache.prefix_hasher(),
+            cache,
+            book,
             model,
             cfg: cfg.clone(),
             rx,
@@ -134,6 +167,7 @@ impl PrefillHandle {
             tx,
             status,
             connector,
+            kv_events,
         })
     }
 
@@ -151,6 +185,16 @@ impl PrefillHandle {
         let _ = self.tx.send(Cmd::Cancel(request_id));
     }
 
+    /// Starts bringing a prompt's blocks up from the host and disk tiers (fire and forget).
+    pub fn prefetch(&self, block_hashes: Vec<BlockHash>) {
+        let _ = self.tx.send(Cmd::Prefetch(block_hashes));
+    }
+
+    /// The worker's prefix-cache events (for `duet.v1.KvCache`).
+    pub fn kv_events(&self) -> &KvEventHub {
+        &self.kv_events
+    }
+
     /// Latest status.
     pub fn status(&self) -> PrefillStatus {
         self.status.lock().map(|s| s.clone()).unwrap_or_default()
@@ -164,7 +208,10 @@ impl PrefillHandle {
 
 struct Running {
     job: PrefillJob,
+    /// Prompt tokens whose KV is in the cache (attached or computed).
     done: usize,
+    /// Of those, the tokens attached from the prefix cache.
+    cached: usize,
     enqueued: Instant,
     started: Instant,
     tx: mpsc::UnboundedSender<Msg>,
@@ -181,6 +228,9 @@ struct Queued {
 struct Engine {
     model: Arc<Model>,
     cache: KvCache,
+    /// Prefix-cache bookkeeping (`None`: the cache is off).
+    book: Option<PrefixCacheBook>,
+    hasher: PrefixHasher,
     cfg: PrefillConfig,
     rx: std_mpsc::Receiver<Cmd>,
     status: Arc<Mutex<PrefillStatus>>,
@@ -224,6 +274,16 @@ impl Engine {
         }
     }
 
+    /// Frees a running request's KV, keeping its complete blocks in the prefix cache.
+    fn end(&mut self, r: &Running) {
+        if self.book.is_some() {
+            let _ = self
+                .cache
+                .register_blocks(r.job.request_id, &r.job.prompt[..r.done]);
+        }
+        self.cache.free_sequence(r.job.request_id);
+    }
+
     fn publish(&mut self) {
         let queued_prefill_tokens: u64 = self
             .queue
@@ -247,8 +307,12 @@ impl Engine {
                 queued_prefill_tokens,
                 kv_blocks_total: self.cache.total_blocks() as u64,
                 kv_blocks_free: self.cache.free_blocks() as u64,
+                kv_blocks_cached: self.cache.allocator().cached_blocks() as u64,
                 tokens_per_second: self.tokens_per_second,
             };
+        }
+        if let Some(b) = &self.book {
+            b.flush(&mut self.cache);
         }
     }
 
@@ -256,20 +320,34 @@ impl Engine {
         match c {
             Cmd::Prefill(job, reply) => {
                 let blocks = self.cache.blocks_for(job.prompt.len());
+                let bs = self.cache.block_size();
                 if job.prompt.is_empty() || blocks > self.cache.total_blocks() {
                     let _ = reply.send(Err(PrefillError::TooLong {
                         tokens: job.prompt.len(),
                         blocks,
                         total: self.cache.total_blocks(),
                     }));
-                } else if job.dst_blocks.len() != blocks {
+                } else if job.dst_start % bs != 0 || job.dst_start >= job.prompt.len() {
+                    let _ = reply.send(Err(PrefillError::Engine(
+                        duet_engine::EngineError::invalid(
+                            "dst_start_tokens",
+                            format!(
+                                "{} (must be a multiple of {bs} below the prompt's {} tokens)",
+                                job.dst_start,
+                                job.prompt.len()
+                            ),
+                        ),
+                    )));
+                } else if job.dst_blocks.len() != blocks - job.dst_start / bs {
                     let _ = reply.send(Err(PrefillError::Engine(
                         duet_engine::EngineError::invalid(
                             "dst_blocks",
                             format!(
-                                "{} destination blocks for {} tokens (need {blocks})",
+                                "{} destination blocks for {} tokens after {} held (need {})",
                                 job.dst_blocks.len(),
-                                job.prompt.len()
+                                job.prompt.len(),
+                                job.dst_start,
+                                blocks - job.dst_start / bs
                             ),
                         ),
                     )));
@@ -303,8 +381,14 @@ impl Engine {
                 }
                 if let Some(i) = self.running.iter().position(|r| r.job.request_id == id) {
                     let r = self.running.swap_remove(i);
-                    self.cache.free_sequence(id);
+                    self.end(&r);
                     let _ = r.tx.send(Msg::Fail(PrefillError::Cancelled(id)));
+                }
+            }
+            Cmd::Prefetch(hashes) => {
+                if let Some(b) = &self.book {
+                    let moved = self.cache.prefetch(&hashes);
+                    b.prefetched(moved);
                 }
             }
         }
@@ -317,7 +401,7 @@ impl Engine {
             // The caller went away, or the transfer failed (its task ended).
             if self.running[i].watch.is_closed() || self.running[i].tx.is_closed() {
                 let r = self.running.swap_remove(i);
-                self.cache.free_sequence(r.job.request_id);
+                self.end(&r);
                 let _ =
                     r.tx.send(Msg::Fail(PrefillError::Cancelled(r.job.request_id)));
             } else {
@@ -326,10 +410,11 @@ impl Engine {
         }
     }
 
-    /// Blocks still to be allocated by running requests.
-    fn pending_blocks(&self) -> usize {
+    /// Blocks still to be allocated by running requests other than `id`.
+    fn pending_blocks_except(&self, id: u64) -> usize {
         self.running
             .iter()
+            .filter(|r| r.job.request_id != id)
             .map(|r| {
                 let have = self
                     .cache
@@ -342,19 +427,96 @@ impl Engine {
             .sum()
     }
 
+    /// Starts the request at the queue's front after its cached prefix: the tokens attached
+    /// from the prefix cache, or `None` when the pool has no room for the rest yet (the
+    /// request stays queued and holds nothing).
+    fn attach(&mut self, id: u64, prompt: &[u32]) -> Result<Option<usize>, PrefillError> {
+        self.cache.add_sequence(id)?;
+        if self.book.is_none() {
+            return self.room_for(id, prompt, 0);
+        }
+        let bs = self.cache.block_size();
+        let limit = duet_engine::reusable_tokens(prompt.len(), bs);
+        let hashes = self.hasher.hashes(&prompt[..limit]);
+        let hit = match self.cache.attach_prefix(id, &hashes, limit) {
+            Ok(h) => h,
+            Err(e) => {
+                self.cache.free_sequence(id);
+                return Err(e.into());
+            }
+        };
+        let room = self.room_for(id, prompt, hit.blocks() * bs)?;
+        if let (Some(book), Some(_)) = (&self.book, room) {
+            book.lookup(prompt.len(), hit, bs);
+        }
+        Ok(room)
+    }
+
+    /// Whether the rest of `prompt` after `cached` tokens fits next to the running requests
+    /// (otherwise the sequence is freed again: its attached blocks go back to the cache).
+    fn room_for(
+        &mut self,
+        id: u64,
+        prompt: &[u32],
+        cached: usize,
+    ) -> Result<Option<usize>, PrefillError> {
+        let need = self.cache.blocks_for(prompt.len()) - cached / self.cache.block_size();
+        if need + self.pending_blocks_except(id) > self.cache.free_blocks() {
+            self.cache.free_sequence(id);
+            return Ok(None);
+        }
+        Ok(Some(cached))
+    }
+
+    /// Sends the KV of tokens `from..to` (whole blocks, already in the cache) to `r`'s
+    /// decode worker as one transfer of every layer.
+    fn send_cached(&self, r: &Running, from: usize, to: usize) {
+        let bs = self.cache.block_size();
+        let Ok(blocks) = self.cache.sequence_blocks(r.job.request_id) else {
+            return;
+        };
+        let (first, last) = (from / bs, to / bs);
+        let dst0 = r.job.dst_start / bs;
+        let desc = TransferDesc {
+            request_id: r.job.request_id,
+            token_start: from as u32,
+            token_count: (to - from) as u32,
+            dst_blocks: r.job.dst_blocks[first - dst0..last - dst0].to_vec(),
+        };
+        let _ = r.tx.send(Msg::Begin(desc));
+        for layer in 0..self.cache.layout().n_layers {
+            let copy = |kind| -> Vec<Bytes> {
+                blocks[first..last]
+                    .iter()
+                    .map(|&b| Bytes::copy_from_slice(self.cache.region_bytes(b, layer, kind)))
+                    .collect()
+            };
+            let _ = r.tx.send(Msg::Layer {
+                layer: layer as u32,
+                k: copy(KvKind::K),
+                v: copy(KvKind::V),
+            });
+        }
+        let _ = r.tx.send(Msg::Finish);
+    }
+
     fn start_queued(&mut self) {
         while let Some(q) = self.queue.front() {
-            let need = self.cache.blocks_for(q.job.prompt.len());
-            if need + self.pending_blocks() > self.cache.free_blocks() {
-                break;
-            }
+            let (id, prompt) = (q.job.request_id, q.job.prompt.clone());
+            let cached = match self.attach(id, &prompt) {
+                Ok(Some(c)) => c,
+                Ok(None) => break,
+                Err(e) => {
+                    if let Some(q) = self.queue.pop_front() {
+                        let _ = q.reply.send(Err(e));
+                    }
+                    continue;
+                }
+            };
             let Some(q) = self.queue.pop_front() else {
+                self.cache.free_sequence(id);
                 break;
             };
-            if let Err(e) = self.cache.add_sequence(q.job.request_id) {
-                let _ = q.reply.send(Err(e.into()));
-                continue;
-            }
             // The transfer task owns the reply; the engine watches the caller through a
             // second channel that closes with the reply's receiver.
             let (watch, watch_rx) = oneshot::channel::<()>();
@@ -379,14 +541,20 @@ impl Engine {
                 reply,
                 span,
             );
-            self.running.push(Running {
+            let r = Running {
                 job,
-                done: 0,
+                done: cached,
+                cached,
                 enqueued,
                 started: Instant::now(),
                 tx,
                 watch,
-            });
+            };
+            // Cached blocks the decode worker does not hold travel before any compute.
+            if cached > r.job.dst_start {
+                self.send_cached(&r, r.job.dst_start, cached);
+            }
+            self.running.push(r);
         }
     }
 
@@ -415,17 +583,25 @@ impl Engine {
             budget -= n;
             plan.push((i, r.done, n));
         }
-        for &(i, start, n) in &plan {
+        // Each chunk sends the part of its KV the decode worker does not hold yet (from
+        // `dst_start` on), as whole destination blocks: `(plan index, first token)`.
+        let mut sends = Vec::new();
+        for (k, &(i, start, n)) in plan.iter().enumerate() {
             let r = &self.running[i];
-            let first = start / bs;
-            let last = (start + n).div_ceil(bs);
+            let from = start.max(r.job.dst_start);
+            if from >= start + n {
+                continue;
+            }
+            let dst0 = r.job.dst_start / bs;
             let desc = TransferDesc {
                 request_id: r.job.request_id,
-                token_start: start as u32,
-                token_count: n as u32,
-                dst_blocks: r.job.dst_blocks[first..last].to_vec(),
+                token_start: from as u32,
+                token_count: (start + n - from) as u32,
+                dst_blocks: r.job.dst_blocks[from / bs - dst0..(start + n).div_ceil(bs) - dst0]
+                    .to_vec(),
             };
             let _ = r.tx.send(Msg::Begin(desc));
+            sends.push((k, from));
         }
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
@@ -439,14 +615,15 @@ impl Engine {
             })
             .collect();
         // What the per-layer hook needs: for each chunk, its sender and block index range.
-        let outs: Vec<(mpsc::UnboundedSender<Msg>, u64, usize, usize)> = plan
+        let outs: Vec<(mpsc::UnboundedSender<Msg>, u64, usize, usize)> = sends
             .iter()
-            .map(|&(i, start, n)| {
+            .map(|&(k, from)| {
+                let (i, start, n) = plan[k];
                 let r = &self.running[i];
                 (
                     r.tx.clone(),
                     r.job.request_id,
-                    start / bs,
+                    from / bs,
                     (start + n).div_ceil(bs),
                 )
             })
@@ -488,7 +665,7 @@ impl Engine {
                 idx.sort_unstable_by_key(|x| std::cmp::Reverse(*x));
                 for i in idx {
                     let r = self.running.swap_remove(i);
-                    self.cache.free_sequence(r.job.request_id);
+                    self.end(&r);
                     let _ = r.tx.send(Msg::Fail(PrefillError::Engine(
                         duet_engine::EngineError::invalid("forward", e.to_string()),
                     )));
@@ -501,7 +678,9 @@ impl Engine {
         let mut finished = Vec::new();
         for (k, &(i, start, n)) in plan.iter().enumerate() {
             let r = &mut self.running[i];
-            let _ = r.tx.send(Msg::Finish);
+            if sends.iter().any(|&(s, _)| s == k) {
+                let _ = r.tx.send(Msg::Finish);
+            }
             r.done = start + n;
             if r.done < r.job.prompt.len() {
                 continue;
@@ -513,7 +692,7 @@ impl Engine {
         finished.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
         for (i, first) in finished {
             let r = self.running.swap_remove(i);
-            self.cache.free_sequence(r.job.request_id);
+            self.end(&r);
             let msg = match first {
                 Ok(first_token) => Msg::Complete(
                     PrefillResult {
@@ -523,6 +702,7 @@ impl Engine {
                         kv_transfer_seconds: 0.0,
                         kv_stream_seconds: 0.0,
                         kv_bytes: 0,
+                        cached_tokens: r.cached,
                     },
                     compute_done,
                 ),

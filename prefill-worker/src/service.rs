@@ -66,6 +66,7 @@ impl pb::prefill_server::Prefill for PrefillService {
                 sampling,
                 endpoint,
                 dst_blocks: r.dst_blocks,
+                dst_start: r.dst_start_tokens as usize,
                 batch: r.priority == pb::Priority::Batch as i32,
                 span,
             })
@@ -95,6 +96,7 @@ impl pb::prefill_server::Prefill for PrefillService {
             kv_transfer_seconds: res.kv_transfer_seconds,
             kv_bytes: res.kv_bytes,
             kv_stream_seconds: res.kv_stream_seconds,
+            cached_tokens: res.cached_tokens as u32,
         }))
     }
 

@@ -62,6 +62,12 @@ pub struct RouterConfig {
     /// TLS towards the workers' gRPC servers (their addresses are `https://`); `None`: the
     /// router cannot reach a worker that serves TLS.
     pub worker_tls: Option<ClientTls>,
+    /// KV-aware routing: follow the workers' prefix-cache events and prefer workers that
+    /// hold a request's prefix (`false`: route on load alone).
+    pub kv_routing: bool,
+    /// In a decode worker's routing cost, what one running or waiting sequence weighs, in
+    /// prompt tokens to prefill (the cost's other part).
+    pub decode_seq_cost_tokens: u64,
 }
 
 impl RouterConfig {
@@ -94,6 +100,8 @@ impl Default for RouterConfig {
             prefill_timeout: Duration::from_secs(120),
             stream_stall_timeout: Duration::from_secs(30),
             worker_tls: None,
+            kv_routing: true,
+            decode_seq_cost_tokens: 256,
         }
     }
 }

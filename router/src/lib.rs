@@ -3,7 +3,9 @@
 //! A request is validated and tokenized ([`frontend`]), admitted into a bounded queue per
 //! priority ([`admission`]), placed on a decode worker and, for long prompts in
 //! disaggregated mode, a prefill worker ([`placement`], from the capacity workers publish in
-//! the registry), then its tokens are relayed to the client ([`relay`]).
+//! the registry), then its tokens are relayed to the client ([`relay`]). With KV-aware
+//! routing, placement also weighs the prompt's prefix each worker holds in its cache
+//! ([`kv_index`], fed by [`kv_subscriber`]).
 //!
 //! Invariants: every request that reserved KV on a worker releases it on every path
 //! (finish, error, deadline, client gone); a request is retried on another pair only
@@ -16,6 +18,8 @@ pub mod config;
 pub mod error;
 pub mod frontend;
 pub mod http;
+pub mod kv_index;
+pub mod kv_subscriber;
 pub mod placement;
 pub mod relay;
 pub mod request_metrics;

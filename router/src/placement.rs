@@ -2,8 +2,13 @@
 //! the router's own count of requests it sent each worker since (records lag a little).
 //!
 //! Decode worker: same model, not draining, enough free KV blocks for the prompt plus
-//! some generated tokens, least loaded. Prefill worker: same model fingerprint as the
-//! chosen decode worker, fewest queued prefill tokens.
+//! some generated tokens; cheapest first, where a running or waiting sequence costs
+//! `seq_cost_tokens` and every prompt token the worker would still have to prefill locally
+//! (the prompt minus the prefix its cache holds) costs one. Prefill worker: same model
+//! fingerprint as the chosen decode worker; cheapest first, where the cost is its queued
+//! prefill tokens plus the prompt tokens it would compute (the prompt minus its cached
+//! prefix). Without KV-aware routing every cached prefix reads as 0, and the order is by
+//! load alone.
 
 use std::collections::HashMap;
 
@@ -12,6 +17,26 @@ use duet_discovery::{Role, Snapshot, WorkerRecord};
 /// Requests this router placed on a worker that are still running, by worker id.
 pub type InFlight = HashMap<String, u32>;
 
+/// Prompt tokens a worker's prefix cache holds, as the router believes.
+pub trait CachedTokens {
+    fn cached_tokens(&self, w: &WorkerRecord) -> usize;
+}
+
+/// No prefix is known anywhere (KV-aware routing off).
+pub struct NoCache;
+
+impl CachedTokens for NoCache {
+    fn cached_tokens(&self, _: &WorkerRecord) -> usize {
+        0
+    }
+}
+
+impl<F: Fn(&WorkerRecord) -> usize> CachedTokens for F {
+    fn cached_tokens(&self, w: &WorkerRecord) -> usize {
+        self(w)
+    }
+}
+
 /// Decode candidates in preference order.
 pub fn decode_candidates<'a>(
     snap: &'a Snapshot,
@@ -19,6 +44,8 @@ pub fn decode_candidates<'a>(
     prompt_tokens: usize,
     headroom_tokens: usize,
     inflight: &InFlight,
+    cached: &dyn CachedTokens,
+    seq_cost_tokens: u64,
 ) -> Vec<&'a WorkerRecord> {
     let mut v: Vec<(&WorkerRecord, (u64, u64))> = snap
         .workers(Role::Decode)
@@ -35,8 +62,12 @@ pub fn decode_candidates<'a>(
         .map(|w| {
             let mine = u64::from(inflight.get(&w.id).copied().unwrap_or(0));
             let load = u64::from(w.capacity.running + w.capacity.waiting).max(mine);
-            // Least loaded first; then most free blocks.
-            (w, (load, u64::MAX - w.capacity.kv_blocks_free))
+            let uncached = prompt_tokens.saturating_sub(cached.cached_tokens(w)) as u64;
+            // Cheapest first; then most free blocks.
+            let cost = load
+                .saturating_mul(seq_cost_tokens)
+                .saturating_add(uncached);
+            (w, (cost, u64::MAX - w.capacity.kv_blocks_free))
         })
         .collect();
     v.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.id.cmp(&b.0.id)));
@@ -48,14 +79,17 @@ pub fn prefill_candidates<'a>(
     snap: &'a Snapshot,
     model: &str,
     fingerprint: &str,
+    prompt_tokens: usize,
     inflight_tokens: &HashMap<String, u64>,
+    cached: &dyn CachedTokens,
 ) -> Vec<&'a WorkerRecord> {
     let mut v: Vec<(&WorkerRecord, u64)> = snap
         .workers(Role::Prefill)
         .filter(|w| !w.draining && w.model == model && w.fingerprint == fingerprint)
         .map(|w| {
             let mine = inflight_tokens.get(&w.id).copied().unwrap_or(0);
-            (w, w.capacity.queued_prefill_tokens.max(mine))
+            let uncached = prompt_tokens.saturating_sub(cached.cached_tokens(w)) as u64;
+            (w, w.capacity.queued_prefill_tokens.max(mine) + uncached)
         })
         .collect();
     v.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.id.cmp(&b.0.id)));
@@ -102,14 +136,37 @@ mod tests {
             worker(Role::Decode, "full", 2, 0, 0),
             draining,
         ]);
-        let c = decode_candidates(&s, "m", 100, 16, &InFlight::new());
+        let c = decode_candidates(&s, "m", 100, 16, &InFlight::new(), &NoCache, 256);
         let ids: Vec<&str> = c.iter().map(|w| w.id.as_str()).collect();
         assert_eq!(ids, ["b", "a"]);
         // The router's own in-flight count outweighs a stale record.
         let inflight = InFlight::from([("b".to_string(), 9)]);
-        let c = decode_candidates(&s, "m", 100, 16, &inflight);
+        let c = decode_candidates(&s, "m", 100, 16, &inflight, &NoCache, 256);
         assert_eq!(c[0].id, "a");
-        assert!(decode_candidates(&s, "other", 1, 0, &InFlight::new()).is_empty());
+        assert!(decode_candidates(&s, "other", 1, 0, &InFlight::new(), &NoCache, 256).is_empty());
+    }
+
+    #[test]
+    fn a_cached_prefix_outweighs_a_little_load_but_not_a_lot() {
+        let s = snap(vec![
+            worker(Role::Decode, "a", 100, 1, 0),
+            worker(Role::Decode, "b", 100, 2, 0),
+            worker(Role::Prefill, "p1", 0, 0, 100),
+            worker(Role::Prefill, "p2", 0, 0, 0),
+        ]);
+        // b holds 800 of the 1000 prompt tokens: one more sequence (256) is worth it.
+        let cached = |w: &WorkerRecord| if w.id == "b" || w.id == "p1" { 800 } else { 0 };
+        let c = decode_candidates(&s, "m", 1000, 16, &InFlight::new(), &cached, 256);
+        assert_eq!(c[0].id, "b");
+        // Four more sequences (1024 tokens of load) are not.
+        let busy = InFlight::from([("b".to_string(), 5)]);
+        let c = decode_candidates(&s, "m", 1000, 16, &busy, &cached, 256);
+        assert_eq!(c[0].id, "a");
+        // The prefill worker holding the prefix wins despite its queue (100 + 200 < 1000).
+        let p = prefill_candidates(&s, "m", "f", 1000, &HashMap::new(), &cached);
+        assert_eq!(p[0].id, "p1");
+        let p = prefill_candidates(&s, "m", "f", 1000, &HashMap::new(), &NoCache);
+        assert_eq!(p[0].id, "p2", "on load alone");
     }
 
     #[test]
@@ -121,7 +178,7 @@ mod tests {
             worker(Role::Prefill, "p2", 0, 0, 100),
             other,
         ]);
-        let c = prefill_candidates(&s, "m", "f", &HashMap::new());
+        let c = prefill_candidates(&s, "m", "f", 10, &HashMap::new(), &NoCache);
         let ids: Vec<&str> = c.iter().map(|w| w.id.as_str()).collect();
         assert_eq!(ids, ["p2", "p1"]);
     }

@@ -22,7 +22,8 @@ use crate::claims::Claim;
 use crate::config::{Mode, RouterConfig};
 use crate::error::RouterError;
 use crate::frontend::Prepared;
-use crate::placement::{decode_candidates, prefill_candidates};
+use crate::kv_index::{KvIndex, PrefixMatch};
+use crate::placement::{decode_candidates, prefill_candidates, CachedTokens};
 use crate::request_metrics::RequestMetrics;
 use crate::workers::Workers;
 
@@ -40,6 +41,66 @@ pub struct Shared {
     pub cfg: RouterConfig,
     pub view: ClusterView,
     pub workers: Arc<Workers>,
+    /// What each worker's prefix cache holds (KV-aware routing).
+    pub kv_index: Arc<KvIndex>,
+}
+
+/// One prompt seen through the KV index: its block hashes per (fingerprint, block size) of
+/// the workers asked about (computed once each), and the prefix each worker holds.
+struct PromptPrefix<'a> {
+    prompt: &'a [u32],
+    index: &'a KvIndex,
+    /// `false`: every worker reads as holding nothing (routing on load alone).
+    routing: bool,
+    hashes: std::sync::Mutex<HashesByLayout>,
+}
+
+/// A prompt's block hashes per (model fingerprint, block size).
+type HashesByLayout = std::collections::HashMap<(String, usize), Arc<Vec<u64>>>;
+
+impl<'a> PromptPrefix<'a> {
+    fn new(prompt: &'a [u32], index: &'a KvIndex, routing: bool) -> Self {
+        PromptPrefix {
+            prompt,
+            index,
+            routing,
+            hashes: Default::default(),
+        }
+    }
+
+    fn block_size(w: &WorkerRecord) -> usize {
+        (w.capacity.block_size as usize).max(1)
+    }
+
+    /// The prompt's block hashes as worker `w` computes them.
+    fn hashes(&self, w: &WorkerRecord) -> Arc<Vec<u64>> {
+        let key = (w.fingerprint.clone(), Self::block_size(w));
+        let Ok(mut m) = self.hashes.lock() else {
+            return Arc::new(Vec::new());
+        };
+        m.entry(key)
+            .or_insert_with(|| {
+                let h = duet_engine::PrefixHasher::new(&w.fingerprint, Self::block_size(w));
+                Arc::new(h.hashes(self.prompt))
+            })
+            .clone()
+    }
+
+    /// The leading blocks `w` holds, as far as the index knows.
+    fn matched(&self, w: &WorkerRecord) -> PrefixMatch {
+        match self.routing {
+            true => self.index.matched(&w.key(), &self.hashes(w)),
+            false => PrefixMatch::default(),
+        }
+    }
+}
+
+impl CachedTokens for PromptPrefix<'_> {
+    /// Tokens `w` would not compute: its matched blocks, as far as a worker reuses them.
+    fn cached_tokens(&self, w: &WorkerRecord) -> usize {
+        let bs = Self::block_size(w);
+        (self.matched(w).blocks * bs).min(duet_engine::reusable_tokens(self.prompt.len(), bs))
+    }
 }
 
 pub type Out = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
@@ -159,9 +220,10 @@ const WORKERS_RETURN_WINDOW: Duration = Duration::from_secs(10);
 async fn wait_for_decode(
     shared: &Shared,
     job: &Job,
-    prompt_len: usize,
+    prefix: &PromptPrefix<'_>,
     out: &Out,
 ) -> Result<Option<Vec<WorkerRecord>>, RouterError> {
+    let prompt_len = prefix.prompt.len();
     let mut view = shared.view.clone();
     let started = Instant::now();
     // The wait is counted from arrival, across re-queues.
@@ -175,6 +237,8 @@ async fn wait_for_decode(
             prompt_len,
             shared.cfg.decode_headroom_tokens,
             &inflight,
+            prefix,
+            shared.cfg.decode_seq_cost_tokens,
         )
         .into_iter()
         .cloned()
@@ -312,6 +376,22 @@ async fn release_decode(workers: &Workers, addr: &str, id: u64) {
     }
 }
 
+/// Tells prefill worker `addr` that request `id` with these block hashes is coming (fire and
+/// forget, bounded: a prefetch is a hint).
+fn prefetch(workers: &Workers, addr: &str, id: u64, hashes: &[u64]) {
+    let Ok(mut c) = workers.kv_cache(addr) else {
+        return;
+    };
+    let mut req = tonic::Request::new(pb::PrefetchRequest {
+        request_id: id,
+        block_hashes: hashes.to_vec(),
+    });
+    req.set_timeout(CONTROL_TIMEOUT);
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(CONTROL_TIMEOUT, c.prefetch(req)).await;
+    });
+}
+
 async fn attempt_once(
     shared: &Shared,
     job: &mut Job,
@@ -330,7 +410,8 @@ async fn attempt_once(
         .copied()
         .collect();
     let max_tokens = job.prep.params.max_tokens.saturating_sub(resumed).max(1);
-    let Some(mut decoders) = wait_for_decode(shared, job, prompt.len(), out).await? else {
+    let prefix = PromptPrefix::new(&prompt, &shared.kv_index, shared.cfg.kv_routing);
+    let Some(mut decoders) = wait_for_decode(shared, job, &prefix, out).await? else {
         return Ok(Outcome::ClientGone);
     };
     // Workers that just failed to answer go last (a dead one stays registered until its
@@ -339,15 +420,24 @@ async fn attempt_once(
     decoders.sort_by_key(|d| suspects.contains(&d.id));
     let prompt_len = prompt.len();
     let snap = shared.view.snapshot();
+    // Conditional disaggregation counts what the first decode worker would compute itself:
+    // the prompt minus the prefix its cache holds.
+    let local_cached = decoders.first().map_or(0, |d| prefix.cached_tokens(d));
+    let to_compute = prompt_len - local_cached.min(prompt_len);
     let placement = match shared.cfg.mode {
         Mode::Colocated => pb::PrefillPlacement::Colocated,
-        Mode::Disaggregated if prompt_len <= shared.cfg.local_prefill_max_tokens => {
+        Mode::Disaggregated if to_compute <= shared.cfg.local_prefill_max_tokens => {
             pb::PrefillPlacement::Local
         }
         Mode::Disaggregated => pb::PrefillPlacement::Remote,
     };
     let mut reason = match placement {
         pb::PrefillPlacement::Colocated => "colocated mode".to_string(),
+        pb::PrefillPlacement::Local if local_cached > 0 => format!(
+            "prompt of {prompt_len} tokens, {local_cached} cached on the decode worker: \
+             {to_compute} to prefill <= local prefill limit {}",
+            shared.cfg.local_prefill_max_tokens
+        ),
         pb::PrefillPlacement::Local => format!(
             "prompt of {prompt_len} tokens <= local prefill limit {}",
             shared.cfg.local_prefill_max_tokens
@@ -367,18 +457,32 @@ async fn attempt_once(
     // decode worker has such a prefill worker, the decode worker prefills locally.
     let tokens = shared.workers.prefill_tokens();
     let prefill_for = |d: &WorkerRecord| -> Vec<WorkerRecord> {
-        let mut v: Vec<WorkerRecord> =
-            prefill_candidates(&snap, &shared.cfg.model_name, &d.fingerprint, &tokens)
-                .into_iter()
-                .filter(|p| !shared.workers.is_bad_link(&p.id, &d.id))
-                .cloned()
-                .collect();
+        let mut v: Vec<WorkerRecord> = prefill_candidates(
+            &snap,
+            &shared.cfg.model_name,
+            &d.fingerprint,
+            prompt_len,
+            &tokens,
+            &prefix,
+        )
+        .into_iter()
+        .filter(|p| !shared.workers.is_bad_link(&p.id, &d.id))
+        .cloned()
+        .collect();
         v.sort_by_key(|p| suspects.contains(&p.id));
         v
     };
     if placement == pb::PrefillPlacement::Remote {
         let any_prefill = decoders.iter().any(|d| {
-            !prefill_candidates(&snap, &shared.cfg.model_name, &d.fingerprint, &tokens).is_empty()
+            !prefill_candidates(
+                &snap,
+                &shared.cfg.model_name,
+                &d.fingerprint,
+                prompt_len,
+                &tokens,
+                &crate::placement::NoCache,
+            )
+            .is_empty()
         });
         if !any_prefill {
             placement = pb::PrefillPlacement::Local;
@@ -408,7 +512,20 @@ async fn attempt_once(
         };
         // Counted before the await too, so that concurrent requests spread across prefill
         // workers before their records update.
-        let prefill_tracked = shared.workers.track_prefill(&p.id, prompt_len as u64);
+        let prefill_tracked = shared.workers.track_prefill(
+            &p.id,
+            (prompt_len - prefix.cached_tokens(&p).min(prompt_len)) as u64,
+        );
+        // Announced before the reservation: the prefill worker starts bringing the prompt's
+        // blocks up from its lower tiers while the decode worker reserves.
+        if prefix.matched(&p).lower > 0 {
+            prefetch(
+                &shared.workers,
+                &p.grpc_addr,
+                job.request_id,
+                &prefix.hashes(&p),
+            );
+        }
         let mut client = shared.workers.decode(&d.grpc_addr)?;
         let req = outgoing(
             job,
@@ -416,6 +533,7 @@ async fn attempt_once(
                 request_id: job.request_id,
                 prompt_tokens: prompt_len as u32,
                 ttl_ms: shared.cfg.reservation_ttl.as_millis() as u32,
+                block_hashes: prefix.hashes(d).to_vec(),
             },
         );
         let answer = tokio::time::timeout(CONTROL_TIMEOUT, client.reserve(req))
@@ -452,7 +570,17 @@ async fn attempt_once(
     // Frees whatever the decode worker holds for this request (idempotent there).
     let release = || release_decode(&shared.workers, &decoder.grpc_addr, request_id);
 
+    let predicted = match &prefill_choice {
+        Some(p) => prefix.cached_tokens(p),
+        None => prefix.cached_tokens(&decoder),
+    };
+    metrics::counter!(
+        duet_telemetry::names::ROUTER_PREFIX_MATCH_TOKENS_TOTAL,
+        "placement" => placement_label(placement)
+    )
+    .increment(predicted as u64);
     let span = tracing::Span::current();
+    span.record("prefix_match_tokens", predicted);
     span.record("decode_worker", decoder.id.as_str());
     span.record("placement", placement.as_str_name());
     span.record("routing_reason", reason.as_str());
@@ -464,8 +592,12 @@ async fn attempt_once(
         placement: placement as i32,
         decode_worker: decoder.id.clone(),
         routing_reason: reason,
+        prefix_match_tokens: predicted as u32,
+        kv_reused_tokens: reservation.as_ref().map_or(0, |r| r.cached_tokens),
         ..Default::default()
     };
+    // Prompt tokens whose KV came from a prefix cache (reported by the worker that prefilled).
+    let mut cached_tokens = 0u32;
     let sampling = Some(sampling_to_proto(&job.prep.params.sampling));
     let prefill = if let (Some(p), Some(res)) = (&prefill_choice, &reservation) {
         timings.prefill_worker = p.id.clone();
@@ -495,6 +627,7 @@ async fn attempt_once(
                 kv_endpoint: Some(endpoint),
                 dst_blocks: res.block_ids.clone(),
                 priority: job.prep.priority as i32,
+                dst_start_tokens: res.cached_tokens,
             },
         );
         let limit = shared.cfg.prefill_timeout;
@@ -532,6 +665,7 @@ async fn attempt_once(
                 timings.kv_transfer_seconds = r.kv_transfer_seconds;
                 timings.kv_stream_seconds = r.kv_stream_seconds;
                 timings.kv_bytes = r.kv_bytes;
+                cached_tokens = r.cached_tokens;
                 pb::decode_request::Prefill::Remote(pb::RemotePrefill {
                     first_token: r.first_token,
                 })
@@ -636,7 +770,9 @@ async fn attempt_once(
             pb::decode_event::Event::Done(d) => {
                 if placement != pb::PrefillPlacement::Remote {
                     timings.prefill_seconds = d.prefill_seconds;
+                    cached_tokens = d.cached_tokens;
                 }
+                tracing::Span::current().record("cached_tokens", cached_tokens);
                 timings.time_to_first_token_seconds = progress
                     .first_token_at
                     .map_or(0.0, |t| t.duration_since(job.arrival).as_secs_f64());
@@ -647,6 +783,7 @@ async fn attempt_once(
                         prompt_tokens: job.prep.prompt.len() as u32,
                         completion_tokens: d.completion_tokens + resumed as u32,
                         truncated_tokens: job.prep.truncated as u32,
+                        cached_tokens,
                     }),
                     timings: Some(timings),
                     text: format!("{}{}", &progress.sent_text[..resumed_text_len], d.text),

@@ -11,6 +11,7 @@ use duet_proto::v1 as pb;
 use futures::Stream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
@@ -20,6 +21,8 @@ use crate::claims::Claims;
 use crate::config::RouterConfig;
 use crate::error::RouterError;
 use crate::frontend::prepare;
+use crate::kv_index::KvIndex;
+use crate::kv_subscriber;
 use crate::relay::{self, Job, Shared};
 use crate::request_metrics::{count_refused, Door, RequestMetrics};
 use crate::workers::Workers;
@@ -67,10 +70,27 @@ impl GenerationService {
         let admission = Admission::new(cfg.max_queued_per_priority);
         let claims = Claims::new(cfg.max_in_flight_per_client);
         let workers = Workers::new(cfg.worker_tls.clone());
+        let kv_index = Arc::new(KvIndex::new());
+        if cfg.kv_routing {
+            // Follows the view until it closes (the router's shutdown).
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(kv_subscriber::run(
+                    view.clone(),
+                    workers.clone(),
+                    kv_index.clone(),
+                    CancellationToken::new(),
+                ));
+            }
+        }
         GenerationService {
             claims,
             front,
-            shared: Arc::new(Shared { cfg, view, workers }),
+            shared: Arc::new(Shared {
+                cfg,
+                view,
+                workers,
+                kv_index,
+            }),
             admission,
         }
     }
@@ -161,6 +181,8 @@ impl GenerationService {
             prefill_worker = tracing::field::Empty,
             placement = tracing::field::Empty,
             routing_reason = tracing::field::Empty,
+            prefix_match_tokens = tracing::field::Empty,
+            cached_tokens = tracing::field::Empty,
         );
         // The request's trace: the client's when it sent one (this span its child), else a
         // new one; with OTLP export, the ids the span is exported under.

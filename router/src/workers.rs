@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use duet_proto::v1::decode_client::DecodeClient;
+use duet_proto::v1::kv_cache_client::KvCacheClient;
 use duet_proto::v1::prefill_client::PrefillClient;
 use tonic::transport::{Channel, Endpoint};
 
@@ -87,6 +88,10 @@ impl Workers {
 
     pub fn prefill(&self, addr: &str) -> Result<PrefillClient<Channel>, RouterError> {
         Ok(PrefillClient::new(self.channel(addr)?))
+    }
+
+    pub fn kv_cache(&self, addr: &str) -> Result<KvCacheClient<Channel>, RouterError> {
+        Ok(KvCacheClient::new(self.channel(addr)?))
     }
 
     /// Places worker `id` last for `period` (it could not be reached or timed out).

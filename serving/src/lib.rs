@@ -8,12 +8,16 @@
 //!   graceful shutdown (health NOT_SERVING, stop accepting, drain with a deadline);
 //! - [`tls`]: TLS (optionally mutual) for servers and clients, from PEM files;
 //! - [`trace_context`]: W3C `traceparent` in gRPC metadata, one trace id per request across
-//!   the router and the workers.
+//!   the router and the workers;
+//! - [`kv_events`]: a worker's prefix-cache events for routers (`duet.v1.KvCache`);
+//! - [`prefix_cache`]: both workers' prefix-cache metrics and event flushing.
 //!
 //! The conversions live here once so that the router and both workers agree on them.
 
 pub mod convert;
 pub mod error;
+pub mod kv_events;
+pub mod prefix_cache;
 pub mod server;
 pub mod status;
 pub mod tls;

@@ -8,7 +8,8 @@
 //! - `placement`: `remote` (disaggregated), `local` (decode worker prefills), `colocated`;
 //! - `role`: `prefill` or `decode`; `state`: `ready` or `draining`;
 //! - `worker`: the worker id, one value per worker *in this process* (one, except in `duet up`);
-//! - `direction`: `sent` or `received`; `reason`: a transfer error class.
+//! - `direction`: `sent` or `received`; `reason`: a transfer error class;
+//! - `tier`: where a cached KV block lives: `device` (the KV pool), `host`, `disk`.
 
 /// What kind of metric a name is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +74,12 @@ catalogue! {
         "Connections to the HTTPS door dropped at the TLS handshake (not TLS, untrusted client certificate, timeout).";
     Gauge ROUTER_WORKERS = "duet_router_workers",
         "Workers in the router's cluster view, by `role` and `state` (`ready`, `draining`).";
+    Counter ROUTER_PREFIX_MATCH_TOKENS_TOTAL = "duet_router_prefix_match_tokens_total",
+        "Prompt tokens the worker chosen to prefill was expected to hold in its prefix cache (KV-aware routing), by `placement`.";
+    Gauge ROUTER_KV_INDEX_BLOCKS = "duet_router_kv_index_blocks",
+        "Cached blocks the router's KV index knows of, over every worker (from their KV events).";
+    Counter ROUTER_KV_INDEX_RESYNCS_TOTAL = "duet_router_kv_index_resyncs_total",
+        "Times the router subscribed again to a worker's KV events (a gap in the sequence, a broken stream, a worker restart).";
 
     // ---- prefill worker -----------------------------------------------------------------------
     Counter PREFILL_PROMPT_TOKENS_TOTAL = "duet_prefill_prompt_tokens_total",
@@ -115,6 +122,16 @@ catalogue! {
         "Bytes of weights and KV a step reads, summed over steps (`worker`).";
     Gauge DECODE_BANDWIDTH_BYTES_PER_SECOND = "duet_decode_memory_bandwidth_bytes_per_second",
         "Weights + KV bytes the last engine step read divided by its duration (`worker`): the CPU stand-in for HBM bandwidth.";
+
+    // ---- prefix cache (both workers) ----------------------------------------------------------
+    Counter PREFIX_CACHE_QUERIES_TOTAL = "duet_prefix_cache_queries_total",
+        "Prompt tokens looked up in a worker's prefix cache (`role`, `worker`); with the hits, the hit rate.";
+    Counter PREFIX_CACHE_HITS_TOTAL = "duet_prefix_cache_hits_total",
+        "Prompt tokens whose KV came from the prefix cache instead of being computed or transferred, by the `tier` they were found in (`role`, `worker`).";
+    Gauge PREFIX_CACHE_BLOCKS = "duet_prefix_cache_blocks",
+        "Cached KV blocks a worker holds, by `tier` (`role`, `worker`).";
+    Counter PREFIX_CACHE_PREFETCHED_BLOCKS_TOTAL = "duet_prefix_cache_prefetched_blocks_total",
+        "Blocks brought up from the host or disk tier into the KV pool ahead of a request the router announced (`role`, `worker`).";
 
     // ---- kv-transfer --------------------------------------------------------------------------
     Counter KV_TRANSFER_BYTES_TOTAL = "duet_kv_transfer_bytes_total",

@@ -267,7 +267,10 @@ pub fn tokens(ids: &[u32]) -> pb::generate_request::Prompt {
     pb::generate_request::Prompt::Tokens(pb::TokenIds { ids: ids.to_vec() })
 }
 
-pub async fn client(url: &str) -> GenerationClient<tonic::transport::Channel> {
+/// A client of the public gRPC door.
+pub type GenClient = GenerationClient<tonic::transport::Channel>;
+
+pub async fn client(url: &str) -> GenClient {
     let end = Instant::now() + START;
     loop {
         match GenerationClient::connect(url.to_string()).await {

@@ -9,7 +9,8 @@
 //!
 //! Invariants: a sequence of `len` tokens owns exactly `ceil(len / block_size)`
 //! blocks (plus those reserved ahead of a write); a block shared by several
-//! sequences is copied before any of them writes into it (copy-on-write).
+//! sequences, or indexed by the prefix cache, is copied before anyone writes into it
+//! (copy-on-write), so a block's content never changes while its hash names it.
 
 use std::collections::HashMap;
 
@@ -17,6 +18,8 @@ use half::f16;
 use serde::{Deserialize, Serialize};
 
 use super::allocator::{BlockAllocator, BlockId};
+use super::prefix::BlockHash;
+use super::prefix_cache::PrefixState;
 use crate::error::{EngineError, Result};
 
 pub type SeqId = u64;
@@ -149,16 +152,21 @@ pub(crate) enum Storage {
 }
 
 #[derive(Debug, Clone, Default)]
-struct Sequence {
-    blocks: Vec<BlockId>,
-    len: usize,
+pub(super) struct Sequence {
+    pub(super) blocks: Vec<BlockId>,
+    pub(super) len: usize,
+    /// Hashes of the sequence's first full blocks, as far as they were computed
+    /// (prefix cache; the hash chain of a growing sequence is extended, never redone).
+    pub(super) hashes: Vec<BlockHash>,
 }
 
 pub struct KvCache {
-    layout: KvLayout,
-    storage: Storage,
-    alloc: BlockAllocator,
-    seqs: HashMap<SeqId, Sequence>,
+    pub(super) layout: KvLayout,
+    pub(super) storage: Storage,
+    pub(super) alloc: BlockAllocator,
+    pub(super) seqs: HashMap<SeqId, Sequence>,
+    /// The prefix cache's index and lower tiers (`None`: disabled).
+    pub(super) prefix: Option<PrefixState>,
 }
 
 impl KvCache {
@@ -174,6 +182,7 @@ impl KvCache {
             storage,
             alloc: BlockAllocator::new(num_blocks),
             seqs: HashMap::new(),
+            prefix: None,
         }
     }
 
@@ -235,7 +244,7 @@ impl KvCache {
         Ok(&self.seq(id)?.blocks)
     }
 
-    fn seq(&self, id: SeqId) -> Result<&Sequence> {
+    pub(super) fn seq(&self, id: SeqId) -> Result<&Sequence> {
         self.seqs.get(&id).ok_or(EngineError::UnknownSequence(id))
     }
 
@@ -286,9 +295,9 @@ impl KvCache {
         let need = self.blocks_for(len + n).saturating_sub(have);
         let cow = len % bs != 0 && n > 0 && {
             let last = s.blocks[len / bs];
-            self.alloc.refcount(last) > 1
+            self.alloc.refcount(last) > 1 || self.alloc.is_cacheable(last)
         };
-        let fresh = self.alloc.allocate(need + usize::from(cow))?;
+        let fresh = self.allocate_blocks(need + usize::from(cow))?;
         let mut fresh = fresh.into_iter();
         if cow {
             if let Some(copy) = fresh.next() {
@@ -335,11 +344,43 @@ impl KvCache {
             return Err(EngineError::invalid("len", "truncate beyond the sequence"));
         }
         s.len = len;
+        s.hashes.truncate(len / self.layout.block_size);
         let dropped: Vec<BlockId> = s.blocks.drain(keep.min(s.blocks.len())..).collect();
         for b in dropped {
             self.alloc.release(b);
         }
         Ok(())
+    }
+
+    /// Takes `n` blocks (all or none). Cached blocks the allocator had to evict leave the
+    /// prefix index here, before anyone writes into them, and move to the host tier.
+    pub(super) fn allocate_blocks(&mut self, n: usize) -> Result<Vec<BlockId>> {
+        let blocks = self.alloc.allocate(n)?;
+        self.on_evicted();
+        Ok(blocks)
+    }
+
+    /// Elements of one whole block (every layer, K and V), and where it starts.
+    fn block_span(&self, b: BlockId) -> (usize, usize) {
+        let n = self.layout.n_layers * 2 * self.layout.region_elems();
+        (self.region_offset(b, 0, KvKind::K), n)
+    }
+
+    /// The bytes of one whole block (every layer, K and V): what the lower tiers hold.
+    pub(super) fn block_bytes(&self, b: BlockId) -> &[u8] {
+        let (o, n) = self.block_span(b);
+        match &self.storage {
+            Storage::F32(d) => bytemuck::cast_slice(&d[o..o + n]),
+            Storage::F16(d) => bytemuck::cast_slice(&d[o..o + n]),
+        }
+    }
+
+    pub(super) fn block_bytes_mut(&mut self, b: BlockId) -> &mut [u8] {
+        let (o, n) = self.block_span(b);
+        match &mut self.storage {
+            Storage::F32(d) => bytemuck::cast_slice_mut(&mut d[o..o + n]),
+            Storage::F16(d) => bytemuck::cast_slice_mut(&mut d[o..o + n]),
+        }
     }
 
     pub(crate) fn region_offset(&self, block: BlockId, layer: usize, kind: KvKind) -> usize {

@@ -1,7 +1,14 @@
-//! Paged KV cache: block allocator and per-sequence block tables.
+//! Paged KV cache: block allocator, per-sequence block tables, and the prefix cache
+//! (content-addressed blocks, LRU eviction, host and disk tiers).
 
 pub mod allocator;
 pub mod cache;
+mod lru;
+pub mod prefix;
+pub mod prefix_cache;
+pub mod tiers;
 
 pub use allocator::{BlockAllocator, BlockId};
 pub use cache::{KvCache, KvCacheConfig, KvDtype, KvExport, KvKind, KvLayout, SeqId};
+pub use prefix::{reusable_tokens, BlockHash, KvEvent, KvTier, PrefixHasher, PrefixHit};
+pub use prefix_cache::{PrefixCacheConfig, TierCounts};

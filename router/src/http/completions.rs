@@ -66,6 +66,8 @@ fn usage_json(u: &Option<pb::Usage>) -> Value {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        // OpenAI's shape (and vLLM's): prompt tokens served from the prefix cache.
+        "prompt_tokens_details": { "cached_tokens": u.cached_tokens },
     })
 }
 

@@ -68,6 +68,7 @@ impl pb::decode_server::Decode for FakeDecode {
                 address: "127.0.0.1:9".into(),
             }],
             block_size: 16,
+            cached_tokens: 0,
         }))
     }
     type GenerateStream = Events;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use duet_discovery::{EtcdOptions, EtcdRegistry, RegistrationOptions, Registry};
-use duet_engine::{KvCacheConfig, KvDtype, Model};
+use duet_engine::{KvCacheConfig, KvDtype, Model, PrefixCacheConfig};
 use duet_kv_transfer::{SharedSecret, TransferConfig};
 
 use super::tls_args::EtcdTlsArgs;
@@ -78,6 +78,29 @@ pub struct KvArgs {
     /// link for a while and retries.
     #[arg(long, env = "DUET_KV_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub kv_timeout: Duration,
+    /// Prefix caching: keep the KV blocks of finished requests and reuse them for prompts
+    /// that start the same way (whole 16-token blocks); least recently used blocks are
+    /// evicted when room is needed.
+    #[arg(long, env = "DUET_PREFIX_CACHE", value_enum, default_value = "on")]
+    pub prefix_cache: Switch,
+    /// Host-memory tier below the KV pool: evicted prefix blocks move there and come back
+    /// on a hit instead of being recomputed (bytes, units accepted; 0: no host tier).
+    #[arg(long, env = "DUET_KV_HOST_POOL", default_value = "0", value_parser = parse_bytes)]
+    pub kv_host_pool: u64,
+    /// Directory for a third tier on local disk, below the host tier (each worker keeps one
+    /// file there, `<worker id>.kv`, removed when it stops). Unset: no disk tier.
+    #[arg(long, env = "DUET_KV_DISK_DIR")]
+    pub kv_disk_dir: Option<std::path::PathBuf>,
+    /// Size of each worker's disk tier file (bytes, units accepted).
+    #[arg(long, env = "DUET_KV_DISK_POOL", default_value = "1GiB", value_parser = parse_bytes)]
+    pub kv_disk_pool: u64,
+}
+
+/// `on` or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
 }
 
 /// Tokens per KV block (fixed: every worker of a cluster must agree).
@@ -92,6 +115,38 @@ impl KvArgs {
             self.kv_dtype,
             (c.n_layers, c.n_kv_heads, c.head_dim),
         )
+    }
+
+    /// The prefix cache of worker `id` (`None`: off).
+    pub fn prefix_cache_config(
+        &self,
+        model: &Model,
+        id: &str,
+    ) -> anyhow::Result<Option<PrefixCacheConfig>> {
+        if self.prefix_cache == Switch::Off {
+            if self.kv_host_pool > 0 || self.kv_disk_dir.is_some() {
+                bail!("--kv-host-pool / --kv-disk-dir: need --prefix-cache on");
+            }
+            return Ok(None);
+        }
+        let l = model.kv_layout(BLOCK_SIZE, self.kv_dtype);
+        let block_bytes = (2 * l.n_layers * l.region_bytes()) as u64;
+        let disk = match &self.kv_disk_dir {
+            Some(dir) => {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("--kv-disk-dir: creating {}", dir.display()))?;
+                let blocks = (self.kv_disk_pool / block_bytes) as usize;
+                if blocks == 0 {
+                    bail!("--kv-disk-pool: smaller than one KV block ({block_bytes} bytes)");
+                }
+                Some((dir.join(format!("{id}.kv")), blocks))
+            }
+            None => None,
+        };
+        Ok(Some(PrefixCacheConfig {
+            host_blocks: (self.kv_host_pool / block_bytes) as usize,
+            disk,
+        }))
     }
 
     pub fn transfer_config(&self, model: &Model) -> anyhow::Result<TransferConfig> {

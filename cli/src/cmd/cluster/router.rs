@@ -11,7 +11,7 @@ use duet_serving::tls::ServerTls;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use super::args::{parse_duration, ModeArg};
+use super::args::{parse_duration, ModeArg, Switch};
 
 /// Routing flags (shared by `duet router` and `duet up`).
 #[derive(Args, Debug, Clone)]
@@ -75,6 +75,15 @@ pub struct RoutingArgs {
     /// Largest request accepted on the public doors (gRPC message, HTTP body), in bytes.
     #[arg(long, env = "DUET_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
     pub max_request_bytes: usize,
+    /// KV-aware routing: follow every worker's prefix-cache events and send a request where
+    /// its prompt's prefix is cached (cost: tokens still to prefill plus load); `off` routes
+    /// on load alone.
+    #[arg(long, env = "DUET_KV_ROUTING", value_enum, default_value = "on")]
+    pub kv_routing: Switch,
+    /// In a decode worker's routing cost, what one running or waiting sequence weighs, in
+    /// prompt tokens the worker would prefill (the cost's other part).
+    #[arg(long, env = "DUET_DECODE_SEQ_COST_TOKENS", default_value_t = 256)]
+    pub decode_seq_cost_tokens: u64,
 }
 
 impl RoutingArgs {
@@ -111,6 +120,8 @@ impl RoutingArgs {
             api_keys: ApiKeys::new(&self.api_keys),
             max_in_flight_per_client: self.max_in_flight_per_client,
             max_request_bytes: self.max_request_bytes,
+            kv_routing: self.kv_routing == Switch::On,
+            decode_seq_cost_tokens: self.decode_seq_cost_tokens,
             ..RouterConfig::default()
         }
     }

@@ -17,6 +17,7 @@ use duet_engine::Model;
 use duet_kv_transfer::{Connector, LocalHub};
 use duet_prefill_worker::{service::PrefillService, PrefillConfig, PrefillHandle};
 use duet_proto::v1 as pb;
+use duet_serving::kv_events::KvCacheService;
 use duet_serving::tls::ServerTls;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -56,7 +57,7 @@ fn record(env: &WorkerEnv, role: Role, id: &str, grpc_addr: &str) -> WorkerRecor
 async fn serve_until(
     env: WorkerEnv,
     routes: tonic::service::Routes,
-    service: &str,
+    services: &[&str],
     reg: Arc<Registration>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
@@ -74,7 +75,7 @@ async fn serve_until(
         env.grpc,
         env.tls.as_ref(),
         routes,
-        &[service],
+        services,
         stop_server,
         env.drain,
     )
@@ -138,6 +139,7 @@ pub async fn run_decode(
         env.kv.cache_config(&env.model),
         DecodeConfig {
             id: id.clone(),
+            prefix_cache: env.kv.prefix_cache_config(&env.model, &id)?,
             ..cfg
         },
         engine_stop.clone(),
@@ -190,6 +192,14 @@ pub async fn run_decode(
             .collect::<Vec<_>>()
             .join(", ")
     );
+    let kv_cache = KvCacheService::new(
+        handle.kv_events().clone(),
+        {
+            let h = handle.clone();
+            Arc::new(move |hashes| h.prefetch(hashes))
+        },
+        shutdown.clone(),
+    );
     let svc = DecodeService::new(
         handle,
         endpoints
@@ -201,8 +211,9 @@ pub async fn run_decode(
             .collect(),
         id,
     );
-    let routes = tonic::service::Routes::new(svc.into_server());
-    serve_until(env, routes, "duet.v1.Decode", reg, shutdown).await
+    let routes = tonic::service::Routes::new(svc.into_server()).add_service(kv_cache.into_server());
+    let services = ["duet.v1.Decode", "duet.v1.KvCache"];
+    serve_until(env, routes, &services, reg, shutdown).await
 }
 
 fn decode_capacity(h: &DecodeHandle) -> Capacity {
@@ -210,6 +221,7 @@ fn decode_capacity(h: &DecodeHandle) -> Capacity {
     Capacity {
         kv_blocks_total: s.kv_blocks_total,
         kv_blocks_free: s.kv_blocks_free,
+        kv_blocks_cached: s.kv_blocks_cached,
         block_size: s.block_size,
         running: s.running,
         waiting: s.waiting,
@@ -238,6 +250,7 @@ pub async fn run_prefill(
         env.kv.cache_config(&env.model),
         PrefillConfig {
             id: id.clone(),
+            prefix_cache: env.kv.prefix_cache_config(&env.model, &id)?,
             ..cfg
         },
         connector,
@@ -260,8 +273,18 @@ pub async fn run_prefill(
     .await
     .context("registering the prefill worker")?;
     println!("duet: prefill worker {id} serving gRPC on {grpc_addr}");
-    let routes = tonic::service::Routes::new(PrefillService::new(handle, id).into_server());
-    serve_until(env, routes, "duet.v1.Prefill", reg, shutdown).await
+    let kv_cache = KvCacheService::new(
+        handle.kv_events().clone(),
+        {
+            let h = handle.clone();
+            Arc::new(move |hashes| h.prefetch(hashes))
+        },
+        shutdown.clone(),
+    );
+    let routes = tonic::service::Routes::new(PrefillService::new(handle, id).into_server())
+        .add_service(kv_cache.into_server());
+    let services = ["duet.v1.Prefill", "duet.v1.KvCache"];
+    serve_until(env, routes, &services, reg, shutdown).await
 }
 
 fn prefill_capacity(h: &PrefillHandle) -> Capacity {
@@ -269,6 +292,7 @@ fn prefill_capacity(h: &PrefillHandle) -> Capacity {
     Capacity {
         kv_blocks_total: s.kv_blocks_total,
         kv_blocks_free: s.kv_blocks_free,
+        kv_blocks_cached: s.kv_blocks_cached,
         block_size: super::args::BLOCK_SIZE as u32,
         running: s.running,
         waiting: s.queued,

@@ -1,0 +1,415 @@
+//! The prefix cache of a [`KvCache`]: content-addressed full blocks that outlive the
+//! sequences that computed them, with a host-memory tier and an optional disk tier below.
+//!
+//! - A sequence's full blocks are *registered* under their chained hash
+//!   ([`KvCache::register_blocks`]) once their KV is complete. When the sequence ends they
+//!   stay in the pool as cached blocks (reference count 0, in an LRU).
+//! - A new sequence *attaches* every leading block it finds ([`KvCache::attach_prefix`]):
+//!   device hits by reference count, host and disk hits copied back into fresh device
+//!   blocks. The caller then computes only the tokens after the attached prefix.
+//! - Allocation evicts the least recently used cached block only when no empty block is
+//!   left; an evicted block moves to the host tier (whose own oldest block moves to disk).
+//!   A block held by a sequence is never evicted (the allocator takes count-0 blocks only).
+//! - Every change is recorded as a [`KvEvent`]; the worker publishes them so that a
+//!   router can track what each worker holds.
+//!
+//! Invariants: `by_hash[h] == b` iff `hash_of[b] == Some(h)` iff the allocator marks `b`
+//! cacheable; an indexed block's content never changes (copy-on-write in
+//! [`KvCache::prepare_append`]); a hash is held by at most one tier.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use super::allocator::BlockId;
+use super::cache::KvCache;
+use super::prefix::{BlockHash, KvEvent, KvTier, PrefixHasher, PrefixHit};
+use super::tiers::TierStore;
+use crate::error::{EngineError, Result};
+use crate::kv::SeqId;
+
+/// Sizes of the prefix cache's lower tiers.
+#[derive(Debug, Clone, Default)]
+pub struct PrefixCacheConfig {
+    /// Blocks the host-memory tier holds (0: evicted blocks are dropped, or go to disk).
+    pub host_blocks: usize,
+    /// A file on local disk and the blocks it holds (the third tier).
+    pub disk: Option<(PathBuf, usize)>,
+}
+
+/// Counts of cached blocks per tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierCounts {
+    pub device: usize,
+    pub host: usize,
+    pub disk: usize,
+}
+
+pub(super) struct PrefixState {
+    hasher: PrefixHasher,
+    by_hash: HashMap<BlockHash, BlockId>,
+    hash_of: Vec<Option<BlockHash>>,
+    host: Option<TierStore>,
+    disk: Option<TierStore>,
+    events: Vec<KvEvent>,
+}
+
+impl PrefixState {
+    fn emit(&mut self, stored: bool, tier: KvTier, h: BlockHash) {
+        // Consecutive changes of one kind and tier share one event.
+        match self.events.last_mut() {
+            Some(KvEvent::Stored { tier: t, hashes }) if stored && *t == tier => hashes.push(h),
+            Some(KvEvent::Removed { tier: t, hashes }) if !stored && *t == tier => hashes.push(h),
+            _ => {
+                let hashes = vec![h];
+                self.events.push(match stored {
+                    true => KvEvent::Stored { tier, hashes },
+                    false => KvEvent::Removed { tier, hashes },
+                });
+            }
+        }
+    }
+
+    fn tier_of(&self, h: BlockHash) -> Option<KvTier> {
+        if self.by_hash.contains_key(&h) {
+            Some(KvTier::Device)
+        } else if self.host.as_ref().is_some_and(|t| t.contains(h)) {
+            Some(KvTier::Host)
+        } else if self.disk.as_ref().is_some_and(|t| t.contains(h)) {
+            Some(KvTier::Disk)
+        } else {
+            None
+        }
+    }
+
+    /// Puts an evicted device block into the host tier (or, without one, the disk tier);
+    /// the host tier's own oldest block then moves to disk, and the disk's oldest is
+    /// dropped. A tier whose write fails drops the block (a cache may forget).
+    fn spill(&mut self, h: BlockHash, bytes: Vec<u8>) {
+        let mut item = Some((h, bytes));
+        for tier in [KvTier::Host, KvTier::Disk] {
+            let store = match tier {
+                KvTier::Host => self.host.as_mut(),
+                _ => self.disk.as_mut(),
+            };
+            let (Some(store), Some((h, bytes))) = (store, item.take()) else {
+                continue;
+            };
+            match store.put(h, &bytes) {
+                Ok(out) => {
+                    self.emit(true, tier, h);
+                    if let Some((old, _)) = &out {
+                        self.emit(false, tier, *old);
+                    }
+                    item = out;
+                }
+                Err(e) => {
+                    tracing::warn!(tier = tier.label(), error = %e, "KV tier write failed; block dropped");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Drops `h` from the lower tiers (the device pool holds it now).
+    fn forget_below(&mut self, h: BlockHash) {
+        for tier in [KvTier::Host, KvTier::Disk] {
+            let store = match tier {
+                KvTier::Host => self.host.as_mut(),
+                _ => self.disk.as_mut(),
+            };
+            if store.is_some_and(|s| s.remove(h)) {
+                self.emit(false, tier, h);
+            }
+        }
+    }
+}
+
+impl KvCache {
+    /// Turns the prefix cache on (with its lower tiers).
+    pub fn enable_prefix_cache(&mut self, cfg: &PrefixCacheConfig) -> Result<()> {
+        let block_bytes = self.block_bytes(0).len();
+        let host = (cfg.host_blocks > 0).then(|| TierStore::memory(cfg.host_blocks, block_bytes));
+        let disk = match &cfg.disk {
+            Some((path, blocks)) if *blocks > 0 => Some(
+                TierStore::file(path, *blocks, block_bytes).map_err(|source| EngineError::Io {
+                    path: path.clone(),
+                    source,
+                })?,
+            ),
+            _ => None,
+        };
+        self.prefix = Some(PrefixState {
+            hasher: PrefixHasher::new(&self.layout.fingerprint, self.layout.block_size),
+            by_hash: HashMap::new(),
+            hash_of: vec![None; self.total_blocks()],
+            host,
+            disk,
+            events: Vec::new(),
+        });
+        Ok(())
+    }
+
+    pub fn prefix_cache_enabled(&self) -> bool {
+        self.prefix.is_some()
+    }
+
+    /// The hasher matching this cache's model and block size.
+    pub fn prefix_hasher(&self) -> PrefixHasher {
+        PrefixHasher::new(&self.layout.fingerprint, self.layout.block_size)
+    }
+
+    /// Cached blocks per tier (device: indexed blocks, held or not).
+    pub fn cached_counts(&self) -> TierCounts {
+        self.prefix
+            .as_ref()
+            .map_or_else(TierCounts::default, |p| TierCounts {
+                device: p.by_hash.len(),
+                host: p.host.as_ref().map_or(0, |t| t.len()),
+                disk: p.disk.as_ref().map_or(0, |t| t.len()),
+            })
+    }
+
+    /// How many leading blocks of `hashes` each tier holds, without taking anything.
+    pub fn lookup_prefix(&self, hashes: &[BlockHash]) -> PrefixHit {
+        let mut hit = PrefixHit::default();
+        let Some(p) = &self.prefix else {
+            return hit;
+        };
+        for &h in hashes {
+            match p.tier_of(h) {
+                Some(t) => hit.count(t),
+                None => break,
+            }
+        }
+        hit
+    }
+
+    /// Attaches the longest cached prefix of `hashes` (at most `max_tokens` tokens, whole
+    /// blocks) to the new, empty sequence `id`: its length becomes the attached tokens, and
+    /// the caller computes only the rest. Host and disk hits are copied into fresh device
+    /// blocks (which may evict other cached blocks, never attached ones).
+    pub fn attach_prefix(
+        &mut self,
+        id: SeqId,
+        hashes: &[BlockHash],
+        max_tokens: usize,
+    ) -> Result<PrefixHit> {
+        let s = self.seq(id)?;
+        if s.len != 0 || !s.blocks.is_empty() {
+            return Err(EngineError::invalid(
+                "sequence",
+                format!("prefix attached to sequence {id}, which holds tokens"),
+            ));
+        }
+        let mut hit = PrefixHit::default();
+        let limit = hashes.len().min(max_tokens / self.layout.block_size);
+        let mut blocks = Vec::with_capacity(limit);
+        for &h in &hashes[..limit] {
+            let Some((b, tier)) = self.bring_up(h) else {
+                break;
+            };
+            blocks.push(b);
+            hit.count(tier);
+        }
+        let n = blocks.len();
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.len = n * self.layout.block_size;
+            s.blocks = blocks;
+            s.hashes = hashes[..n].to_vec();
+        }
+        Ok(hit)
+    }
+
+    /// The device block holding `h`, with a reference taken for the caller, and the tier
+    /// it was found in (host and disk blocks move up into a fresh device block).
+    fn bring_up(&mut self, h: BlockHash) -> Option<(BlockId, KvTier)> {
+        let p = self.prefix.as_ref()?;
+        if let Some(&b) = p.by_hash.get(&h) {
+            return self.alloc.retain(b).then_some((b, KvTier::Device));
+        }
+        let tier = p.tier_of(h)?;
+        let b = self.allocate_blocks(1).ok()?.pop()?;
+        let mut bytes = vec![0u8; self.block_bytes(b).len()];
+        let p = self.prefix.as_mut()?;
+        let store = match tier {
+            KvTier::Host => p.host.as_mut(),
+            _ => p.disk.as_mut(),
+        };
+        let taken = store.map(|s| s.take(h, &mut bytes));
+        if !matches!(taken, Some(Ok(true))) {
+            self.alloc.release(b);
+            return None;
+        }
+        p.emit(false, tier, h);
+        self.block_bytes_mut(b).copy_from_slice(&bytes);
+        self.index_block(b, h);
+        Some((b, tier))
+    }
+
+    fn index_block(&mut self, b: BlockId, h: BlockHash) {
+        let Some(p) = self.prefix.as_mut() else {
+            return;
+        };
+        p.by_hash.insert(h, b);
+        if let Some(slot) = p.hash_of.get_mut(b as usize) {
+            *slot = Some(h);
+        }
+        p.emit(true, KvTier::Device, h);
+        self.alloc.set_cacheable(b, true);
+    }
+
+    /// Registers the full blocks of sequence `id` whose KV is complete: `tokens` are the
+    /// sequence's tokens from position 0 (at least its length; extra ones are ignored). A
+    /// block whose content another block already holds stays private (freed with the
+    /// sequence). Returns the blocks newly indexed.
+    pub fn register_blocks(&mut self, id: SeqId, tokens: &[u32]) -> Result<usize> {
+        let Some(hasher) = self.prefix.as_ref().map(|p| p.hasher) else {
+            return Ok(0);
+        };
+        let s = self.seq(id)?;
+        let full = s.len.min(tokens.len()) / self.layout.block_size;
+        if full <= s.hashes.len() {
+            return Ok(0);
+        }
+        let hashes = hasher.extend(&s.hashes, &tokens[..full * self.layout.block_size]);
+        let blocks = s.blocks.clone();
+        let known = s.hashes.len();
+        let mut added = 0;
+        for (i, &h) in hashes.iter().enumerate().skip(known) {
+            let b = blocks[i];
+            let Some(p) = self.prefix.as_mut() else {
+                break;
+            };
+            let indexed = p.hash_of.get(b as usize).copied().flatten().is_some();
+            if indexed || p.by_hash.contains_key(&h) {
+                continue;
+            }
+            // Tiers are exclusive: the device copy is the one kept.
+            p.forget_below(h);
+            self.index_block(b, h);
+            added += 1;
+        }
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.hashes = hashes;
+        }
+        Ok(added)
+    }
+
+    /// Brings the leading blocks of `hashes` that sit in the host or disk tier up into the
+    /// device pool as cached blocks, ahead of the request that will attach them. Stops at
+    /// the first block no tier holds, or when room would mean evicting a block of this same
+    /// prefix. Returns the blocks moved up.
+    pub fn prefetch(&mut self, hashes: &[BlockHash]) -> usize {
+        let mut held = Vec::new();
+        let mut moved = 0;
+        for &h in hashes {
+            let Some(p) = &self.prefix else { break };
+            let tier = p.tier_of(h);
+            if tier.is_none() {
+                break;
+            }
+            if tier != Some(KvTier::Device) && self.alloc.free_blocks() == 0 {
+                break;
+            }
+            match self.bring_up(h) {
+                Some((b, t)) => {
+                    moved += usize::from(t != KvTier::Device);
+                    held.push(b);
+                }
+                None => break,
+            }
+        }
+        for b in held {
+            self.alloc.release(b);
+        }
+        moved
+    }
+
+    /// Changes since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.prefix
+            .as_mut()
+            .map(|p| std::mem::take(&mut p.events))
+            .unwrap_or_default()
+    }
+
+    /// Everything cached, per tier (a subscriber's starting point).
+    pub fn cache_snapshot(&self) -> Vec<(KvTier, Vec<BlockHash>)> {
+        let Some(p) = &self.prefix else {
+            return Vec::new();
+        };
+        let mut out = vec![(KvTier::Device, p.by_hash.keys().copied().collect())];
+        if let Some(h) = &p.host {
+            out.push((KvTier::Host, h.hashes()));
+        }
+        if let Some(d) = &p.disk {
+            out.push((KvTier::Disk, d.hashes()));
+        }
+        out
+    }
+
+    /// Drops the index entries of blocks the allocator just evicted, moving their KV one
+    /// tier down (called right after every allocation, before the blocks are written).
+    pub(super) fn on_evicted(&mut self) {
+        let evicted = self.alloc.take_evicted();
+        if evicted.is_empty() {
+            return;
+        }
+        for b in evicted {
+            let Some(h) = self
+                .prefix
+                .as_mut()
+                .and_then(|p| p.hash_of.get_mut(b as usize).and_then(Option::take))
+            else {
+                continue;
+            };
+            let bytes = self.block_bytes(b).to_vec();
+            let Some(p) = self.prefix.as_mut() else {
+                continue;
+            };
+            if p.by_hash.get(&h) == Some(&b) {
+                p.by_hash.remove(&h);
+            }
+            p.emit(false, KvTier::Device, h);
+            p.spill(h, bytes);
+        }
+    }
+
+    /// Checks the prefix index against the allocator (tests and debugging).
+    pub fn check_prefix_cache(&self) -> std::result::Result<(), String> {
+        let Some(p) = &self.prefix else {
+            return Ok(());
+        };
+        for (&h, &b) in &p.by_hash {
+            if p.hash_of.get(b as usize).copied().flatten() != Some(h) {
+                return Err(format!(
+                    "index: hash {h:x} -> block {b}, block says otherwise"
+                ));
+            }
+            if !self.alloc.is_cacheable(b) {
+                return Err(format!("indexed block {b} is not cacheable"));
+            }
+            for t in [&p.host, &p.disk].into_iter().flatten() {
+                if t.contains(h) {
+                    return Err(format!(
+                        "hash {h:x} in device and {} tiers",
+                        t.tier().label()
+                    ));
+                }
+            }
+        }
+        for (b, h) in p.hash_of.iter().enumerate() {
+            let b = b as BlockId;
+            match h {
+                Some(h) if p.by_hash.get(h) != Some(&b) => {
+                    return Err(format!("block {b} names hash {h:x}, the index does not"))
+                }
+                None if self.alloc.is_cacheable(b) => {
+                    return Err(format!("block {b} cacheable without a hash"))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
