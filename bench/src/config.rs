@@ -117,6 +117,10 @@ pub struct ServeConfig {
     /// Text prompts are cut from (None: the stored public-domain text).
     pub corpus: Option<PathBuf>,
     pub shared_prefix_len: usize,
+    /// Distinct shared prefixes (system prompts), one drawn per request.
+    pub num_prefixes: usize,
+    /// Requests per conversation (multi-turn chat; 1: independent requests).
+    pub turns: usize,
     pub seed: u64,
     pub send: SendOptions,
     /// Offered request rates, one run each (None: unbounded).
@@ -167,6 +171,16 @@ impl ServeConfig {
             return Err(BenchError::config(
                 "--duration without --request-rate sends without pause: give --max-concurrency \
                  (a closed loop) or --num-prompts",
+            ));
+        }
+        if self.num_prefixes == 0 || self.turns == 0 {
+            return Err(BenchError::config(
+                "--num-prefixes and --turns must be at least 1",
+            ));
+        }
+        if self.num_prefixes > 1 && self.shared_prefix_len == 0 {
+            return Err(BenchError::config(
+                "--num-prefixes needs --shared-prefix-len (the length of each prefix)",
             ));
         }
         if self.max_concurrency == Some(0) {
@@ -222,6 +236,8 @@ mod tests {
             length_params,
             corpus: None,
             shared_prefix_len: 0,
+            num_prefixes: 1,
+            turns: 1,
             seed: 0,
             send: SendOptions {
                 temperature: 0.0,

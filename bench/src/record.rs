@@ -48,6 +48,9 @@ pub struct Timeline {
     pub output_tokens: Option<usize>,
     /// Where the server prefilled the prompt (duet only).
     pub placement: Option<String>,
+    /// Prompt tokens the server served from its prefix cache (duet's usage, OpenAI's
+    /// `usage.prompt_tokens_details.cached_tokens`), when it said.
+    pub cached_tokens: Option<usize>,
 }
 
 impl Timeline {
@@ -59,6 +62,7 @@ impl Timeline {
             prompt_tokens: None,
             output_tokens: None,
             placement: None,
+            cached_tokens: None,
         }
     }
 }
@@ -82,6 +86,14 @@ pub struct RequestRecord {
     pub e2e_s: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<String>,
+    /// Prompt tokens served from the server's prefix cache, when it said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<usize>,
+    /// Multi-turn workloads: the conversation (its first request's index) and the turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversation: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn: Option<usize>,
     pub error: Option<RequestError>,
 }
 
@@ -127,6 +139,9 @@ impl RequestRecord {
             itl_s,
             e2e_s,
             placement: t.placement,
+            cached_tokens: t.cached_tokens,
+            conversation: None,
+            turn: None,
             error,
         }
     }
@@ -154,6 +169,7 @@ mod tests {
             prompt_tokens: None,
             output_tokens: usage,
             placement: None,
+            cached_tokens: None,
         };
         (run_start, t)
     }

@@ -47,6 +47,13 @@ pub struct Summary {
     pub total_token_throughput: f64,
     pub prompt_tokens: usize,
     pub output_tokens: usize,
+    /// Prompt tokens of completed requests the server served from its prefix cache (0
+    /// when it never said).
+    #[serde(default)]
+    pub cached_tokens: usize,
+    /// cached / prompt tokens, over the completed requests that reported it.
+    #[serde(default)]
+    pub prefix_hit_ratio: Option<f64>,
     pub ttft_ms: Option<Dist>,
     pub tpot_ms: Option<Dist>,
     pub itl_ms: Option<Dist>,
@@ -69,6 +76,10 @@ impl Summary {
         }
         let prompt_tokens: usize = ok.iter().map(|r| r.prompt_tokens).sum();
         let output_tokens: usize = ok.iter().map(|r| r.output_tokens).sum();
+        let reported: Vec<&&RequestRecord> =
+            ok.iter().filter(|r| r.cached_tokens.is_some()).collect();
+        let cached_tokens: usize = reported.iter().filter_map(|r| r.cached_tokens).sum();
+        let reported_prompt: usize = reported.iter().map(|r| r.prompt_tokens).sum();
         let per_s = |x: f64| {
             if duration_s > 0.0 {
                 x / duration_s
@@ -90,6 +101,9 @@ impl Summary {
             total_token_throughput: per_s((prompt_tokens + output_tokens) as f64),
             prompt_tokens,
             output_tokens,
+            cached_tokens,
+            prefix_hit_ratio: (reported_prompt > 0)
+                .then(|| cached_tokens as f64 / reported_prompt as f64),
             ttft_ms: ms(Dist::of(ok.iter().filter_map(|r| r.ttft_s))),
             tpot_ms: ms(Dist::of(ok.iter().filter_map(|r| r.tpot_s))),
             itl_ms: ms(Dist::of(ok.iter().flat_map(|r| r.itl_s.iter().copied()))),
@@ -264,6 +278,16 @@ impl Report {
                 two(&m.e2e_ms),
                 att
             );
+            if let Some(ratio) = m.prefix_hit_ratio {
+                let _ = writeln!(
+                    s,
+                    "        prefix cache: {} of {} prompt tokens cached ({:.1}%), {} computed",
+                    m.cached_tokens,
+                    m.prompt_tokens,
+                    ratio * 100.0,
+                    m.prompt_tokens.saturating_sub(m.cached_tokens)
+                );
+            }
             for (kind, n) in &m.errors {
                 let _ = writeln!(s, "        {n} failed: {kind}");
             }
@@ -308,6 +332,9 @@ mod tests {
             itl_s: vec![(e2e - ttft) / (out.max(2) - 1) as f64; out.saturating_sub(1)],
             e2e_s: Some(e2e),
             placement: None,
+            cached_tokens: None,
+            conversation: None,
+            turn: None,
             error: err.map(|k| RequestError::new(k, "x")),
         }
     }

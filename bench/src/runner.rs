@@ -6,6 +6,11 @@
 //! requests or once `duration` has passed, whichever comes first, then waits for every
 //! request in flight (each bounded by the request timeout).
 //!
+//! Multi-turn workloads: the arrivals (and the concurrency cap) apply to conversations; a
+//! conversation sends its turns one after another, each when the one before has ended (a
+//! failed turn ends the conversation), and holds its slot until its last turn. Every turn
+//! counts as a request towards `num_prompts`.
+//!
 //! Invariants: every sent request yields exactly one record; records are ordered by index;
 //! warm-up requests (sent one at a time, or `max_concurrency` at a time, before the first
 //! run) are never recorded; every run of a sweep draws the same workload (same seed) and,
@@ -28,7 +33,7 @@ use crate::error::{BenchError, Result};
 use crate::progress::Progress;
 use crate::record::RequestRecord;
 use crate::report::{Report, RunReport, Summary, SweepSummary, SCHEMA};
-use crate::workload::Workload;
+use crate::workload::{PrefixShape, RequestSpec, Workload};
 
 /// Seed offset of the arrival RNG, so arrivals and the workload are independent streams.
 const ARRIVAL_STREAM: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -45,7 +50,11 @@ impl Prepared {
         Workload::new(
             cfg.lengths.clone(),
             self.corpus.clone(),
-            cfg.shared_prefix_len,
+            PrefixShape {
+                shared_prefix_len: cfg.shared_prefix_len,
+                num_prefixes: cfg.num_prefixes,
+                turns: cfg.turns,
+            },
             seed,
             self.text.clone(),
         )
@@ -196,33 +205,35 @@ async fn run_one(
         if duration.is_some_and(|d| start.elapsed() >= d) {
             break;
         }
-        let spec = workload.next_request();
+        let mut unit = workload.next_unit();
+        if let Some(n) = num_prompts {
+            unit.truncate(n - sent);
+        }
         let target = target.clone();
         let progress = progress.clone();
-        let index = sent;
+        let first_index = sent;
+        let conversation = (unit.len() > 1).then_some(first_index);
         let scheduled_s = due_s;
-        progress.started();
+        sent += unit.len();
         tasks.spawn(async move {
-            let (timeline, error) = target.send(&spec).await;
-            drop(permit);
-            let r = RequestRecord::new(
-                index,
+            let records = send_unit(
+                &target,
+                unit,
+                first_index,
+                conversation,
                 start,
                 scheduled_s,
-                spec.prompt_ids.len(),
-                spec.output_len,
-                timeline,
-                error,
-            );
-            progress.finished(r.ok());
-            r
+                &progress,
+            )
+            .await;
+            drop(permit);
+            records
         });
-        sent += 1;
     }
     let mut records = Vec::with_capacity(sent);
     while let Some(r) = tasks.join_next().await {
         match r {
-            Ok(r) => records.push(r),
+            Ok(r) => records.extend(r),
             // A request task cannot panic short of a bug; keep the count honest anyway.
             Err(e) => records.push(RequestRecord::new(
                 records.len(),
@@ -238,4 +249,49 @@ async fn run_one(
     let wall = start.elapsed();
     records.sort_by_key(|r| r.index);
     (records, wall)
+}
+
+/// Sends one unit of work (a request, or a conversation's turns in order) and records it.
+/// Turns after a failed one are recorded as not sent (they never reach the server).
+async fn send_unit(
+    target: &Target,
+    unit: Vec<RequestSpec>,
+    first_index: usize,
+    conversation: Option<usize>,
+    start: Instant,
+    scheduled_s: f64,
+    progress: &Progress,
+) -> Vec<RequestRecord> {
+    let mut records = Vec::with_capacity(unit.len());
+    let mut failed = false;
+    for (turn, spec) in unit.iter().enumerate() {
+        progress.started();
+        let (timeline, error) = match failed {
+            false => target.send(spec).await,
+            true => (
+                crate::record::Timeline::start(),
+                Some(crate::record::RequestError::new(
+                    "not_sent",
+                    "an earlier turn of the conversation failed",
+                )),
+            ),
+        };
+        let mut r = RequestRecord::new(
+            first_index + turn,
+            start,
+            scheduled_s,
+            spec.prompt_ids.len(),
+            spec.output_len,
+            timeline,
+            error,
+        );
+        if conversation.is_some() {
+            r.conversation = conversation;
+            r.turn = Some(turn);
+        }
+        failed |= !r.ok();
+        progress.finished(r.ok());
+        records.push(r);
+    }
+    records
 }

@@ -105,6 +105,9 @@ mod tests {
             itl_s: Vec::new(),
             e2e_s: Some(1.0),
             placement: None,
+            cached_tokens: None,
+            conversation: None,
+            turn: None,
             error: failed.then(|| RequestError::new("http:500", "boom")),
         }
     }

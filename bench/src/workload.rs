@@ -2,12 +2,22 @@
 //! the drawn input length (a window of corpus token ids) and an output length.
 //!
 //! With a shared prefix of P tokens, the first min(P, n) ids of every n-token prompt are
-//! the same P ids (one window chosen from the seed), the rest a fresh window: prompt lengths
-//! stay what the length distribution says.
+//! the same P ids, the rest a fresh window: prompt lengths stay what the length distribution
+//! says. With G prefixes (a shared system prompt per group, like SGLang's
+//! generated-shared-prefix and vLLM's prefix-repetition datasets) each request takes one of
+//! G such windows at random.
 //!
-//! Invariants: `prompt.ids.len()` is exactly the drawn input length (<= the input cap);
-//! `output_len` is the drawn output length; the same seed (and configuration) gives the
-//! same sequence of requests, whatever the arrival process or the target.
+//! Multi-turn conversations (`turns` > 1): a conversation's first turn is a request as
+//! above; turn k's prompt is turn k-1's prompt, then the assistant's reply (a window as long
+//! as turn k-1's output length; the text a chat client would send back), then a new user
+//! message of a drawn length. Every turn's prompt therefore starts with the previous turn's
+//! whole prompt, as a chat client's does. A conversation ends early rather than exceed the
+//! input cap.
+//!
+//! Invariants: a single-turn `prompt.ids.len()` is exactly the drawn input length (<= the
+//! input cap); `output_len` is the drawn output length; every turn of a conversation
+//! extends the one before; the same seed (and configuration) gives the same sequence of
+//! requests, whatever the arrival process or the target.
 
 use std::sync::Arc;
 
@@ -29,10 +39,32 @@ pub struct RequestSpec {
     pub output_len: usize,
 }
 
+/// How prompts share prefixes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixShape {
+    /// Tokens of each shared prefix (0: none).
+    pub shared_prefix_len: usize,
+    /// Distinct shared prefixes (groups); each request takes one at random.
+    pub num_prefixes: usize,
+    /// Requests per conversation (1: independent requests).
+    pub turns: usize,
+}
+
+impl Default for PrefixShape {
+    fn default() -> Self {
+        PrefixShape {
+            shared_prefix_len: 0,
+            num_prefixes: 1,
+            turns: 1,
+        }
+    }
+}
+
 pub struct Workload {
     lengths: Lengths,
     corpus: Arc<Corpus>,
-    prefix: Vec<u32>,
+    prefixes: Vec<Vec<u32>>,
+    turns: usize,
     rng: ChaCha8Rng,
     text: Option<Arc<Tokenizer>>,
     next_index: usize,
@@ -43,21 +75,25 @@ impl Workload {
     pub fn new(
         lengths: Lengths,
         corpus: Arc<Corpus>,
-        shared_prefix_len: usize,
+        shape: PrefixShape,
         seed: u64,
         text: Option<Arc<Tokenizer>>,
     ) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let prefix = if shared_prefix_len > 0 {
-            let at = rng.random_range(0..corpus.len());
-            corpus.window(at, shared_prefix_len)
-        } else {
-            Vec::new()
+        let prefixes = match shape.shared_prefix_len {
+            0 => vec![Vec::new()],
+            len => (0..shape.num_prefixes.max(1))
+                .map(|_| {
+                    let at = rng.random_range(0..corpus.len());
+                    corpus.window(at, len)
+                })
+                .collect(),
         };
         Workload {
             lengths,
             corpus,
-            prefix,
+            prefixes,
+            turns: shape.turns.max(1),
             rng,
             text,
             next_index: 0,
@@ -66,11 +102,20 @@ impl Workload {
 
     pub fn next_request(&mut self) -> RequestSpec {
         let (n, output_len) = self.lengths.sample(&mut self.rng);
-        let shared = n.min(self.prefix.len());
+        let group = match self.prefixes.len() {
+            1 => 0,
+            g => self.rng.random_range(0..g),
+        };
+        let prefix = &self.prefixes[group];
+        let shared = n.min(prefix.len());
         let at = self.rng.random_range(0..self.corpus.len());
         let mut prompt_ids = Vec::with_capacity(n);
-        prompt_ids.extend_from_slice(&self.prefix[..shared]);
+        prompt_ids.extend_from_slice(&prefix[..shared]);
         prompt_ids.extend(self.corpus.window(at, n - shared));
+        self.spec(prompt_ids, output_len)
+    }
+
+    fn spec(&mut self, prompt_ids: Vec<u32>, output_len: usize) -> RequestSpec {
         let prompt_text = self.text.as_ref().map(|t| t.decode(&prompt_ids));
         let index = self.next_index;
         self.next_index += 1;
@@ -80,6 +125,27 @@ impl Workload {
             prompt_text,
             output_len,
         }
+    }
+
+    /// The next unit of work: one request, or a whole conversation's turns in order.
+    pub fn next_unit(&mut self) -> Vec<RequestSpec> {
+        let first = self.next_request();
+        let mut history = first.prompt_ids.clone();
+        let mut reply_len = first.output_len;
+        let mut turns = vec![first];
+        while turns.len() < self.turns {
+            let (n, output_len) = self.lengths.sample(&mut self.rng);
+            if history.len() + reply_len + n > self.lengths.max_input {
+                break;
+            }
+            let at = self.rng.random_range(0..self.corpus.len());
+            history.extend(self.corpus.window(at, reply_len));
+            let at = self.rng.random_range(0..self.corpus.len());
+            history.extend(self.corpus.window(at, n));
+            turns.push(self.spec(history.clone(), output_len));
+            reply_len = output_len;
+        }
+        turns
     }
 }
 
@@ -118,7 +184,7 @@ mod tests {
         assert!(corpus.len() > 20_000, "{}", corpus.len());
         let corpus_len = corpus.len();
         let lengths = uniform(1, 3000, 2048);
-        let mut w = Workload::new(lengths, corpus, 0, 1, Some(tk.clone()));
+        let mut w = Workload::new(lengths, corpus, PrefixShape::default(), 1, Some(tk.clone()));
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         for _ in 0..200 {
             let r = w.next_request();
@@ -140,7 +206,11 @@ mod tests {
     fn shared_prefix_is_common_to_every_prompt() {
         let corpus = Arc::new(Corpus::from_ids((0..5000).collect()).unwrap());
         let p = 48;
-        let mut w = Workload::new(uniform(1, 200, 200), corpus, p, 3, None);
+        let shape = PrefixShape {
+            shared_prefix_len: p,
+            ..PrefixShape::default()
+        };
+        let mut w = Workload::new(uniform(1, 200, 200), corpus, shape, 3, None);
         let reqs: Vec<RequestSpec> = (0..100).map(|_| w.next_request()).collect();
         let longest = reqs
             .iter()
@@ -165,7 +235,13 @@ mod tests {
     fn same_seed_same_requests() {
         let corpus = Arc::new(Corpus::from_ids((0..1000).collect()).unwrap());
         let draw = |seed| {
-            let mut w = Workload::new(uniform(1, 100, 100), corpus.clone(), 0, seed, None);
+            let mut w = Workload::new(
+                uniform(1, 100, 100),
+                corpus.clone(),
+                PrefixShape::default(),
+                seed,
+                None,
+            );
             (0..20)
                 .map(|_| {
                     let r = w.next_request();
@@ -175,5 +251,49 @@ mod tests {
         };
         assert_eq!(draw(7), draw(7));
         assert_ne!(draw(7), draw(8));
+    }
+
+    #[test]
+    fn groups_share_their_own_prefix() {
+        let corpus = Arc::new(Corpus::from_ids((0..50_000).collect()).unwrap());
+        let shape = PrefixShape {
+            shared_prefix_len: 32,
+            num_prefixes: 3,
+            turns: 1,
+        };
+        let mut w = Workload::new(uniform(40, 80, 200), corpus, shape, 5, None);
+        let heads: std::collections::HashSet<Vec<u32>> = (0..60)
+            .map(|_| w.next_request().prompt_ids[..32].to_vec())
+            .collect();
+        assert_eq!(heads.len(), 3, "three system prompts, each used");
+    }
+
+    #[test]
+    fn every_turn_extends_the_one_before_and_conversations_respect_the_cap() {
+        let corpus = Arc::new(Corpus::from_ids((0..50_000).collect()).unwrap());
+        let shape = PrefixShape {
+            shared_prefix_len: 16,
+            num_prefixes: 1,
+            turns: 4,
+        };
+        let mut w = Workload::new(uniform(10, 30, 150), corpus, shape, 9, None);
+        let mut saw_full = false;
+        for _ in 0..30 {
+            let conv = w.next_unit();
+            assert!(!conv.is_empty() && conv.len() <= 4);
+            saw_full |= conv.len() == 4;
+            for pair in conv.windows(2) {
+                let (a, b) = (&pair[0], &pair[1]);
+                assert!(
+                    b.prompt_ids.starts_with(&a.prompt_ids),
+                    "a turn extends the last"
+                );
+                // The reply in between is as long as the last turn's output.
+                assert!(b.prompt_ids.len() > a.prompt_ids.len() + a.output_len);
+                assert!(b.index == a.index + 1);
+            }
+            assert!(conv.iter().all(|t| t.prompt_ids.len() <= 150));
+        }
+        assert!(saw_full, "some conversations have every turn");
     }
 }

@@ -160,6 +160,8 @@ fn config(url: String, lengths: LengthParams, dataset: DatasetKind) -> ServeConf
         length_params: lengths,
         corpus: None,
         shared_prefix_len: 0,
+        num_prefixes: 1,
+        turns: 1,
         seed: 1,
         send: SendOptions {
             api_key: None,

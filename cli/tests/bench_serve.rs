@@ -147,3 +147,65 @@ fn bench_serve_against_duet_openai_http_adds_up() {
     assert!(!report["model"].as_str().unwrap_or_default().is_empty());
     let _ = std::fs::remove_file(&out);
 }
+
+/// Multi-turn conversations: every turn's prompt extends the one before, the turns of a
+/// conversation run one after another, and the server's prefix cache shows in the report.
+#[test]
+fn bench_serve_multi_turn_reports_conversations_and_cached_tokens() {
+    let (_up, url) = support::up(&[]);
+    let out = tmp("multi-turn.json");
+    let o = Command::new(env!("CARGO_BIN_EXE_duet"))
+        .args(["bench", "serve", "--url", &url])
+        .arg("--model")
+        .arg(support::model())
+        .args([
+            "--dataset",
+            "fixed",
+            "--input-len",
+            "48",
+            "--output-len",
+            "4",
+        ])
+        .args(["--shared-prefix-len", "32", "--turns", "3"])
+        .args(["--num-prompts", "6", "--max-concurrency", "2"])
+        .arg("--output-json")
+        .arg(&out)
+        .output()
+        .expect("run duet bench serve");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(table.contains("prefix cache:"), "{table}");
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&out).expect("report")).expect("json");
+    let run = &r["runs"][0];
+    let recs = run["requests"].as_array().expect("requests");
+    assert_eq!(recs.len(), 6);
+    let mut by_conv: std::collections::BTreeMap<usize, Vec<&serde_json::Value>> =
+        Default::default();
+    for x in recs {
+        assert!(x["error"].is_null(), "{x}");
+        by_conv.entry(n(&x["conversation"])).or_default().push(x);
+    }
+    assert_eq!(by_conv.len(), 2, "two conversations of three turns");
+    let mut cached_sum = 0;
+    for turns in by_conv.values() {
+        assert_eq!(turns.len(), 3);
+        for (k, pair) in turns.windows(2).enumerate() {
+            let (a, b) = (pair[0], pair[1]);
+            assert_eq!(n(&b["turn"]), k + 1);
+            // Turn k+1 = turn k's prompt + its 4-token reply + a 48-token message.
+            assert_eq!(n(&b["prompt_tokens"]), n(&a["prompt_tokens"]) + 4 + 48);
+            // Sent after the previous turn ended.
+            let a_end = a["arrival_s"].as_f64().unwrap() + a["e2e_s"].as_f64().unwrap();
+            assert!(b["arrival_s"].as_f64().unwrap() >= a_end - 1e-6);
+            // The previous prompt's whole blocks came from a cache.
+            assert!(
+                n(&b["cached_tokens"]) >= n(&a["prompt_tokens"]) / 16 * 16,
+                "{b}"
+            );
+        }
+        cached_sum += turns.iter().map(|x| n(&x["cached_tokens"])).sum::<usize>();
+    }
+    assert_eq!(n(&run["summary"]["cached_tokens"]), cached_sum);
+    let _ = std::fs::remove_file(&out);
+}

@@ -132,6 +132,7 @@ impl DuetClient {
                         if let Some(u) = f.usage {
                             t.prompt_tokens = Some(u.prompt_tokens as usize);
                             t.output_tokens = Some(u.completion_tokens as usize);
+                            t.cached_tokens = Some(u.cached_tokens as usize);
                         }
                         t.placement = f.timings.map(|x| {
                             pb::PrefillPlacement::try_from(x.placement)

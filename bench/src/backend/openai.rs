@@ -218,6 +218,8 @@ fn on_event(data: &str, now: Instant, t: &mut Timeline) -> std::result::Result<b
         let count = |k: &str| u[k].as_u64().map(|x| x as usize);
         t.prompt_tokens = count("prompt_tokens").or(t.prompt_tokens);
         t.output_tokens = count("completion_tokens").or(t.output_tokens);
+        let cached = u["prompt_tokens_details"]["cached_tokens"].as_u64();
+        t.cached_tokens = cached.map(|x| x as usize).or(t.cached_tokens);
     }
     Ok(false)
 }

@@ -103,9 +103,20 @@ pub struct ServeBenchArgs {
     /// Longest output (drawn lengths above are capped).
     #[arg(long, env = "DUET_BENCH_MAX_OUTPUT_LEN", default_value_t = 512)]
     pub max_output_len: usize,
-    /// Every prompt starts with the same this many tokens (part of its length).
+    /// Every prompt starts with the same this many tokens (part of its length): a shared
+    /// system prompt.
     #[arg(long, env = "DUET_BENCH_SHARED_PREFIX_LEN", default_value_t = 0)]
     pub shared_prefix_len: usize,
+    /// Distinct shared prefixes (system prompts of --shared-prefix-len tokens), one drawn
+    /// per request (SGLang's generated-shared-prefix, vLLM's prefix-repetition).
+    #[arg(long, env = "DUET_BENCH_NUM_PREFIXES", default_value_t = 1)]
+    pub num_prefixes: usize,
+    /// Multi-turn chat: requests per conversation. Turn k's prompt is turn k-1's prompt,
+    /// a reply as long as its output and a new user message (--input-len); the turns of a
+    /// conversation go one after another, and rates and --max-concurrency count
+    /// conversations.
+    #[arg(long, env = "DUET_BENCH_TURNS", default_value_t = 1)]
+    pub turns: usize,
     /// Plain text prompts are cut from (default: the stored public-domain book).
     #[arg(long, env = "DUET_BENCH_CORPUS")]
     pub corpus: Option<PathBuf>,
@@ -236,6 +247,8 @@ impl ServeBenchArgs {
             length_params,
             corpus: self.corpus.clone(),
             shared_prefix_len: self.shared_prefix_len,
+            num_prefixes: self.num_prefixes,
+            turns: self.turns,
             seed: self.seed,
             send: SendOptions {
                 temperature: self.temperature,
