@@ -165,6 +165,11 @@ fn kv_link_cut_times_out_reclaims_blocks_and_the_request_completes() {
         format!("{kv_ip}:0"),
         "--kv-advertise-host".into(),
         kv_ip.clone(),
+        // The test sends one prompt again and again: with a prefix cache the decode worker
+        // would soon hold all but its last block and prefill it locally, and the KV link
+        // (what this test cuts) would not be used.
+        "--prefix-cache".into(),
+        "off".into(),
     ]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let decode = Proc::start_in_netns(&hosts.ns('d'), "decode", &args, &[]);

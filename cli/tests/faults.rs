@@ -23,13 +23,27 @@ fn rt() -> tokio::runtime::Runtime {
 
 /// A prompt of roughly `words` tokens.
 fn long_prompt(words: usize) -> String {
+    long_prompt_from(0, words)
+}
+
+/// [`long_prompt`] starting `skip` words into the sentence: as long, but sharing no prefix
+/// (no cached block) with it.
+fn long_prompt_from(skip: usize, words: usize) -> String {
     let text = "the river runs past the old mill and the children watch the boats ";
     text.split(' ')
         .filter(|w| !w.is_empty())
         .cycle()
+        .skip(skip)
         .take(words)
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+fn usage_cached(c: &support::Completion) -> u32 {
+    c.fin
+        .as_ref()
+        .and_then(|f| f.usage)
+        .map_or(0, |u| u.cached_tokens)
 }
 
 /// The router's `/metrics` exposition.
@@ -144,7 +158,7 @@ async fn router_sees_prefill_idle(url: &str, within: Duration) {
 }
 
 /// Fault 2: the prefill worker computing a request is killed (SIGKILL) mid-prefill. The
-/// request is retried on the other prefill worker and completes with the same greedy tokens;
+/// request is retried on the other prefill worker and completes with duet run's greedy tokens;
 /// the decode worker's reservation for the failed attempt is released.
 #[test]
 fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
@@ -155,13 +169,15 @@ fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
         cl.wait_workers(2, 1, Duration::from_secs(20)).await;
         let prompt = long_prompt(700);
         let mut c = client(&cl.url).await;
-        let reference = generate(&mut c, greedy(text(&prompt), 8))
+        // The prefill time of a prompt as long, but another one: the measured prompt must
+        // reach the prefill worker uncached, or its prefill would be over before the kill.
+        let timing = generate(&mut c, greedy(text(&long_prompt_from(5, 700)), 8))
             .await
             .expect("undisturbed run");
-        let prefill_time = reference.timings().prefill_seconds;
+        let prefill_time = timing.timings().prefill_seconds;
         eprintln!(
             "undisturbed: prefill {prefill_time:.3} s on {}",
-            reference.timings().prefill_worker
+            timing.timings().prefill_worker
         );
         // Once the router's view shows both prefill workers idle it picks by id: prefill-0.
         // The request's prefill is under way once the decode worker holds its reservation.
@@ -183,7 +199,12 @@ fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
             .expect("the request ends")
             .expect("join")
             .expect("the request survives the prefill worker's death");
-        assert_eq!(done.ids, reference.ids, "same greedy tokens as undisturbed");
+        assert_eq!(
+            done.ids,
+            support::run_reference(&prompt, false, 8),
+            "same greedy tokens as duet run"
+        );
+        assert_eq!(usage_cached(&done), 0, "the retry found nothing cached");
         assert_eq!(
             done.timings().prefill_worker,
             format!("prefill-{}", 1 - victim),

@@ -45,6 +45,8 @@ def test_defaults_pass_the_schema(chart):
     ({"config": {"logFormat": "yaml"}}, "/config/logFormat"),
     ({"router": {"mode": "split"}}, "/router/mode"),
     ({"decode": {"kvPool": "2 gigs"}}, "/decode/kvPool"),
+    ({"prefill": {"prefixCache": "yes"}}, "/prefill/prefixCache"),
+    ({"decode": {"kvHostPool": "lots"}}, "/decode/kvHostPool"),
     ({"config": {"extraEnv": {"RUST_LOG": "x"}}}, "invalid propertyName 'RUST_LOG'"),
     ({"kvSecret": {"value": "short"}}, "/kvSecret/value"),
     ({"model": {"source": "s3"}}, "/model/source"),
@@ -339,9 +341,12 @@ def test_role_ports_and_settings(rendered: Rendered):
             assert env["DUET_HTTP_LISTEN"] == "0.0.0.0:8000" and ports["http"] == 8000
             assert env["DUET_MODE"] == eff["router"]["mode"]
             assert env["DUET_MAX_QUEUED"] == str(eff["router"]["maxQueued"])
+            assert env["DUET_KV_ROUTING"] == eff["router"]["kvRouting"]
         else:
             assert env["DUET_THREADS"] == str(eff[role]["threads"])
             assert env["DUET_KV_POOL"] == eff[role]["kvPool"]
+            assert env["DUET_PREFIX_CACHE"] == eff[role]["prefixCache"]
+            assert env["DUET_KV_HOST_POOL"] == str(eff[role]["kvHostPool"])
         if role == "prefill":
             assert env["DUET_MAX_BATCH_TOKENS"] == str(eff["prefill"]["maxBatchTokens"])
         if role == "decode":
