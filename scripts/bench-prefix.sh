@@ -25,7 +25,7 @@
 #   NUM_PROMPTS   requests per run [48]       CONCURRENCY  requests (or conversations) in
 #                                                          flight [4]
 #   SYSTEM_LEN [384]  QUESTION_LEN [128]  NUM_PREFIXES [4]  OUTPUT_LEN [16]
-#   TURNS [4]  TURN_LEN [48]
+#   TURNS [4]  TURN_LEN [48]  KV_POOL  every worker's KV pool [512MiB]
 #   OUT           results directory [bench/results/prefix-<date>]
 #   SMOKE=1       a tiny run to check the script (short prompts, 8 requests)
 set -euo pipefail
@@ -45,6 +45,7 @@ NUM_PREFIXES="${NUM_PREFIXES:-4}"
 OUTPUT_LEN="${OUTPUT_LEN:-16}"
 TURNS="${TURNS:-4}"
 TURN_LEN="${TURN_LEN:-48}"
+KV_POOL="${KV_POOL:-512MiB}"
 if [ "${SMOKE:-0}" = 1 ]; then
   NUM_PROMPTS=8 SYSTEM_LEN=48 QUESTION_LEN=24 TURN_LEN=16 OUTPUT_LEN=4 TURNS=2
   OUT="${OUT:-$(mktemp -d /tmp/duet-bench-prefix-smoke.XXXXXX)}"
@@ -106,7 +107,7 @@ for w in $WORKLOADS; do
     log="$OUT/logs/$w-$c.log"
     # shellcheck disable=SC2046
     "$duet" up --model "$model" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
-      --prefill-workers 2 --decode-workers 1 --kv-pool 512MiB $(config_flags "$c") >"$log" 2>&1 &
+      --prefill-workers 2 --decode-workers 1 --kv-pool "$KV_POOL" $(config_flags "$c") >"$log" 2>&1 &
     up_pid=$!
     url=$(wait_line "$log" "router listening on")
     metrics=$(wait_line "$log" "metrics on")/metrics

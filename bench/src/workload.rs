@@ -8,11 +8,12 @@
 //! G such windows at random.
 //!
 //! Multi-turn conversations (`turns` > 1): a conversation's first turn is a request as
-//! above; turn k's prompt is turn k-1's prompt, then the assistant's reply (a window as long
-//! as turn k-1's output length; the text a chat client would send back), then a new user
-//! message of a drawn length. Every turn's prompt therefore starts with the previous turn's
-//! whole prompt, as a chat client's does. A conversation ends early rather than exceed the
-//! input cap.
+//! above (a shared prefix, the system prompt, then the first user message); turn k's prompt
+//! is turn k-1's prompt, then the assistant's reply (a window as long as turn k-1's output
+//! length; the text a chat client would send back), then a new user message as long as a
+//! first message would be (a drawn input length minus the shared prefix). Every turn's
+//! prompt therefore starts with the previous turn's whole prompt, as a chat client's does.
+//! A conversation ends early rather than exceed the input cap.
 //!
 //! Invariants: a single-turn `prompt.ids.len()` is exactly the drawn input length (<= the
 //! input cap); `output_len` is the drawn output length; every turn of a conversation
@@ -129,12 +130,14 @@ impl Workload {
 
     /// The next unit of work: one request, or a whole conversation's turns in order.
     pub fn next_unit(&mut self) -> Vec<RequestSpec> {
+        let system = self.prefixes[0].len();
         let first = self.next_request();
         let mut history = first.prompt_ids.clone();
         let mut reply_len = first.output_len;
         let mut turns = vec![first];
         while turns.len() < self.turns {
             let (n, output_len) = self.lengths.sample(&mut self.rng);
+            let n = n.saturating_sub(system).max(1);
             if history.len() + reply_len + n > self.lengths.max_input {
                 break;
             }

@@ -52,11 +52,9 @@ struct PromptPrefix<'a> {
     index: &'a KvIndex,
     /// `false`: every worker reads as holding nothing (routing on load alone).
     routing: bool,
-    hashes: std::sync::Mutex<HashesByLayout>,
+    /// (fingerprint, block size, hashes): usually one entry, so a scan without allocating.
+    hashes: std::sync::Mutex<Vec<(String, usize, Arc<Vec<u64>>)>>,
 }
-
-/// A prompt's block hashes per (model fingerprint, block size).
-type HashesByLayout = std::collections::HashMap<(String, usize), Arc<Vec<u64>>>;
 
 impl<'a> PromptPrefix<'a> {
     fn new(prompt: &'a [u32], index: &'a KvIndex, routing: bool) -> Self {
@@ -74,24 +72,27 @@ impl<'a> PromptPrefix<'a> {
 
     /// The prompt's block hashes as worker `w` computes them.
     fn hashes(&self, w: &WorkerRecord) -> Arc<Vec<u64>> {
-        let key = (w.fingerprint.clone(), Self::block_size(w));
+        let bs = Self::block_size(w);
+        if self.prompt.len() < bs {
+            return Arc::default();
+        }
         let Ok(mut m) = self.hashes.lock() else {
-            return Arc::new(Vec::new());
+            return Arc::default();
         };
-        m.entry(key)
-            .or_insert_with(|| {
-                let h = duet_engine::PrefixHasher::new(&w.fingerprint, Self::block_size(w));
-                Arc::new(h.hashes(self.prompt))
-            })
-            .clone()
+        if let Some((_, _, h)) = m.iter().find(|(f, b, _)| *b == bs && *f == w.fingerprint) {
+            return h.clone();
+        }
+        let h = Arc::new(duet_engine::PrefixHasher::new(&w.fingerprint, bs).hashes(self.prompt));
+        m.push((w.fingerprint.clone(), bs, h.clone()));
+        h
     }
 
     /// The leading blocks `w` holds, as far as the index knows.
     fn matched(&self, w: &WorkerRecord) -> PrefixMatch {
-        match self.routing {
-            true => self.index.matched(&w.key(), &self.hashes(w)),
-            false => PrefixMatch::default(),
+        if !self.routing || self.prompt.len() < Self::block_size(w) {
+            return PrefixMatch::default();
         }
+        self.index.matched(&w.key(), &self.hashes(w))
     }
 }
 

@@ -47,6 +47,10 @@ pub struct RouterBenchArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+    /// KV-aware routing in the measured router (the fake workers publish no KV events, so
+    /// `on` measures what following and matching costs).
+    #[arg(long, value_enum, default_value = "on")]
+    pub kv_routing: crate::cmd::cluster::args::Switch,
 }
 
 #[derive(Clone)]
@@ -260,6 +264,7 @@ pub fn run(a: RouterBenchArgs) -> anyhow::Result<()> {
             local_prefill_max_tokens: local_max,
             model_name: "bench".into(),
             max_queued_per_priority: 1 << 20,
+            kv_routing: a.kv_routing == crate::cmd::cluster::args::Switch::On,
             ..RouterConfig::default()
         };
         let front = front.clone();

@@ -111,8 +111,9 @@ pub struct ServeBenchArgs {
     /// per request (SGLang's generated-shared-prefix, vLLM's prefix-repetition).
     #[arg(long, env = "DUET_BENCH_NUM_PREFIXES", default_value_t = 1)]
     pub num_prefixes: usize,
-    /// Multi-turn chat: requests per conversation. Turn k's prompt is turn k-1's prompt,
-    /// a reply as long as its output and a new user message (--input-len); the turns of a
+    /// Multi-turn chat: requests per conversation. The first turn is --input-len tokens (the
+    /// shared prefix, then a user message); turn k's prompt is turn k-1's prompt, a reply as
+    /// long as its output and a new user message as long as the first; the turns of a
     /// conversation go one after another, and rates and --max-concurrency count
     /// conversations.
     #[arg(long, env = "DUET_BENCH_TURNS", default_value_t = 1)]
