@@ -52,9 +52,12 @@ struct PromptPrefix<'a> {
     index: &'a KvIndex,
     /// `false`: every worker reads as holding nothing (routing on load alone).
     routing: bool,
-    /// (fingerprint, block size, hashes): usually one entry, so a scan without allocating.
-    hashes: std::sync::Mutex<Vec<(String, usize, Arc<Vec<u64>>)>>,
+    /// Usually one entry, so a scan without allocating.
+    hashes: std::sync::Mutex<Vec<LayoutHashes>>,
 }
+
+/// A prompt's block hashes for one (model fingerprint, block size).
+type LayoutHashes = (String, usize, Arc<Vec<u64>>);
 
 impl<'a> PromptPrefix<'a> {
     fn new(prompt: &'a [u32], index: &'a KvIndex, routing: bool) -> Self {
