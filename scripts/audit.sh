@@ -20,6 +20,9 @@ if ! cargo deny --version >/dev/null 2>&1; then
   say "installing cargo-deny from crates.io (a few minutes, once)"
   cargo install cargo-deny --locked --version 0.20.2
 fi
+# The offline checks read every crate of Cargo.lock, for every platform (a Windows-only
+# dependency too), from the registry cache: a build fetches only this platform's.
+cargo fetch --locked --quiet
 cargo deny --offline check licenses bans sources
 say "licenses, bans, sources: ok"
 err="$(mktemp)"

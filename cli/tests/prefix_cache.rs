@@ -22,18 +22,6 @@ fn ask(question: &str) -> String {
     format!("{SYSTEM}Question: {question}\nAnswer:")
 }
 
-async fn token_count(c: &mut support::GenClient, t: &str) -> usize {
-    c.tokenize(pb::TokenizeRequest {
-        model: String::new(),
-        input: Some(pb::tokenize_request::Input::Text(t.into())),
-    })
-    .await
-    .expect("tokenize")
-    .into_inner()
-    .ids
-    .len()
-}
-
 async fn token_ids(c: &mut support::GenClient, t: &str) -> Vec<u32> {
     c.tokenize(pb::TokenizeRequest {
         model: String::new(),
@@ -181,7 +169,7 @@ fn blocks_evicted_to_host_and_disk_come_back_with_identical_tokens() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let mut c = client(&url).await;
-        let len = token_count(&mut c, &prompt).await;
+        let len = token_ids(&mut c, &prompt).await.len();
         let first = generate(&mut c, greedy(text(&prompt), 12))
             .await
             .expect("first");

@@ -293,6 +293,14 @@ mod tests {
         }
     }
 
+    async fn subscribe(hub: &KvEventHub) -> BatchStream {
+        let svc = KvCacheService::new(hub.clone(), Arc::new(|_| {}), CancellationToken::new());
+        svc.subscribe(Request::new(pb::KvSubscribeRequest {}))
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
     #[tokio::test]
     async fn a_subscriber_gets_a_snapshot_then_the_changes_after_it() {
         let hub = KvEventHub::new("w", 16);
@@ -304,12 +312,7 @@ mod tests {
             },
             stored(KvTier::Host, &[1]),
         ]);
-        let svc = KvCacheService::new(hub.clone(), Arc::new(|_| {}), CancellationToken::new());
-        let mut s = svc
-            .subscribe(Request::new(pb::KvSubscribeRequest {}))
-            .await
-            .unwrap()
-            .into_inner();
+        let mut s = subscribe(&hub).await;
         let mut snap = Vec::new();
         let first = s.next().await.unwrap().unwrap();
         assert!(first.snapshot && first.seq == 2);
@@ -335,12 +338,7 @@ mod tests {
     #[tokio::test]
     async fn a_subscriber_that_falls_behind_gets_a_new_snapshot() {
         let hub = KvEventHub::new("w", 16);
-        let svc = KvCacheService::new(hub.clone(), Arc::new(|_| {}), CancellationToken::new());
-        let mut s = svc
-            .subscribe(Request::new(pb::KvSubscribeRequest {}))
-            .await
-            .unwrap()
-            .into_inner();
+        let mut s = subscribe(&hub).await;
         assert!(s.next().await.unwrap().unwrap().snapshot);
         // Far more batches than the backlog while the subscriber does not read.
         for h in 0..(BACKLOG as u64 + 64) * 2 {
