@@ -24,9 +24,11 @@ measure_up() { # label, extra args...
   local label=$1; shift
   local port; port=$(free_port)
   local log; log=$(mktemp)
-  $BIN up --model $MODEL --listen 127.0.0.1:$port --http-listen 127.0.0.1:0 --kv-pool 256MiB "$@" >"$log" 2>&1 &
+  $BIN up --model $MODEL --listen 127.0.0.1:$port --http-listen 127.0.0.1:0 --kv-pool 256MiB --prefix-cache off "$@" >"$log" 2>&1 &
   local pid=$!
   for _ in $(seq 600); do grep -q "router listening" "$log" && break; sleep 0.1; done
+  # The prompt is sent again and again: without --prefix-cache off every repeat after the
+  # first would be a cache hit (docs/prefix-cache.md), not a prefill.
   # Warm-up (first-touch of pools and caches).
   $BIN generate --router http://127.0.0.1:$port --prompt "$PROMPT" --max-tokens 4 --json >/dev/null
   for i in $(seq "$RUNS"); do

@@ -70,7 +70,9 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 ETCD=http://10.77.0.1:23791
-common=(--etcd "$ETCD" --cluster netns --model "$model" --threads 1 --kv-pool 512MiB --kv-dtype "$KV_DTYPE")
+# --prefix-cache off: the prompts repeat, and a cache hit would hide the transfer measured.
+common=(--etcd "$ETCD" --cluster netns --model "$model" --threads 1 --kv-pool 512MiB --kv-dtype "$KV_DTYPE"
+  --prefix-cache off)
 ip netns exec duet-d taskset -c 1 "$duet" decode "${common[@]}" --id decode-0 \
   --listen 10.77.0.3:7002 --kv-listen 10.77.0.3:7003 --metrics-listen 10.77.0.3:0 \
   >"$work/decode.log" 2>&1 &

@@ -16,6 +16,9 @@
 #                  LLAMA_SERVER=python for llama-cpp-python's own server, which has no
 #                  parallel slots: one request at a time)
 #
+# Every rate repeats one workload, so duet's workers run with --prefix-cache off (as
+# llama-server gets "cache_prompt": false): later rates would otherwise measure cache hits.
+#
 # Steps: (1) every configuration unloaded (one request at a time) -> base TTFT and TPOT
 # p90 = the lowest over the configurations; (2) SLO = TTFT_SCALE x base TTFT, TPOT_SCALE x
 # base TPOT (written to slo.json and printed); (3) every configuration over the rate sweep
@@ -189,10 +192,10 @@ start_config() {
       local cluster="bench-$name-$RANDOM" local_max=0
       [ "$name" = conditional ] && local_max=256
       taskset -c 1 "$duet" decode --model "$model" --threads 1 --etcd "$etcd_ep" --cluster "$cluster" \
-        --listen 127.0.0.1:0 --kv-listen 127.0.0.1:0 --kv-pool 256MiB >"$log-decode.log" 2>&1 &
+        --listen 127.0.0.1:0 --kv-listen 127.0.0.1:0 --kv-pool 256MiB --prefix-cache off >"$log-decode.log" 2>&1 &
       pids+=($!)
       taskset -c 0 "$duet" prefill --model "$model" --threads 1 --etcd "$etcd_ep" --cluster "$cluster" \
-        --listen 127.0.0.1:0 --kv-pool 256MiB >"$log-prefill.log" 2>&1 &
+        --listen 127.0.0.1:0 --kv-pool 256MiB --prefix-cache off >"$log-prefill.log" 2>&1 &
       pids+=($!)
       wait_line "$log-decode.log" "serving gRPC on" >/dev/null
       wait_line "$log-prefill.log" "serving gRPC on" >/dev/null
@@ -208,7 +211,7 @@ start_config() {
       ;;
     colocated)
       taskset -c 0,1 "$duet" up --model "$model" --mode colocated --prefill-workers 0 --decode-workers 1 \
-        --threads 2 --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --kv-pool 256MiB >"$log.log" 2>&1 &
+        --threads 2 --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --kv-pool 256MiB --prefix-cache off >"$log.log" 2>&1 &
       pids+=($!)
       local grpc http
       grpc=$(wait_line "$log.log" "router listening on")
