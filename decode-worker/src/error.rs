@@ -21,6 +21,11 @@ pub enum DecodeError {
     ShuttingDown,
     #[error("KV transfer endpoint: {0}")]
     Transfer(#[source] duet_kv_transfer::Error),
+    #[error(
+        "request {0}: the prompt does not start with the cached blocks its reservation \
+         attached (block hashes from another prompt)"
+    )]
+    PrefixMismatch(u64),
 }
 
 impl DecodeError {
@@ -35,7 +40,7 @@ impl DecodeError {
                 ErrorClass::Unavailable
             }
             DecodeError::TransferTimeout(_) => ErrorClass::DeadlineExceeded,
-            DecodeError::Transfer(_) => ErrorClass::Internal,
+            DecodeError::Transfer(_) | DecodeError::PrefixMismatch(_) => ErrorClass::Internal,
         }
     }
 

@@ -428,17 +428,26 @@ impl Scheduler {
         }
         match source {
             PrefillSource::Remote { first_token } => {
-                let claimed = self.reservations.get(&id).map(|r| {
-                    r.claim.is_some()
-                        || r.prompt_tokens != job.prompt.len()
-                        || !self.prefix_matches(&job.prompt, &r.cached_hashes)
-                });
+                let claimed = self
+                    .reservations
+                    .get(&id)
+                    .map(|r| r.claim.is_some() || r.prompt_tokens != job.prompt.len());
+                let foreign_prefix = self
+                    .reservations
+                    .get(&id)
+                    .is_some_and(|r| !self.prefix_matches(&job.prompt, &r.cached_hashes));
                 match claimed {
                     None => {
                         let _ = events.send(Event::Error(DecodeError::NoReservation(id)));
                     }
                     Some(true) => {
                         let _ = events.send(Event::Error(DecodeError::Duplicate(id)));
+                    }
+                    Some(false) if foreign_prefix => {
+                        // The reservation attached another prompt's cached blocks: its KV
+                        // must not be continued. It ends here (blocks freed).
+                        self.drop_reservation(id, None);
+                        let _ = events.send(Event::Error(DecodeError::PrefixMismatch(id)));
                     }
                     Some(false) => match self.new_seq(job, events) {
                         Ok(seq) => {
@@ -737,7 +746,9 @@ impl Scheduler {
             return Ok(());
         };
         let bs = self.cache.block_size();
-        let limit = reusable_tokens(tokens.len(), bs).min(*exact_from / bs * bs);
+        // Two rows at least before `exact_from` too: a one-row first chunk would take the
+        // per-row kernels, unlike the same row in the prefill that cached the prefix.
+        let limit = reusable_tokens(tokens.len(), bs).min(reusable_tokens(*exact_from, bs));
         let hashes = self.hasher.hashes(&tokens[..limit]);
         let hit = self.cache.attach_prefix(s.id, &hashes, limit)?;
         *done = hit.blocks() * bs;

@@ -181,3 +181,47 @@ proptest! {
         prop_assert_eq!(cache.free_blocks(), POOL);
     }
 }
+
+/// A block coming back from a full host tier is taken out before the device block it needs
+/// is allocated: the eviction that allocation causes moves another block into the freed
+/// slot instead of pushing the wanted block out of the tier.
+#[test]
+fn a_hit_in_a_full_host_tier_survives_the_eviction_it_causes() {
+    let mut cache = KvCache::new(layout(), 2);
+    cache
+        .enable_prefix_cache(&PrefixCacheConfig {
+            host_blocks: 1,
+            disk: None,
+        })
+        .expect("prefix cache");
+    let run = |cache: &mut KvCache, id: u64, tokens: &[u32]| {
+        cache.add_sequence(id).expect("add");
+        cache.prepare_append(id, tokens.len()).expect("room");
+        cache.commit_append(id, tokens.len()).expect("commit");
+        let b = cache.sequence_blocks(id).expect("seq")[0];
+        write_marker(cache, b, cache.prefix_hasher().hashes(tokens)[0]);
+        cache.register_blocks(id, tokens).expect("register");
+        cache.free_sequence(id);
+    };
+    let (a, b, c) = ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]);
+    run(&mut cache, 1, &a);
+    run(&mut cache, 2, &b);
+    // The pool is full of cached blocks: c evicts a (the oldest) to the host tier.
+    run(&mut cache, 3, &c);
+    let ha = cache.prefix_hasher().hashes(&a);
+    assert_eq!(cache.lookup_prefix(&ha).host, 1);
+    // Bringing a back evicts b, whose spill needs the host tier's only slot.
+    cache.add_sequence(4).expect("add");
+    let hit = cache.attach_prefix(4, &ha, 4).expect("attach");
+    assert_eq!(hit.host, 1, "{hit:?}");
+    let blk = cache.sequence_blocks(4).expect("seq")[0];
+    assert_eq!(marker(&cache, blk), ha[0], "a's KV came back");
+    assert_eq!(
+        cache.lookup_prefix(&cache.prefix_hasher().hashes(&b)).host,
+        1,
+        "b went down"
+    );
+    cache.free_sequence(4);
+    cache.allocator().check().expect("allocator");
+    cache.check_prefix_cache().expect("index");
+}

@@ -83,7 +83,13 @@ async fn follow(
             metrics::counter!(ROUTER_KV_INDEX_RESYNCS_TOTAL).increment(1);
         }
         match subscribe_once(&key, &addr, &workers, &index, &stop).await {
-            Ended::Stopped => return,
+            Ended::Stopped => {
+                // A batch applied after `run` forgot the worker must not outlive this task.
+                // (A follower started since for a new address recovers: its next batch
+                // finds no entry, reads as a gap and subscribes again.)
+                index.forget(&key);
+                return;
+            }
             Ended::Unsupported => {
                 tracing::debug!(worker = %key, "worker serves no KV events; routed on load");
                 index.forget(&key);

@@ -234,12 +234,22 @@ impl pb::kv_cache_server::KvCache for KvCacheService {
         let closed = self.closed.clone();
         let (out, rx_out) = tokio::sync::mpsc::channel(64);
         tokio::spawn(async move {
+            // Every send watches `closed` too: a slow subscriber must not hold the drain.
+            let send = |m: pb::KvEventBatch| {
+                let (out, closed) = (out.clone(), closed.clone());
+                async move {
+                    tokio::select! {
+                        _ = closed.cancelled() => false,
+                        r = out.send(Ok(m)) => r.is_ok(),
+                    }
+                }
+            };
             let (mut snapshot, mut rx) = hub.subscribe();
             loop {
                 let mut last = 0;
                 for m in snapshot.drain(..) {
                     last = m.seq;
-                    if out.send(Ok(m)).await.is_err() {
+                    if !send(m).await {
                         return;
                     }
                 }
@@ -252,7 +262,7 @@ impl pb::kv_cache_server::KvCache for KvCacheService {
                     match b {
                         Ok(b) if b.seq <= last => continue,
                         Ok(b) => {
-                            if out.send(Ok((*b).clone())).await.is_err() {
+                            if !send((*b).clone()).await {
                                 return;
                             }
                         }

@@ -260,10 +260,12 @@ impl KvCache {
     }
 
     /// Release every block of a sequence. Unknown ids are a no-op, so a
-    /// release after a failure is always safe.
+    /// release after a failure is always safe. Blocks go back last first: cached ones then
+    /// enter the eviction order tail first, so a prefix loses its ends before its head
+    /// (a prefix whose first block is gone cannot be found at all).
     pub fn free_sequence(&mut self, id: SeqId) {
         if let Some(s) = self.seqs.remove(&id) {
-            for b in s.blocks {
+            for b in s.blocks.into_iter().rev() {
                 self.alloc.release(b);
             }
         }

@@ -83,7 +83,7 @@ impl PrefixState {
 
     /// Puts an evicted device block into the host tier (or, without one, the disk tier);
     /// the host tier's own oldest block then moves to disk, and the disk's oldest is
-    /// dropped. A tier whose write fails drops the block (a cache may forget).
+    /// dropped. A tier that cannot keep a block passes it on (a cache may forget).
     fn spill(&mut self, h: BlockHash, bytes: Vec<u8>) {
         let mut item = Some((h, bytes));
         for tier in [KvTier::Host, KvTier::Disk] {
@@ -94,19 +94,16 @@ impl PrefixState {
             let (Some(store), Some((h, bytes))) = (store, item.take()) else {
                 continue;
             };
-            match store.put(h, &bytes) {
-                Ok(out) => {
-                    self.emit(true, tier, h);
-                    if let Some((old, _)) = &out {
-                        self.emit(false, tier, *old);
-                    }
-                    item = out;
-                }
-                Err(e) => {
-                    tracing::warn!(tier = tier.label(), error = %e, "KV tier write failed; block dropped");
-                    return;
+            let put = store.put(h, &bytes);
+            if put.stored {
+                self.emit(true, tier, h);
+            }
+            if let Some((out, _)) = &put.spilled {
+                if *out != h {
+                    self.emit(false, tier, *out);
                 }
             }
+            item = put.spilled;
         }
     }
 
@@ -221,26 +218,42 @@ impl KvCache {
     }
 
     /// The device block holding `h`, with a reference taken for the caller, and the tier
-    /// it was found in (host and disk blocks move up into a fresh device block).
+    /// it was found in (host and disk blocks move up into a fresh device block). A lower
+    /// tier's block is taken out before the device block is allocated, so the eviction that
+    /// allocation may cause cannot push it further down.
     fn bring_up(&mut self, h: BlockHash) -> Option<(BlockId, KvTier)> {
         let p = self.prefix.as_ref()?;
         if let Some(&b) = p.by_hash.get(&h) {
             return self.alloc.retain(b).then_some((b, KvTier::Device));
         }
         let tier = p.tier_of(h)?;
-        let b = self.allocate_blocks(1).ok()?.pop()?;
-        let mut bytes = vec![0u8; self.block_bytes(b).len()];
+        let mut bytes = vec![0u8; self.block_bytes(0).len()];
         let p = self.prefix.as_mut()?;
         let store = match tier {
-            KvTier::Host => p.host.as_mut(),
-            _ => p.disk.as_mut(),
+            KvTier::Host => p.host.as_mut()?,
+            _ => p.disk.as_mut()?,
         };
-        let taken = store.map(|s| s.take(h, &mut bytes));
-        if !matches!(taken, Some(Ok(true))) {
-            self.alloc.release(b);
+        if !matches!(store.take(h, &mut bytes), Ok(true)) {
             return None;
         }
-        p.emit(false, tier, h);
+        let b = match self.allocate_blocks(1).ok().and_then(|mut v| v.pop()) {
+            Some(b) => b,
+            None => {
+                // No room: the block goes back where it was (its slot is still free).
+                let p = self.prefix.as_mut()?;
+                let store = match tier {
+                    KvTier::Host => p.host.as_mut()?,
+                    _ => p.disk.as_mut()?,
+                };
+                if !store.put(h, &bytes).stored {
+                    p.emit(false, tier, h);
+                }
+                return None;
+            }
+        };
+        if let Some(p) = self.prefix.as_mut() {
+            p.emit(false, tier, h);
+        }
         self.block_bytes_mut(b).copy_from_slice(&bytes);
         self.index_block(b, h);
         Some((b, tier))
@@ -296,24 +309,38 @@ impl KvCache {
     }
 
     /// Brings the leading blocks of `hashes` that sit in the host or disk tier up into the
-    /// device pool as cached blocks, ahead of the request that will attach them. Stops at
-    /// the first block no tier holds, or when room would mean evicting a block of this same
-    /// prefix. Returns the blocks moved up.
+    /// device pool as cached blocks, ahead of the request that will attach them. The
+    /// prefix's blocks already on the device are held meanwhile, so making room never evicts
+    /// a block of this same prefix. Stops at the first block no tier holds, or when no
+    /// device block can be had. Returns the blocks moved up.
     pub fn prefetch(&mut self, hashes: &[BlockHash]) -> usize {
         let mut held = Vec::new();
-        let mut moved = 0;
+        let mut chain = 0;
         for &h in hashes {
             let Some(p) = &self.prefix else { break };
-            let tier = p.tier_of(h);
-            if tier.is_none() {
-                break;
+            match (p.tier_of(h), p.by_hash.get(&h)) {
+                (Some(KvTier::Device), Some(&b)) => {
+                    if self.alloc.retain(b) {
+                        held.push(b);
+                    }
+                }
+                (Some(_), _) => {}
+                (None, _) => break,
             }
-            if tier != Some(KvTier::Device) && self.alloc.free_blocks() == 0 {
-                break;
+            chain += 1;
+        }
+        let mut moved = 0;
+        for &h in &hashes[..chain] {
+            let on_device = self
+                .prefix
+                .as_ref()
+                .is_some_and(|p| p.by_hash.contains_key(&h));
+            if on_device {
+                continue;
             }
             match self.bring_up(h) {
-                Some((b, t)) => {
-                    moved += usize::from(t != KvTier::Device);
+                Some((b, _)) => {
+                    moved += 1;
                     held.push(b);
                 }
                 None => break,
@@ -363,7 +390,12 @@ impl KvCache {
             else {
                 continue;
             };
-            let bytes = self.block_bytes(b).to_vec();
+            let below = self
+                .prefix
+                .as_ref()
+                .is_some_and(|p| p.host.is_some() || p.disk.is_some());
+            // Copied only when a lower tier will keep it.
+            let bytes = below.then(|| self.block_bytes(b).to_vec());
             let Some(p) = self.prefix.as_mut() else {
                 continue;
             };
@@ -371,7 +403,9 @@ impl KvCache {
                 p.by_hash.remove(&h);
             }
             p.emit(false, KvTier::Device, h);
-            p.spill(h, bytes);
+            if let Some(bytes) = bytes {
+                p.spill(h, bytes);
+            }
         }
     }
 

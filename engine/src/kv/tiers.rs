@@ -29,8 +29,18 @@ pub struct TierStore {
     free: Vec<usize>,
 }
 
-/// A block pushed out of a full store: its hash and KV bytes.
+/// A block pushed out of a full store (or refused by it): its hash and KV bytes.
 pub type Spilled = (BlockHash, Vec<u8>);
+
+/// What [`TierStore::put`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Put {
+    /// The block is in the store now.
+    pub stored: bool,
+    /// A block that is not in the store (any more): the least recently used one it pushed
+    /// out, or, when `stored` is false, possibly the block itself.
+    pub spilled: Option<Spilled>,
+}
 
 impl TierStore {
     /// A store of `blocks` blocks of `block_bytes` in host memory (pages are touched only
@@ -128,48 +138,66 @@ impl TierStore {
         }
     }
 
-    /// Stores a block (the most recently used). When the store was full, the least recently
-    /// used block leaves and is returned with its bytes. A store of 0 blocks keeps nothing
-    /// and returns the block itself.
-    pub fn put(&mut self, h: BlockHash, data: &[u8]) -> std::io::Result<Option<Spilled>> {
+    /// Stores a block (the most recently used). When the store was full, its least recently
+    /// used block leaves and is returned in `spilled` (the caller may move it a tier down).
+    /// A block this store cannot keep (no slots, an I/O error: logged) is not stored and is
+    /// returned in `spilled` itself; a store never loses a block without saying so.
+    pub fn put(&mut self, h: BlockHash, data: &[u8]) -> Put {
+        let refused = |data: &[u8]| Put {
+            stored: false,
+            spilled: Some((h, data.to_vec())),
+        };
         if data.len() != self.block_bytes {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!(
-                    "{} tier: block of {} bytes, slots hold {}",
-                    self.tier.label(),
-                    data.len(),
-                    self.block_bytes
-                ),
-            ));
+            tracing::warn!(
+                tier = self.tier.label(),
+                bytes = data.len(),
+                slot_bytes = self.block_bytes,
+                "KV tier: block of the wrong size refused"
+            );
+            return refused(data);
         }
         if self.slot_of.contains_key(&h) {
             self.lru.insert(h);
-            return Ok(None);
+            return Put {
+                stored: true,
+                spilled: None,
+            };
         }
-        let mut spilled = None;
-        let slot = match self.free.pop() {
-            Some(s) => s,
+        let (slot, spilled) = match self.free.pop() {
+            Some(s) => (s, None),
             None => {
-                let Some(old) = self.lru.pop_oldest() else {
-                    return Ok(Some((h, data.to_vec())));
-                };
-                let Some(s) = self.slot_of.remove(&old) else {
-                    return Ok(Some((h, data.to_vec())));
+                let Some((old, s)) = self
+                    .lru
+                    .oldest()
+                    .and_then(|old| Some((old, *self.slot_of.get(&old)?)))
+                else {
+                    return refused(data);
                 };
                 let mut bytes = vec![0u8; self.block_bytes];
-                self.read_slot(s, &mut bytes)?;
-                spilled = Some((old, bytes));
-                s
+                if let Err(e) = self.read_slot(s, &mut bytes) {
+                    tracing::warn!(tier = self.tier.label(), error = %e, "KV tier read failed");
+                    return refused(data);
+                }
+                self.slot_of.remove(&old);
+                self.lru.remove(&old);
+                (s, Some((old, bytes)))
             }
         };
         if let Err(e) = self.write_slot(slot, data) {
+            tracing::warn!(tier = self.tier.label(), error = %e, "KV tier write failed");
             self.free.push(slot);
-            return Err(e);
+            // The block that left stays reported; the new one was not stored.
+            return Put {
+                stored: false,
+                spilled,
+            };
         }
         self.slot_of.insert(h, slot);
         self.lru.insert(h);
-        Ok(spilled)
+        Put {
+            stored: true,
+            spilled,
+        }
     }
 
     /// Moves a block out of the store into `out`; `false` if the store does not hold it.
@@ -212,11 +240,14 @@ mod tests {
     use super::*;
 
     fn roundtrip(mut s: TierStore) {
-        assert!(s.put(1, &[1; 8]).unwrap().is_none());
-        assert!(s.put(2, &[2; 8]).unwrap().is_none());
+        let stored = |spilled| Put {
+            stored: true,
+            spilled,
+        };
+        assert_eq!(s.put(1, &[1; 8]), stored(None));
+        assert_eq!(s.put(2, &[2; 8]), stored(None));
         // Full: the least recently used (1) leaves with its bytes.
-        let out = s.put(3, &[3; 8]).unwrap();
-        assert_eq!(out, Some((1, vec![1; 8])));
+        assert_eq!(s.put(3, &[3; 8]), stored(Some((1, vec![1; 8]))));
         let mut buf = [0u8; 8];
         assert!(s.take(3, &mut buf).unwrap());
         assert_eq!(buf, [3; 8]);
@@ -225,7 +256,11 @@ mod tests {
             "taken blocks leave the store"
         );
         assert!(s.contains(2) && s.len() == 1 && s.capacity() == 2);
-        assert!(s.put(4, &[0; 7]).is_err(), "wrong block size");
+        let refused = s.put(4, &[0; 7]);
+        assert!(
+            !refused.stored && refused.spilled.is_some(),
+            "wrong block size"
+        );
     }
 
     #[test]
