@@ -12,7 +12,8 @@
 # the KV bytes, the streaming time and the exposed transfer time), median reported.
 #
 # Environment: NETS ["none 10gbit 1gbit"], PROMPTS [5], CHARS prompt length in characters
-# [4500: about 1000 tokens], KV_DTYPE [f32], OUT [bench/results/netns-<date>.json]
+# [4500: about 1000 tokens], KV_DTYPE [f32], KV_COMPRESSION of the prefill worker's KV on
+# the wire [none; f16, int8], OUT [bench/results/netns-<date>.json]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -20,6 +21,7 @@ NETS="${NETS:-none 10gbit 1gbit}"
 PROMPTS="${PROMPTS:-5}"
 CHARS="${CHARS:-4500}"
 KV_DTYPE="${KV_DTYPE:-f32}"
+KV_COMPRESSION="${KV_COMPRESSION:-none}"
 OUT="${OUT:-$root/bench/results/netns-$(date +%F).json}"
 say() { echo "bench-netns: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -78,7 +80,8 @@ ip netns exec duet-d taskset -c 1 "$duet" decode "${common[@]}" --id decode-0 \
   >"$work/decode.log" 2>&1 &
 pids+=($!)
 ip netns exec duet-p taskset -c 0 "$duet" prefill "${common[@]}" --id prefill-0 \
-  --listen 10.77.0.2:7001 --metrics-listen 10.77.0.2:0 >"$work/prefill.log" 2>&1 &
+  --listen 10.77.0.2:7001 --metrics-listen 10.77.0.2:0 --kv-compression "$KV_COMPRESSION" \
+  >"$work/prefill.log" 2>&1 &
 pids+=($!)
 "$duet" router --etcd "$ETCD" --cluster netns --model "$model" --listen 10.77.0.1:7000 \
   --local-prefill-max-tokens 0 >"$work/router.log" 2>&1 &
@@ -117,7 +120,7 @@ for net in $NETS; do
     r="$("$duet" generate --router http://10.77.0.1:7000 --prompt "$prompt" --max-tokens 4 --json)"
     runs="$(python3 -c 'import json,sys; a=json.loads(sys.argv[1]); a.append(json.loads(sys.argv[2])); print(json.dumps(a))' "$runs" "$r")"
   done
-  results="$(python3 - "$results" "$runs" "$net" "$achieved" <<'PY'
+  results="$(python3 - "$results" "$runs" "$net" "$achieved" "$KV_COMPRESSION" <<'PY'
 import json, statistics, sys
 results, runs, net = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 achieved = float(sys.argv[4]) if sys.argv[4] else None
@@ -125,6 +128,7 @@ t = [r["timings"] for r in runs]
 med = lambda k: statistics.median(x.get(k, 0.0) for x in t)
 results.append({
     "network": net,
+    "kv_compression": sys.argv[5],
     "iperf3_gbit_s": achieved,
     "prompt_tokens": runs[0]["usage"]["prompt_tokens"],
     "kv_bytes": t[0].get("kv_bytes", 0),
@@ -144,9 +148,9 @@ python3 - "$OUT" <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[1]))
 base = rows[0]["ttft_s"]
-print("| network | iperf3 Gbit/s | prompt tokens | KV MB | TTFT s | vs %s | KV streaming s | exposed transfer ms |" % rows[0]["network"])
-print("|---|---|---|---|---|---|---|---|")
+print("| network | compression | iperf3 Gbit/s | prompt tokens | KV MB | TTFT s | vs %s | KV streaming s | exposed transfer ms |" % rows[0]["network"])
+print("|---|---|---|---|---|---|---|---|---|")
 for r in rows:
-    print("| %s | %s | %d | %.1f | %.3f | %.2fx | %.3f | %.1f |" % (r["network"], r["iperf3_gbit_s"], r["prompt_tokens"], r["kv_bytes"] / 1e6, r["ttft_s"], r["ttft_s"] / base, r["kv_stream_s"], 1000 * r["kv_transfer_exposed_s"]))
+    print("| %s | %s | %s | %d | %.1f | %.3f | %.2fx | %.3f | %.1f |" % (r["network"], r["kv_compression"], r["iperf3_gbit_s"], r["prompt_tokens"], r["kv_bytes"] / 1e6, r["ttft_s"], r["ttft_s"] / base, r["kv_stream_s"], 1000 * r["kv_transfer_exposed_s"]))
 PY
 say "results in $OUT"

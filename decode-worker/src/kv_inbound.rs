@@ -18,6 +18,7 @@ use duet_kv_transfer::{
 };
 use duet_telemetry::names::{
     KV_TRANSFER_BYTES_TOTAL, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_TRANSFERS_TOTAL,
+    KV_TRANSFER_WIRE_BYTES_TOTAL,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -127,6 +128,12 @@ pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: Can
                 let d = &receipt.desc;
                 metrics::counter!(KV_TRANSFER_BYTES_TOTAL, "direction" => "received")
                     .increment(receipt.payload_bytes);
+                metrics::counter!(
+                    KV_TRANSFER_WIRE_BYTES_TOTAL,
+                    "direction" => "received",
+                    "compression" => receipt.compression.as_str()
+                )
+                .increment(receipt.wire_bytes);
                 metrics::counter!(KV_TRANSFER_TRANSFERS_TOTAL, "direction" => "received")
                     .increment(1);
                 handle.transfer_done(d.request_id, (d.token_start + d.token_count) as usize);

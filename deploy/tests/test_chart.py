@@ -46,6 +46,7 @@ def test_defaults_pass_the_schema(chart):
     ({"router": {"mode": "split"}}, "/router/mode"),
     ({"decode": {"kvPool": "2 gigs"}}, "/decode/kvPool"),
     ({"prefill": {"prefixCache": "yes"}}, "/prefill/prefixCache"),
+    ({"prefill": {"kvCompression": "zstd"}}, "/prefill/kvCompression"),
     ({"decode": {"kvHostPool": "lots"}}, "/decode/kvHostPool"),
     ({"config": {"extraEnv": {"RUST_LOG": "x"}}}, "invalid propertyName 'RUST_LOG'"),
     ({"kvSecret": {"value": "short"}}, "/kvSecret/value"),
@@ -349,6 +350,7 @@ def test_role_ports_and_settings(rendered: Rendered):
             assert env["DUET_KV_HOST_POOL"] == str(eff[role]["kvHostPool"])
         if role == "prefill":
             assert env["DUET_MAX_BATCH_TOKENS"] == str(eff["prefill"]["maxBatchTokens"])
+            assert env["DUET_KV_COMPRESSION"] == eff["prefill"]["kvCompression"]
         if role == "decode":
             assert env["DUET_MAX_BATCH"] == str(eff["decode"]["maxBatch"])
             assert env["DUET_KV_LISTEN"] == "0.0.0.0:50070" and ports["kv"] == 50070

@@ -26,6 +26,7 @@ use serde::Serialize;
 
 use crate::error::Result;
 use crate::layout::TransferDesc;
+use crate::protocol::Compression;
 use crate::sink::KvSink;
 
 /// Summary of a completed transfer (both sides).
@@ -37,6 +38,11 @@ pub struct TransferReceipt {
     pub layers: u32,
     /// KV payload bytes transferred (all layers, K and V).
     pub payload_bytes: u64,
+    /// Layer payload bytes the transport carried: `payload_bytes` encoded by the transfer's
+    /// compression (equal to `payload_bytes` without compression and for `local`).
+    pub wire_bytes: u64,
+    /// How the layers were encoded on the wire.
+    pub compression: Compression,
     /// Time from BEGIN to the verdict (sender) or to END (receiver).
     pub elapsed: Duration,
 }

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::auth::SharedSecret;
 use crate::layout::KvLayout;
+use crate::protocol::Compression;
 
 /// Timeouts for every wait.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +53,8 @@ pub struct TransferConfig {
     pub timeouts: Timeouts,
     /// Sender: append a crc32c trailer to every frame. Receiver: refuse transfers without.
     pub checksum: bool,
+    /// Sender: encoding of layer payloads on the wire (receivers decode any).
+    pub compression: Compression,
 }
 
 impl TransferConfig {
@@ -62,6 +65,7 @@ impl TransferConfig {
             secret,
             timeouts: Timeouts::default(),
             checksum: true,
+            compression: Compression::None,
         }
     }
 }

@@ -44,4 +44,5 @@ pub use layout::{
 };
 pub use mem_sink::MemorySink;
 pub use protocol::codec::LayerRegions;
+pub use protocol::Compression;
 pub use sink::KvSink;

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use duet_kv_transfer::bench::{end_to_end, run, BenchOptions, E2eOptions};
-use duet_kv_transfer::BackendKind;
+use duet_kv_transfer::{BackendKind, Compression};
 
 fn tiny(backend: BackendKind, streams: usize) -> BenchOptions {
     BenchOptions {
@@ -54,6 +54,37 @@ async fn bench_runs_on_every_backend() {
     }
 }
 
+/// Compressed runs verify the received KV against one encode + decode of the source, and
+/// carry the documented fraction of the bytes (local hands buffers over: nothing encoded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compressed_runs_verify_and_shrink_the_wire() {
+    // Bench regions are 4 heads x 16 slots x 64 dims of f32.
+    let elems = 4.0 * 16.0 * 64.0;
+    for (backend, c, ratio) in [
+        (BackendKind::Tcp, Compression::F16, 0.5),
+        (
+            BackendKind::Shm,
+            Compression::Int8,
+            (elems + 16.0) / (4.0 * elems),
+        ),
+        (BackendKind::Local, Compression::Int8, 1.0),
+    ] {
+        let r = run(BenchOptions {
+            compression: c,
+            reference: false,
+            ..tiny(backend, 1)
+        })
+        .await
+        .unwrap();
+        assert_eq!(r.compression, c);
+        for p in &r.points {
+            assert!(p.verified, "{backend} {c}: received KV differs");
+            let measured = p.wire_bytes as f64 / p.bytes as f64;
+            assert!((measured - ratio).abs() < 1e-9, "{backend} {c}: {measured}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn end_to_end_reports_a_tail() {
     let r = end_to_end(E2eOptions {
@@ -62,6 +93,7 @@ async fn end_to_end_reports_a_tail() {
         compute_per_layer: Duration::from_micros(200),
         runs: 2,
         checksum: true,
+        compression: Compression::Int8,
     })
     .await
     .unwrap();

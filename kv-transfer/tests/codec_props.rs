@@ -4,9 +4,10 @@
 
 mod common;
 
-use duet_kv_transfer::protocol::{decode_transfer, encode_transfer};
+use duet_kv_transfer::protocol::compress::{decode_region, encode_region};
+use duet_kv_transfer::protocol::{decode_transfer, encode_transfer, encode_transfer_compressed};
 use duet_kv_transfer::{
-    Dtype, Fingerprint, KvKind, KvLayout, LayerRegions, MemorySink, TransferDesc,
+    Compression, Dtype, Fingerprint, KvKind, KvLayout, LayerRegions, MemorySink, TransferDesc,
 };
 use proptest::prelude::*;
 
@@ -101,8 +102,113 @@ fn assert_only_reserved_written(sink: &MemorySink, case: &Case) {
     }
 }
 
+/// Finite KV values in `[-4, 4)` derived from the deterministic region bytes (compressed
+/// encodings refuse non-finite values, which random bytes would contain).
+fn float_region(layout: &KvLayout, req: u64, layer: u32, kind: KvKind, block: u32) -> Vec<u8> {
+    let raw = common::region(layout, req, layer, kind, block);
+    match layout.dtype() {
+        Dtype::F32 => raw
+            .chunks_exact(4)
+            .flat_map(|c| {
+                let u = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) >> 8;
+                ((u as f32 / (1u32 << 24) as f32 - 0.5) * 8.0).to_le_bytes()
+            })
+            .collect(),
+        Dtype::F16 => raw
+            .chunks_exact(2)
+            .flat_map(|c| {
+                let u = u16::from_le_bytes([c[0], c[1]]);
+                half::f16::from_f32((f32::from(u) / 65536.0 - 0.5) * 8.0).to_le_bytes()
+            })
+            .collect(),
+    }
+}
+
+/// One layer's index and its K and V source regions.
+type SourceLayer = (u32, Vec<Vec<u8>>, Vec<Vec<u8>>);
+
+/// A compressed transfer of `case` (its layer order and block list) and its regions.
+fn encode_compressed(case: &Case, c: Compression) -> (Vec<u8>, Vec<SourceLayer>) {
+    let l = &case.layout;
+    let r = |layer, kind, b| float_region(l, case.desc.request_id, layer, kind, b);
+    let data: Vec<SourceLayer> = case
+        .layer_order
+        .iter()
+        .map(|&layer| {
+            let blocks = &case.desc.dst_blocks;
+            let k = blocks.iter().map(|&b| r(layer, KvKind::K, b)).collect();
+            let v = blocks.iter().map(|&b| r(layer, KvKind::V, b)).collect();
+            (layer, k, v)
+        })
+        .collect();
+    let layers: Vec<LayerRegions<'_>> = data
+        .iter()
+        .map(|(layer, k, v)| LayerRegions {
+            layer: *layer,
+            k: k.iter().map(Vec::as_slice).collect(),
+            v: v.iter().map(Vec::as_slice).collect(),
+        })
+        .collect();
+    let bytes = encode_transfer_compressed(l, &case.desc, &layers, case.checksum, c).unwrap();
+    (bytes, data)
+}
+
+fn arb_compression() -> impl Strategy<Value = Compression> {
+    prop_oneof![Just(Compression::F16), Just(Compression::Int8)]
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    #[test]
+    fn compressed_round_trip(case in arb_case(), c in arb_compression()) {
+        let (bytes, data) = encode_compressed(&case, c);
+        let l = &case.layout;
+        let used = c.effective(l.dtype());
+        let mut sink = sink_for(&case);
+        let receipt = decode_transfer(l, &bytes, &mut sink, case.checksum).unwrap();
+        let n = case.desc.dst_blocks.len();
+        prop_assert_eq!(receipt.compression, used);
+        prop_assert_eq!(receipt.payload_bytes, u64::from(l.layers()) * l.layer_frame_bytes(n));
+        prop_assert_eq!(receipt.wire_bytes, u64::from(l.layers()) * used.layer_wire_bytes(l, n));
+        // Smaller once a head's slots outweigh its 4-byte int8 scale.
+        let saved_per_head = u64::from(l.block_size() * l.head_dim() * (l.dtype().bytes() - 1));
+        if used == Compression::F16 || (used == Compression::Int8 && saved_per_head > 4) {
+            prop_assert!(receipt.wire_bytes < receipt.payload_bytes);
+        }
+        // Every region holds exactly what one encode + decode of its source gives.
+        let mut wire = Vec::new();
+        let mut want = vec![0u8; l.region_bytes()];
+        for (layer, k, v) in &data {
+            for (kind, regions) in [(KvKind::K, k), (KvKind::V, v)] {
+                for (src, &b) in regions.iter().zip(&case.desc.dst_blocks) {
+                    wire.clear();
+                    encode_region(used, l, src, &mut wire).unwrap();
+                    decode_region(used, l, &wire, &mut want).unwrap();
+                    prop_assert!(sink.region(*layer, kind, b) == Some(&want[..]));
+                }
+            }
+        }
+        assert_only_reserved_written(&sink, &case);
+    }
+
+    #[test]
+    fn compressed_corruption_stays_in_reserved_blocks(case in arb_case(), c in arb_compression(), pos in any::<prop::sample::Index>(), xor in 1u8..=255, cut in any::<prop::sample::Index>()) {
+        let (bytes, _) = encode_compressed(&case, c);
+        let mut flipped = bytes.clone();
+        let i = pos.index(flipped.len());
+        flipped[i] ^= xor;
+        let mut sink = sink_for(&case);
+        let r = decode_transfer(&case.layout, &flipped, &mut sink, false);
+        if case.checksum {
+            prop_assert!(r.is_err(), "crc must catch a flipped byte at {}", i);
+        }
+        assert_only_reserved_written(&sink, &case);
+        let n = cut.index(bytes.len());
+        let mut sink = sink_for(&case);
+        prop_assert!(decode_transfer(&case.layout, &bytes[..n], &mut sink, false).is_err());
+        assert_only_reserved_written(&sink, &case);
+    }
 
     #[test]
     fn round_trip(case in arb_case(), batched in any::<bool>()) {

@@ -17,7 +17,7 @@ use tracing::Instrument;
 
 use duet_telemetry::names::{
     KV_TRANSFER_BYTES_TOTAL, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_SECONDS,
-    KV_TRANSFER_TRANSFERS_TOTAL,
+    KV_TRANSFER_TRANSFERS_TOTAL, KV_TRANSFER_WIRE_BYTES_TOTAL,
 };
 
 use crate::engine_loop::PrefillResult;
@@ -95,6 +95,12 @@ async fn run(
                     bytes += receipt.payload_bytes;
                     metrics::counter!(KV_TRANSFER_BYTES_TOTAL, "direction" => "sent")
                         .increment(receipt.payload_bytes);
+                    metrics::counter!(
+                        KV_TRANSFER_WIRE_BYTES_TOTAL,
+                        "direction" => "sent",
+                        "compression" => receipt.compression.as_str()
+                    )
+                    .increment(receipt.wire_bytes);
                     metrics::counter!(KV_TRANSFER_TRANSFERS_TOTAL, "direction" => "sent")
                         .increment(1);
                 }),

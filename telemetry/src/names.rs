@@ -135,7 +135,9 @@ catalogue! {
 
     // ---- kv-transfer --------------------------------------------------------------------------
     Counter KV_TRANSFER_BYTES_TOTAL = "duet_kv_transfer_bytes_total",
-        "KV payload bytes by `direction`.";
+        "KV payload bytes by `direction` (as stored in the KV pool).";
+    Counter KV_TRANSFER_WIRE_BYTES_TOTAL = "duet_kv_transfer_wire_bytes_total",
+        "KV payload bytes the transport carried by `direction` and `compression` (below the payload bytes with --kv-compression f16 or int8).";
     Counter KV_TRANSFER_TRANSFERS_TOTAL = "duet_kv_transfer_transfers_total",
         "Completed transfers (one per prompt chunk) by `direction`.";
     Histogram KV_TRANSFER_SECONDS = "duet_kv_transfer_duration_seconds",

@@ -6,7 +6,8 @@
 //! - the receiver validates exactly as the wire decoder does (layout, reservations, layer
 //!   range, duplicates, region sizes) before touching the sink;
 //! - every channel wait is bounded by a timeout; a dropped peer is `PeerClosed`;
-//! - no handshake secret is needed (same trust domain), but layouts must be identical.
+//! - no handshake secret is needed (same trust domain), but layouts must be identical;
+//! - compression never applies: nothing crosses a wire, buffers are handed over.
 
 use std::time::{Duration, Instant};
 
@@ -18,7 +19,7 @@ use crate::config::Timeouts;
 use crate::error::{Error, ErrorClass, Result};
 use crate::layout::{KvKind, KvLayout, TransferDesc};
 use crate::protocol::tracker::{aborted, Tracker};
-use crate::protocol::IDLE;
+use crate::protocol::{Compression, IDLE};
 use crate::sink::KvSink;
 
 /// Layers in flight between a local sender and receiver.
@@ -282,6 +283,8 @@ impl KvSender for LocalSender {
         }
         Ok(TransferReceipt {
             payload_bytes: cur.desc.payload_bytes(&self.layout),
+            wire_bytes: cur.desc.payload_bytes(&self.layout),
+            compression: Compression::None,
             layers,
             desc: cur.desc,
             elapsed: cur.started.elapsed(),
@@ -320,6 +323,8 @@ impl LocalReceiver {
         match self.layers(sink, &mut tracker).await {
             Ok(()) => Ok(TransferReceipt {
                 payload_bytes: tracker.desc.payload_bytes(&self.layout),
+                wire_bytes: tracker.desc.payload_bytes(&self.layout),
+                compression: Compression::None,
                 layers: tracker.received(),
                 desc: tracker.desc,
                 elapsed: started.elapsed(),

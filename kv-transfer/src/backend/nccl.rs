@@ -427,7 +427,8 @@ impl NcclSender {
                 },
                 cfg.layout,
                 cfg.checksum,
-            ),
+            )
+            .with_compression(cfg.compression),
         })
     }
 }

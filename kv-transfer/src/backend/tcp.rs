@@ -2,9 +2,10 @@
 //! connections per peer ([`connect_pool`]) carrying K transfers concurrently.
 //!
 //! Invariants:
-//! - a layer frame is written with `write_vectored` straight from the caller's region slices
-//!   (header, K regions, V regions, trailer) using a fixed on-stack `IoSlice` array: no
-//!   concatenation and no heap allocation per frame;
+//! - an uncompressed layer frame is written with `write_vectored` straight from the caller's
+//!   region slices (header, K regions, V regions, trailer) using a fixed on-stack `IoSlice`
+//!   array: no concatenation and no heap allocation per frame (a compressed one is written
+//!   from the sender's reused staging buffer);
 //! - the receiver reads payload straight into the sink's region slices;
 //! - every read and write is bounded by [`Timeouts::io`] (first byte of a transfer: `idle`),
 //!   connect by `connect`, the handshake by `handshake`;
@@ -57,13 +58,16 @@ fn part<'a, R: AsRef<[u8]>>(
     v: &'a [R],
     trailer: &'a [u8],
 ) -> &'a [u8] {
-    let n = k.len();
+    // Parts: header, every K region, every V region (the two lists may differ in length:
+    // a compressed layer is one staged buffer), trailer.
+    let (nk, nv) = (k.len(), v.len());
+    let empty: &[u8] = &[];
     if i == 0 {
         header
-    } else if i <= n {
-        k[i - 1].as_ref()
-    } else if i <= 2 * n {
-        v[i - 1 - n].as_ref()
+    } else if i <= nk {
+        k.get(i - 1).map_or(empty, AsRef::as_ref)
+    } else if i <= nk + nv {
+        v.get(i - 1 - nk).map_or(empty, AsRef::as_ref)
     } else {
         trailer
     }
@@ -357,7 +361,7 @@ impl TcpSender {
     pub async fn connect(addr: impl ToSocketAddrs, cfg: &TransferConfig) -> Result<TcpSender> {
         let io = connect_transport(addr, cfg).await?;
         Ok(TcpSender {
-            core: SenderCore::new(io, cfg.layout, cfg.checksum),
+            core: SenderCore::new(io, cfg.layout, cfg.checksum).with_compression(cfg.compression),
         })
     }
 

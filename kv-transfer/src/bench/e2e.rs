@@ -16,6 +16,7 @@ use crate::bench::{bench_config, percentile};
 use crate::error::{Error, Result};
 use crate::layout::{Dtype, Fingerprint, KvLayout};
 use crate::mem_sink::MemorySink;
+use crate::protocol::Compression;
 
 /// Options of [`end_to_end`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,6 +31,8 @@ pub struct E2eOptions {
     pub runs: u32,
     /// crc32c trailers.
     pub checksum: bool,
+    /// Encoding of the layers on the wire.
+    pub compression: Compression,
 }
 
 impl Default for E2eOptions {
@@ -40,6 +43,7 @@ impl Default for E2eOptions {
             compute_per_layer: Duration::from_millis(2),
             runs: 5,
             checksum: true,
+            compression: Compression::None,
         }
     }
 }
@@ -91,7 +95,8 @@ pub async fn end_to_end(opts: E2eOptions) -> Result<E2eReport> {
     }
     let layout = model_layout()?;
     let blocks = layout.blocks_for_tokens(opts.tokens);
-    let cfg = bench_config(layout, opts.checksum)?;
+    let mut cfg = bench_config(layout, opts.checksum)?;
+    cfg.compression = opts.compression;
     let zero_copy = opts.backend == BackendKind::Local;
     let mut sink = MemorySink::new(layout, blocks);
     if zero_copy {

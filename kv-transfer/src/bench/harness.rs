@@ -221,12 +221,15 @@ pub(crate) struct Source {
 }
 
 impl Source {
-    /// Fills a buffer with a byte pattern and slices it into regions.
+    /// Fills a buffer with finite f32 values (a pattern of period 251, so compressed
+    /// encodings have something to round) and slices it into regions.
     pub(crate) fn new(layout: &KvLayout, request_id: u64, blocks: u32) -> Source {
         let region = layout.region_bytes();
         let n = blocks as usize;
         let total = layout.layers() as usize * 2 * n * region;
-        let data: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
+        let data: Vec<u8> = (0..total / 4)
+            .flat_map(|i| ((i % 251) as f32 * 0.01 - 1.25).to_le_bytes())
+            .collect();
         let data = Bytes::from(data);
         let mut layers = Vec::with_capacity(layout.layers() as usize);
         for l in 0..layout.layers() as usize {

@@ -22,6 +22,7 @@ use crate::config::{Timeouts, TransferConfig};
 use crate::error::{Error, Result};
 use crate::layout::{Dtype, Fingerprint, KvKind, KvLayout};
 use crate::mem_sink::MemorySink;
+use crate::protocol::compress::{decode_region, encode_region, Compression};
 
 pub use e2e::{end_to_end, E2eOptions, E2eReport};
 
@@ -49,6 +50,8 @@ pub struct BenchOptions {
     pub checksum: bool,
     /// Measure the reference (iperf3 / memcpy) too (default true).
     pub reference: bool,
+    /// Encoding of the layers on the wire (default none).
+    pub compression: Compression,
 }
 
 impl Default for BenchOptions {
@@ -61,6 +64,7 @@ impl Default for BenchOptions {
             streams: 1,
             checksum: true,
             reference: true,
+            compression: Compression::None,
         }
     }
 }
@@ -76,8 +80,10 @@ pub struct BenchPoint {
     pub blocks: u32,
     /// Timed rounds.
     pub iterations: u32,
-    /// Aggregate throughput, GB/s.
+    /// Aggregate throughput of KV payload (as stored), GB/s.
     pub throughput_gbps: f64,
+    /// Bytes on the wire per round (below `bytes` with compression).
+    pub wire_bytes: u64,
     /// Per-transfer latency (BEGIN to verdict), median, µs.
     pub latency_us_median: f64,
     /// Per-transfer latency, min, µs.
@@ -105,6 +111,8 @@ pub struct BenchReport {
     pub streams: usize,
     /// crc32c trailers on.
     pub checksum: bool,
+    /// Encoding of the layers on the wire.
+    pub compression: Compression,
     /// `iperf3` (tcp) or `memcpy` (shm, local).
     pub reference_kind: String,
     /// Why the reference is missing, or how it was taken.
@@ -187,6 +195,7 @@ pub async fn run(opts: BenchOptions) -> Result<BenchReport> {
         backend: opts.backend,
         streams: opts.streams,
         checksum: opts.checksum,
+        compression: opts.compression,
         reference_kind: match opts.backend {
             BackendKind::Tcp => "iperf3".into(),
             _ => "memcpy".into(),
@@ -214,8 +223,15 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
     let per_stream = (size / k as u64).max(MIN_STREAM_BYTES);
     let (layers, blocks) = plan(per_stream);
     let layout = bench_layout(layers)?;
-    let cfg = bench_config(layout, opts.checksum)?;
+    let mut cfg = bench_config(layout, opts.checksum)?;
+    cfg.compression = opts.compression;
     let zero_copy = opts.backend == BackendKind::Local;
+    // The local backend hands buffers over; nothing is encoded.
+    let compression = if zero_copy {
+        Compression::None
+    } else {
+        opts.compression.effective(layout.dtype())
+    };
     let mut sinks = Vec::with_capacity(k);
     for i in 0..k {
         let mut sink = MemorySink::new(layout, blocks);
@@ -275,7 +291,9 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
         .into_iter()
         .map(|(s, _)| s)
         .collect();
-    let (verified, zc) = verify(&sources, &sinks, zero_copy);
+    let (verified, zc) = verify(&layout, compression, &sources, &sinks, zero_copy)?;
+    let wire_bytes =
+        u64::from(layers) * compression.layer_wire_bytes(&layout, blocks as usize) * k as u64;
     lat_us.sort_by(|a, b| a.total_cmp(b));
     let throughput = actual as f64 * f64::from(iters) / wall / 1e9;
     let reference = if !opts.reference {
@@ -300,6 +318,7 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
         blocks,
         iterations: iters,
         throughput_gbps: throughput,
+        wire_bytes,
         latency_us_median: percentile(&lat_us, 0.5),
         latency_us_min: percentile(&lat_us, 0.0),
         latency_us_max: percentile(&lat_us, 1.0),
@@ -311,16 +330,33 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
     })
 }
 
-/// Compares every received region with its source; for local also compares pointers.
-fn verify(sources: &[harness::Source], sinks: &[MemorySink], zero_copy: bool) -> (bool, bool) {
+/// Compares every received region with its source (after the same encode and decode when
+/// compressed: the lossy result is exact); for local also compares pointers.
+fn verify(
+    layout: &KvLayout,
+    compression: Compression,
+    sources: &[harness::Source],
+    sinks: &[MemorySink],
+    zero_copy: bool,
+) -> Result<(bool, bool)> {
     let mut same = true;
     let mut ptr_equal = true;
+    let mut wire = Vec::new();
+    let mut expected = vec![0u8; layout.region_bytes()];
     for (src, sink) in sources.iter().zip(sinks) {
         for (l, (k, v)) in src.layers.iter().enumerate() {
             for (kind, regions) in [(KvKind::K, k), (KvKind::V, v)] {
                 for (b, data) in regions.iter().enumerate() {
                     let got = sink.region(l as u32, kind, b as u32);
-                    same &= got == Some(&data[..]);
+                    let want: &[u8] = if compression == Compression::None {
+                        data
+                    } else {
+                        wire.clear();
+                        encode_region(compression, layout, data, &mut wire)?;
+                        decode_region(compression, layout, &wire, &mut expected)?;
+                        &expected
+                    };
+                    same &= got == Some(want);
                     if zero_copy {
                         ptr_equal &= sink
                             .adopted(l as u32, kind, b as u32)
@@ -330,7 +366,7 @@ fn verify(sources: &[harness::Source], sinks: &[MemorySink], zero_copy: bool) ->
             }
         }
     }
-    (same, zero_copy && ptr_equal)
+    Ok((same, zero_copy && ptr_equal))
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use std::task::{Context, Poll, Waker};
 use crate::api::TransferReceipt;
 use crate::error::{Error, Result};
 use crate::layout::{KvLayout, TransferDesc};
+use crate::protocol::compress::Compression;
 use crate::protocol::receive::{receive_transfer, ReceivePolicy};
 use crate::protocol::send::SenderCore;
 use crate::protocol::transport::SliceTransport;
@@ -44,8 +45,20 @@ pub fn encode_transfer(
     layers: &[LayerRegions<'_>],
     checksum: bool,
 ) -> Result<Vec<u8>> {
+    encode_transfer_compressed(layout, desc, layers, checksum, Compression::None)
+}
+
+/// [`encode_transfer`] with the layers encoded by `compression`.
+pub fn encode_transfer_compressed(
+    layout: &KvLayout,
+    desc: &TransferDesc,
+    layers: &[LayerRegions<'_>],
+    checksum: bool,
+    compression: Compression,
+) -> Result<Vec<u8>> {
     let empty: &[u8] = &[];
-    let mut core = SenderCore::new(SliceTransport::new(empty), *layout, checksum);
+    let mut core = SenderCore::new(SliceTransport::new(empty), *layout, checksum)
+        .with_compression(compression);
     run_ready(async {
         core.begin(desc.clone()).await?;
         for l in layers {
@@ -86,5 +99,6 @@ pub fn decode_transfer<S: KvSink + Send>(
         layout,
         sink,
         ReceivePolicy { require_checksum },
+        &mut Vec::new(),
     ))?
 }

@@ -5,6 +5,7 @@
 
 use crate::error::{Error, ErrorClass, Result};
 use crate::layout::MAX_BLOCKS_PER_TRANSFER;
+use crate::protocol::compress::Compression;
 use crate::protocol::{HEADER_LEN, MAX_REASON_LEN};
 
 pub(crate) const TAG_BEGIN: u8 = 0x01;
@@ -117,6 +118,8 @@ pub(crate) struct BeginFixed {
     pub token_start: u32,
     pub token_count: u32,
     pub n_blocks: u32,
+    /// Encoding of every LAYER payload of the transfer.
+    pub compression: Compression,
 }
 
 impl BeginFixed {
@@ -126,14 +129,19 @@ impl BeginFixed {
         b[8..12].copy_from_slice(&self.token_start.to_le_bytes());
         b[12..16].copy_from_slice(&self.token_count.to_le_bytes());
         b[16..20].copy_from_slice(&self.n_blocks.to_le_bytes());
+        b[20] = self.compression.wire();
         b
     }
 
     pub(crate) fn decode(b: &[u8; BEGIN_FIXED_LEN]) -> Result<Self> {
-        if u32_at(b, 20) != 0 {
+        if b[21..24].iter().any(|&x| x != 0) {
             return Err(Error::malformed("BEGIN", "reserved field not zero"));
         }
+        let compression = Compression::from_wire(b[20]).ok_or_else(|| {
+            Error::malformed("BEGIN", format!("unknown compression code {}", b[20]))
+        })?;
         Ok(BeginFixed {
+            compression,
             request_id: u64_at(b, 0),
             token_start: u32_at(b, 8),
             token_count: u32_at(b, 12),

@@ -45,9 +45,11 @@
 //!
 //! ```text
 //! BEGIN   body (24 + 4n): request_id u64, token_start u32, token_count u32, n_blocks u32,
-//!         reserved u32 = 0, then n destination block ids (u32) reserved by the receiver.
-//! LAYER   body = 2 * n * region_bytes: the K regions of every block in block-list order,
-//!         then the V regions in the same order (region = [kv_head][slot][head_dim]).
+//!         compression u8 (0 none, 1 f16, 2 int8), reserved [u8; 3] = 0, then n destination
+//!         block ids (u32) reserved by the receiver.
+//! LAYER   body = 2 * n * wire region: the K regions of every block in block-list order,
+//!         then the V regions in the same order (region = [kv_head][slot][head_dim]), each
+//!         encoded as BEGIN's compression says (see [`compress`]; `none` = region_bytes).
 //! END     body (16): request_id u64, layers_sent u32, reserved u32 = 0.
 //! ABORT   body (16): request_id u64, error class u8, reserved [u8; 7].
 //! VERDICT body (16 + r): request_id u64, status u8 (0 ok, else error class),
@@ -64,20 +66,26 @@
 //!
 //! - `n_blocks <= MAX_BLOCKS_PER_TRANSFER` and must equal `ceil(token_count / block_size)`;
 //!   block ids must be distinct and reserved at the receiver for `request_id`.
-//! - A LAYER `len` must equal `layout.layer_frame_bytes(n)`; its index must be below `layers`.
+//! - A LAYER `len` must equal `compression.layer_wire_bytes(layout, n)` (for `none`,
+//!   `layout.layer_frame_bytes(n)`); its index must be below `layers`.
+//! - A compressed LAYER is read whole into one per-connection staging buffer and checked
+//!   (crc) before any region is decoded into the sink; an uncompressed one is read straight
+//!   into the sink's regions.
 //! - A VERDICT reason is at most [`MAX_REASON_LEN`] bytes.
 //! - The decoder never allocates from an untrusted length except the block list, which is
 //!   bounded by the limit above; it never panics and only writes into regions the sink hands
 //!   out for blocks it confirmed as reserved.
 
 pub(crate) mod codec;
+pub mod compress;
 pub(crate) mod frame;
 pub(crate) mod receive;
 pub(crate) mod send;
 pub(crate) mod tracker;
 pub(crate) mod transport;
 
-pub use codec::{decode_transfer, encode_transfer};
+pub use codec::{decode_transfer, encode_transfer, encode_transfer_compressed};
+pub use compress::Compression;
 
 /// Protocol magic, first four bytes of every handshake message.
 pub const MAGIC: [u8; 4] = *b"DKVT";

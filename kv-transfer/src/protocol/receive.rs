@@ -2,9 +2,12 @@
 //!
 //! Invariants:
 //! - no sink region is requested before BEGIN validated and every block is reserved;
-//! - a region is filled by reading exactly `region_bytes` payload bytes into the slice the
-//!   sink returned (no staging buffer), so nothing outside reserved regions is written;
-//! - the only allocations are per transfer (block list, layer bitmap), none per frame;
+//! - an uncompressed region is filled by reading exactly `region_bytes` payload bytes into the
+//!   slice the sink returned (no staging buffer); a compressed layer is read into one
+//!   per-connection staging buffer, crc-checked, then decoded region by region into the
+//!   sink's slices; either way nothing outside reserved regions is written;
+//! - the only allocations are per transfer (block list, layer bitmap) and the staging
+//!   buffer growing to the largest compressed layer seen, none per frame;
 //! - any failure after the request id is known is returned as [`Error::Aborted`].
 
 use std::time::Instant;
@@ -12,6 +15,7 @@ use std::time::Instant;
 use crate::api::TransferReceipt;
 use crate::error::{Error, ErrorClass, Result, SinkError};
 use crate::layout::{KvKind, KvLayout, TransferDesc};
+use crate::protocol::compress::{decode_region, Compression};
 use crate::protocol::frame::{
     decode_abort, decode_block_ids, decode_end, tag_name, BeginFixed, FrameHeader, ABORT_LEN,
     BEGIN_FIXED_LEN, CRC_LEN, END_LEN, MAX_BEGIN_LEN, TAG_ABORT, TAG_BEGIN, TAG_END, TAG_LAYER,
@@ -53,6 +57,7 @@ pub(crate) async fn receive_transfer<T: FrameTransport, S: KvSink + Send>(
     layout: &KvLayout,
     sink: &mut S,
     policy: ReceivePolicy,
+    stage: &mut Vec<u8>,
 ) -> Result<TransferReceipt> {
     let mut hdr = [0u8; HEADER_LEN];
     io.read_idle(&mut hdr).await?;
@@ -106,9 +111,17 @@ pub(crate) async fn receive_transfer<T: FrameTransport, S: KvSink + Send>(
         return Err(aborted(desc.request_id, Vec::new(), e));
     }
     let mut tracker = Tracker::accept(layout, desc, &*sink)?;
-    match receive_layers(io, layout, sink, &mut tracker, crc_on).await {
+    let wire = Wire {
+        crc_on,
+        compression: f.compression,
+    };
+    match receive_layers(io, layout, sink, &mut tracker, wire, stage).await {
         Ok(()) => Ok(TransferReceipt {
             payload_bytes: tracker.desc.payload_bytes(layout),
+            wire_bytes: u64::from(tracker.received())
+                * f.compression
+                    .layer_wire_bytes(layout, tracker.desc.dst_blocks.len()),
+            compression: f.compression,
             layers: tracker.received(),
             desc: tracker.desc,
             elapsed: started.elapsed(),
@@ -133,15 +146,63 @@ fn bad_region(what: &str, got: usize) -> Error {
     ))
 }
 
+/// How one transfer's frames are put on the wire (from its BEGIN).
+#[derive(Debug, Clone, Copy)]
+struct Wire {
+    crc_on: bool,
+    compression: Compression,
+}
+
+/// Reads a compressed LAYER body whole into `stage`, checks its crc, then decodes every
+/// region into the sink (so a corrupted frame with crc on never reaches the sink).
+async fn receive_compressed_layer<T: FrameTransport, S: KvSink + Send>(
+    io: &mut T,
+    layout: &KvLayout,
+    sink: &mut S,
+    blocks: &[u32],
+    wire: Wire,
+    hdr: &[u8; HEADER_LEN],
+    stage: &mut Vec<u8>,
+) -> Result<()> {
+    let layer = FrameHeader::decode(hdr)?.arg;
+    let frame_len = wire.compression.layer_wire_bytes(layout, blocks.len());
+    // Bounded: the LAYER length was checked against the reserved blocks' count.
+    stage.resize(frame_len as usize, 0);
+    io.read_payload(stage).await?;
+    if wire.crc_on {
+        let c = crc32c::crc32c_append(crc32c::crc32c(hdr), stage);
+        read_trailer(io, "LAYER", c).await?;
+    }
+    let region_len = layout.region_bytes();
+    let mut src = stage.chunks_exact(wire.compression.region_wire_bytes(layout));
+    for kind in KvKind::ORDER {
+        for &block in blocks {
+            let enc = src
+                .next()
+                .ok_or_else(|| Error::Internal("compressed layer shorter than planned".into()))?;
+            let dst = sink.region_mut(layer, kind, block).map_err(Error::Sink)?;
+            if dst.len() != region_len {
+                return Err(bad_region("region size", dst.len()));
+            }
+            decode_region(wire.compression, layout, enc, dst)?;
+        }
+    }
+    Ok(())
+}
+
 async fn receive_layers<T: FrameTransport, S: KvSink + Send>(
     io: &mut T,
     layout: &KvLayout,
     sink: &mut S,
     tracker: &mut Tracker,
-    crc_on: bool,
+    wire: Wire,
+    stage: &mut Vec<u8>,
 ) -> Result<()> {
+    let crc_on = wire.crc_on;
     let region_len = layout.region_bytes();
-    let frame_len = layout.layer_frame_bytes(tracker.desc.dst_blocks.len());
+    let frame_len = wire
+        .compression
+        .layer_wire_bytes(layout, tracker.desc.dst_blocks.len());
     let request_id = tracker.desc.request_id;
     let mut hdr = [0u8; HEADER_LEN];
     // Reused (never reallocated after the first layer) list of region slices.
@@ -167,6 +228,21 @@ async fn receive_layers<T: FrameTransport, S: KvSink + Send>(
                     });
                 }
                 io.begin_payload(frame_len).await?;
+                if wire.compression != Compression::None {
+                    receive_compressed_layer(
+                        io,
+                        layout,
+                        sink,
+                        &tracker.desc.dst_blocks,
+                        wire,
+                        &hdr,
+                        stage,
+                    )
+                    .await?;
+                    tracker.finish_layer(layer);
+                    sink.layer_done(request_id, layer);
+                    continue;
+                }
                 let mut crc = if crc_on { crc32c::crc32c(&hdr) } else { 0 };
                 for kind in KvKind::ORDER {
                     let mut batch = recycle(std::mem::take(&mut spare));

@@ -15,6 +15,7 @@ use std::time::Instant;
 use crate::api::TransferReceipt;
 use crate::error::{Error, ErrorClass, Result};
 use crate::layout::{KvLayout, TransferDesc};
+use crate::protocol::compress::{encode_region, Compression};
 use crate::protocol::frame::{
     encode_abort, encode_block_ids, encode_end, BeginFixed, FrameHeader, Verdict, BEGIN_FIXED_LEN,
     CRC_LEN, TAG_ABORT, TAG_BEGIN, TAG_END, TAG_LAYER,
@@ -42,6 +43,10 @@ pub(crate) struct SenderCore<T> {
     pub(crate) io: T,
     layout: KvLayout,
     checksum: bool,
+    /// Encoding of LAYER payloads (already [`Compression::effective`] for the layout).
+    compression: Compression,
+    /// Encoded layer (compressed transfers only); reused, so it grows to the largest layer.
+    stage: Vec<u8>,
     state: SendState,
 }
 
@@ -77,8 +82,16 @@ impl<T: FrameTransport> SenderCore<T> {
             io,
             layout,
             checksum,
+            compression: Compression::None,
+            stage: Vec::new(),
             state: SendState::Idle,
         }
+    }
+
+    /// Encodes every later transfer's layers with `c` (see [`crate::protocol::compress`]).
+    pub(crate) fn with_compression(mut self, c: Compression) -> Self {
+        self.compression = c.effective(self.layout.dtype());
+        self
     }
 
     pub(crate) fn layout(&self) -> &KvLayout {
@@ -109,6 +122,7 @@ impl<T: FrameTransport> SenderCore<T> {
             token_start: desc.token_start,
             token_count: desc.token_count,
             n_blocks: desc.dst_blocks.len() as u32,
+            compression: self.compression,
         }
         .encode();
         let len = (BEGIN_FIXED_LEN + ids.len()) as u64;
@@ -161,18 +175,26 @@ impl<T: FrameTransport> SenderCore<T> {
         };
         check_regions(&self.layout, n_blocks, "k", k)?;
         check_regions(&self.layout, n_blocks, "v", v)?;
-        let len = self.layout.layer_frame_bytes(n_blocks);
+        let len = self.compression.layer_wire_bytes(&self.layout, n_blocks);
         let hdr = FrameHeader::new(TAG_LAYER, self.checksum, layer, len).encode();
-        let trailer = if self.checksum {
-            let mut c = crc32c::crc32c(&hdr);
-            for r in k.iter().chain(v) {
-                c = crc32c::crc32c_append(c, r.as_ref());
-            }
-            Some(c.to_le_bytes())
+        let r = if self.compression == Compression::None {
+            let trailer = self.checksum.then(|| crc_of(&hdr, k.iter().chain(v)));
+            self.io.write_layer(&hdr, k, v, trailer).await
         } else {
-            None
+            self.stage.clear();
+            for region in k.iter().chain(v) {
+                // A non-finite value is the caller's data, not a connection failure.
+                encode_region(
+                    self.compression,
+                    &self.layout,
+                    region.as_ref(),
+                    &mut self.stage,
+                )?;
+            }
+            let body: [&[u8]; 1] = [&self.stage];
+            let trailer = self.checksum.then(|| crc_of(&hdr, body.iter()));
+            self.io.write_layer(&hdr, &body, &[], trailer).await
         };
-        let r = self.io.write_layer(&hdr, k, v, trailer).await;
         self.poison(r)?;
         if let SendState::InTransfer { seen, sent, .. } = &mut self.state {
             if let Some(s) = seen.get_mut(layer as usize) {
@@ -258,6 +280,11 @@ impl<T: FrameTransport> SenderCore<T> {
         self.state = SendState::Idle;
         Ok(TransferReceipt {
             payload_bytes: desc.payload_bytes(&self.layout),
+            wire_bytes: u64::from(sent)
+                * self
+                    .compression
+                    .layer_wire_bytes(&self.layout, desc.dst_blocks.len()),
+            compression: self.compression,
             layers: sent,
             desc,
             elapsed: started.elapsed(),
@@ -292,6 +319,15 @@ impl<T: FrameTransport> SenderCore<T> {
     }
 }
 
+/// crc32c over a frame header and its body parts.
+fn crc_of<'a, R: AsRef<[u8]> + 'a>(hdr: &[u8], parts: impl Iterator<Item = &'a R>) -> [u8; 4] {
+    let mut c = crc32c::crc32c(hdr);
+    for p in parts {
+        c = crc32c::crc32c_append(c, p.as_ref());
+    }
+    c.to_le_bytes()
+}
+
 fn rejected(v: Verdict) -> Error {
     Error::Rejected {
         class: v.error.unwrap_or(ErrorClass::Internal),
@@ -306,6 +342,8 @@ pub(crate) struct ReceiverCore<T> {
     layout: KvLayout,
     policy: ReceivePolicy,
     broken: bool,
+    /// Staging buffer for compressed layers (grows to the largest one seen).
+    stage: Vec<u8>,
 }
 
 impl<T: FrameTransport> ReceiverCore<T> {
@@ -315,6 +353,7 @@ impl<T: FrameTransport> ReceiverCore<T> {
             layout,
             policy: ReceivePolicy { require_checksum },
             broken: false,
+            stage: Vec::new(),
         }
     }
 
@@ -329,7 +368,14 @@ impl<T: FrameTransport> ReceiverCore<T> {
         if self.broken {
             return Err(Error::Broken);
         }
-        let result = receive_transfer(&mut self.io, &self.layout, sink, self.policy).await;
+        let result = receive_transfer(
+            &mut self.io,
+            &self.layout,
+            sink,
+            self.policy,
+            &mut self.stage,
+        )
+        .await;
         match result {
             Ok(receipt) => {
                 let v = Verdict {

@@ -57,7 +57,8 @@ pub(crate) trait FrameTransport: Send {
         during: &'static str,
     ) -> impl Future<Output = Result<()>> + Send;
 
-    /// Writes one LAYER frame: header, K regions, V regions, optional crc trailer.
+    /// Writes one LAYER frame: header, K regions, V regions, optional crc trailer. `k` and
+    /// `v` may differ in length (a compressed layer comes as one staged buffer in `k`).
     fn write_layer<R: AsRef<[u8]> + Sync>(
         &mut self,
         header: &[u8; HEADER_LEN],

@@ -10,6 +10,8 @@ use duet_kv_transfer::bench::{self, BenchOptions, E2eOptions};
 use duet_kv_transfer::BackendKind;
 use serde::Serialize;
 
+use crate::cmd::cluster::args::CompressionArg;
+
 #[derive(Args, Debug)]
 pub struct TransferBenchArgs {
     /// tcp, shm or local.
@@ -24,6 +26,9 @@ pub struct TransferBenchArgs {
     /// Disable per-frame crc32c.
     #[arg(long)]
     pub no_checksum: bool,
+    /// Encoding of the KV on the wire (tcp, shm); GB/s count the KV as stored.
+    #[arg(long, value_enum, default_value = "none")]
+    pub compression: CompressionArg,
     /// Print JSON (and write it here when a path is given).
     #[arg(long)]
     pub json: bool,
@@ -47,11 +52,13 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
         max_bytes: a.bytes,
         streams: a.streams,
         checksum: !a.no_checksum,
+        compression: a.compression.into(),
         ..Default::default()
     }))?;
     let end_to_end = rt.block_on(bench::end_to_end(E2eOptions {
         backend: a.backend,
         checksum: !a.no_checksum,
+        compression: a.compression.into(),
         ..Default::default()
     }))?;
     let report = Report { sizes, end_to_end };
@@ -60,8 +67,8 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
     } else {
         let s = &report.sizes;
         println!(
-            "backend {:?}, {} stream(s), checksum {}, reference {}",
-            s.backend, s.streams, s.checksum, s.reference_kind
+            "backend {:?}, {} stream(s), checksum {}, compression {}, reference {}",
+            s.backend, s.streams, s.checksum, s.compression, s.reference_kind
         );
         println!(
             "{:>12} {:>10} {:>12} {:>12} {:>8}",

@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use duet_discovery::{EtcdOptions, EtcdRegistry, RegistrationOptions, Registry};
 use duet_engine::{KvCacheConfig, KvDtype, Model, PrefixCacheConfig};
-use duet_kv_transfer::{SharedSecret, TransferConfig};
+use duet_kv_transfer::{Compression, SharedSecret, TransferConfig};
 
 use super::tls_args::EtcdTlsArgs;
 
@@ -78,6 +78,12 @@ pub struct KvArgs {
     /// link for a while and retries.
     #[arg(long, env = "DUET_KV_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub kv_timeout: Duration,
+    /// How a prefill worker encodes KV on the wire (tcp, shm): `none` as stored, `f16`
+    /// (half of an f32 cache), `int8` with a scale per block, layer and head (about a
+    /// quarter). Decode workers store their own dtype and accept any; lossy (see
+    /// kv-transfer/README.md for what it does to greedy tokens).
+    #[arg(long, env = "DUET_KV_COMPRESSION", value_enum, default_value = "none")]
+    pub kv_compression: CompressionArg,
     /// Prefix caching: keep the KV blocks of finished requests and reuse them for prompts
     /// that start the same way (whole 16-token blocks); least recently used blocks are
     /// evicted when room is needed.
@@ -94,6 +100,24 @@ pub struct KvArgs {
     /// Size of each worker's disk tier file (bytes, units accepted).
     #[arg(long, env = "DUET_KV_DISK_POOL", default_value = "1GiB", value_parser = parse_bytes)]
     pub kv_disk_pool: u64,
+}
+
+/// `--kv-compression` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CompressionArg {
+    None,
+    F16,
+    Int8,
+}
+
+impl From<CompressionArg> for Compression {
+    fn from(c: CompressionArg) -> Self {
+        match c {
+            CompressionArg::None => Compression::None,
+            CompressionArg::F16 => Compression::F16,
+            CompressionArg::Int8 => Compression::Int8,
+        }
+    }
 }
 
 /// `on` or `off`.
@@ -160,6 +184,7 @@ impl KvArgs {
         }
         let mut cfg = TransferConfig::new(layout, SharedSecret::new(&self.kv_secret)?);
         cfg.timeouts.io = self.kv_timeout;
+        cfg.compression = self.kv_compression.into();
         Ok(cfg)
     }
 }
