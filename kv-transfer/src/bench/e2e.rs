@@ -134,6 +134,7 @@ pub async fn end_to_end(opts: E2eOptions) -> Result<E2eReport> {
         whole.push(
             harness::send_transfer(&mut tx, &src, zero_copy)
                 .await?
+                .0
                 .as_secs_f64()
                 * 1e6,
         );

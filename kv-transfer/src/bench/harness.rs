@@ -254,12 +254,13 @@ impl Source {
     }
 }
 
-/// Sends one whole transfer; returns its latency (BEGIN to verdict).
+/// Sends one whole transfer; returns its latency (BEGIN to verdict) and the layer bytes the
+/// transport carried (the sender's receipt).
 pub(crate) async fn send_transfer(
     tx: &mut AnySender,
     src: &Source,
     zero_copy: bool,
-) -> Result<Duration> {
+) -> Result<(Duration, u64)> {
     let start = Instant::now();
     tx.begin(src.desc.clone()).await?;
     for (layer, (k, v)) in src.layers.iter().enumerate() {
@@ -270,6 +271,6 @@ pub(crate) async fn send_transfer(
             tx.send_layer(layer as u32, k, v).await?;
         }
     }
-    tx.finish().await?;
-    Ok(start.elapsed())
+    let receipt = tx.finish().await?;
+    Ok((start.elapsed(), receipt.wire_bytes))
 }

@@ -82,7 +82,8 @@ pub struct BenchPoint {
     pub iterations: u32,
     /// Aggregate throughput of KV payload (as stored), GB/s.
     pub throughput_gbps: f64,
-    /// Bytes on the wire per round (below `bytes` with compression).
+    /// Layer bytes the transports carried per round, from the senders' receipts (below
+    /// `bytes` with compression).
     pub wire_bytes: u64,
     /// Per-transfer latency (BEGIN to verdict), median, µs.
     pub latency_us_median: f64,
@@ -260,22 +261,27 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
             barrier.wait().await;
             let start = Instant::now();
             let mut lat = Vec::with_capacity(iters as usize);
+            let mut wire = 0;
             for _ in 0..iters {
-                lat.push(harness::send_transfer(&mut tx, &src, zero_copy).await?);
+                let (took, bytes) = harness::send_transfer(&mut tx, &src, zero_copy).await?;
+                lat.push(took);
+                wire = bytes;
             }
             let end = Instant::now();
             drop(tx);
-            Ok::<_, Error>((start, end, lat))
+            Ok::<_, Error>((start, end, lat, wire))
         }));
     }
     barrier.wait().await;
     let mut lat_us = Vec::new();
     let mut span: Option<(Instant, Instant)> = None;
+    let mut wire_bytes = 0;
     for t in tx_tasks {
-        let (start, end, lat) = t
+        let (start, end, lat, wire) = t
             .await
             .map_err(|e| Error::Internal(format!("bench sender task: {e}")))??;
         lat_us.extend(lat.iter().map(|d| d.as_secs_f64() * 1e6));
+        wire_bytes += wire;
         span = Some(match span {
             None => (start, end),
             Some((s, e)) => (s.min(start), e.max(end)),
@@ -292,8 +298,6 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
         .map(|(s, _)| s)
         .collect();
     let (verified, zc) = verify(&layout, compression, &sources, &sinks, zero_copy)?;
-    let wire_bytes =
-        u64::from(layers) * compression.layer_wire_bytes(&layout, blocks as usize) * k as u64;
     lat_us.sort_by(|a, b| a.total_cmp(b));
     let throughput = actual as f64 * f64::from(iters) / wall / 1e9;
     let reference = if !opts.reference {

@@ -119,13 +119,20 @@ fn store(dtype: Dtype, dst: &mut [u8], values: impl Iterator<Item = f32>) {
     }
 }
 
-/// Appends the wire form of one stored region (`src.len() == layout.region_bytes()`).
+/// Appends the wire form of one stored region; `src` must be `layout.region_bytes()` long.
 pub fn encode_region(
     c: Compression,
     layout: &KvLayout,
     src: &[u8],
     out: &mut Vec<u8>,
 ) -> Result<()> {
+    if src.len() != layout.region_bytes() {
+        return Err(Error::InvalidArgument(format!(
+            "a region is {} bytes, not the layout's {}",
+            src.len(),
+            layout.region_bytes()
+        )));
+    }
     let dtype = layout.dtype();
     match c {
         Compression::None => out.extend_from_slice(src),
@@ -147,21 +154,27 @@ pub fn encode_region(
                     max = max.max(x.abs());
                 }
                 let scale = max / 127.0;
-                let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
                 out.extend_from_slice(&scale.to_le_bytes());
-                out.extend(
-                    elements(dtype, head)
-                        .map(|x| (x * inv).round().clamp(-127.0, 127.0) as i8 as u8),
-                );
+                // Divide (not multiply by 1/scale): a subnormal scale's inverse is infinite.
+                out.extend(elements(dtype, head).map(|x| {
+                    let q = if scale > 0.0 { x / scale } else { 0.0 };
+                    q.round().clamp(-127.0, 127.0) as i8 as u8
+                }));
             }
         }
     }
     Ok(())
 }
 
-/// Decodes one region's wire form (`src.len() == c.region_wire_bytes(layout)`) into a
-/// stored region (`dst.len() == layout.region_bytes()`).
+/// Decodes one region's wire form (`c.region_wire_bytes(layout)` bytes) into a stored region
+/// (`layout.region_bytes()` bytes); other lengths are an error.
 pub fn decode_region(c: Compression, layout: &KvLayout, src: &[u8], dst: &mut [u8]) -> Result<()> {
+    if src.len() != c.region_wire_bytes(layout) || dst.len() != layout.region_bytes() {
+        return Err(Error::malformed(
+            "LAYER",
+            "encoded or stored region has the wrong length for the layout",
+        ));
+    }
     let dtype = layout.dtype();
     match c {
         Compression::None => dst.copy_from_slice(src),
@@ -271,5 +284,21 @@ mod tests {
         assert!(decode_region(Compression::Int8, &l, &wire, &mut dst).is_err());
         wire[..4].copy_from_slice(&(-1.0f32).to_le_bytes());
         assert!(decode_region(Compression::Int8, &l, &wire, &mut dst).is_err());
+        wire[..4].copy_from_slice(&1.0f32.to_le_bytes());
+        assert!(decode_region(Compression::Int8, &l, &wire, &mut dst).is_ok());
+        assert!(decode_region(Compression::Int8, &l, &wire[1..], &mut dst).is_err());
+        assert!(decode_region(Compression::F16, &l, &wire, &mut dst).is_err());
+        assert!(encode_region(Compression::F16, &l, &zeros[1..], &mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn int8_keeps_tiny_regions_within_half_a_step() {
+        // max / 127 is subnormal here: its inverse would be infinite.
+        let l = layout(Dtype::F32);
+        let src = region(&l, |i| if i % 2 == 0 { 1e-37 } else { -3e-38 });
+        let exact: Vec<f32> = elements(Dtype::F32, &src).collect();
+        for (a, b) in round_trip(Compression::Int8, &l, &src).iter().zip(&exact) {
+            assert!((a - b).abs() <= 1e-37 / 127.0, "{a} vs {b}");
+        }
     }
 }

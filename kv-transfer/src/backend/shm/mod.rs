@@ -464,7 +464,8 @@ impl ShmSender {
                 ShmTransport::new(sock, t, map, &opts),
                 cfg.layout,
                 cfg.checksum,
-            ),
+            )
+            .with_compression(cfg.compression),
         })
     }
 
