@@ -66,8 +66,7 @@ fn arb_case() -> impl Strategy<Value = Case> {
 
 fn encode(case: &Case) -> Vec<u8> {
     let l = &case.layout;
-    type Regions = Vec<Vec<u8>>;
-    let data: Vec<(u32, Regions, Regions)> = case
+    let data: Vec<SourceLayer> = case
         .layer_order
         .iter()
         .map(|&layer| {
@@ -76,6 +75,14 @@ fn encode(case: &Case) -> Vec<u8> {
             (layer, k, v)
         })
         .collect();
+    encode_layers(case, &data, Compression::None)
+}
+
+/// One layer's index and its K and V source regions.
+type SourceLayer = (u32, Vec<Vec<u8>>, Vec<Vec<u8>>);
+
+/// `case`'s transfer of `data` (in its order), encoded by `c`.
+fn encode_layers(case: &Case, data: &[SourceLayer], c: Compression) -> Vec<u8> {
     let layers: Vec<LayerRegions<'_>> = data
         .iter()
         .map(|(layer, k, v)| LayerRegions {
@@ -84,7 +91,11 @@ fn encode(case: &Case) -> Vec<u8> {
             v: v.iter().map(Vec::as_slice).collect(),
         })
         .collect();
-    encode_transfer(l, &case.desc, &layers, case.checksum).unwrap()
+    if c == Compression::None {
+        encode_transfer(&case.layout, &case.desc, &layers, case.checksum).unwrap()
+    } else {
+        encode_transfer_compressed(&case.layout, &case.desc, &layers, case.checksum, c).unwrap()
+    }
 }
 
 fn sink_for(case: &Case) -> MemorySink {
@@ -124,9 +135,6 @@ fn float_region(layout: &KvLayout, req: u64, layer: u32, kind: KvKind, block: u3
     }
 }
 
-/// One layer's index and its K and V source regions.
-type SourceLayer = (u32, Vec<Vec<u8>>, Vec<Vec<u8>>);
-
 /// A compressed transfer of `case` (its layer order and block list) and its regions.
 fn encode_compressed(case: &Case, c: Compression) -> (Vec<u8>, Vec<SourceLayer>) {
     let l = &case.layout;
@@ -141,16 +149,7 @@ fn encode_compressed(case: &Case, c: Compression) -> (Vec<u8>, Vec<SourceLayer>)
             (layer, k, v)
         })
         .collect();
-    let layers: Vec<LayerRegions<'_>> = data
-        .iter()
-        .map(|(layer, k, v)| LayerRegions {
-            layer: *layer,
-            k: k.iter().map(Vec::as_slice).collect(),
-            v: v.iter().map(Vec::as_slice).collect(),
-        })
-        .collect();
-    let bytes = encode_transfer_compressed(l, &case.desc, &layers, case.checksum, c).unwrap();
-    (bytes, data)
+    (encode_layers(case, &data, c), data)
 }
 
 fn arb_compression() -> impl Strategy<Value = Compression> {
