@@ -10,43 +10,8 @@ mod support;
 use std::time::Duration;
 
 use duet_proto::v1 as pb;
+use support::reference::ReferenceCase;
 use support::{client, generate, greedy, http_get, scrape_sum, up, START};
-
-struct Case {
-    id: String,
-    prompt: Vec<u32>,
-    want: Vec<u32>,
-    margins: Vec<f64>,
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
-
-fn cases() -> Vec<Case> {
-    include_str!("../../tests/data/smollm2-q4_1-greedy.jsonl")
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("json");
-            Case {
-                id: v["id"].as_str().expect("id").to_string(),
-                prompt: ids(&v["prompt_ids"]),
-                want: ids(&v["greedy_ids"]),
-                margins: v["top2_margin"]
-                    .as_array()
-                    .expect("margins")
-                    .iter()
-                    .map(|m| m.as_f64().expect("margin"))
-                    .collect(),
-            }
-        })
-        .collect()
-}
 
 /// What one `duet up` produced for every reference prompt, and its wire counters.
 struct Run {
@@ -56,7 +21,7 @@ struct Run {
     wire_received: f64,
 }
 
-fn run(compression: &str, cases: &[Case]) -> Run {
+fn run(compression: &str, cases: &[ReferenceCase]) -> Run {
     let (p, url) = up(&[
         "--kv-transport",
         "tcp",
@@ -77,7 +42,10 @@ fn run(compression: &str, cases: &[Case]) -> Run {
         for case in cases {
             let got = generate(
                 &mut c,
-                greedy(support::tokens(&case.prompt), case.want.len() as u32),
+                greedy(
+                    support::tokens(&case.prompt_ids),
+                    case.greedy_ids.len() as u32,
+                ),
             )
             .await
             .unwrap_or_else(|e| panic!("{compression} {}: {e:?}", case.id));
@@ -116,19 +84,9 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-/// llama.cpp's comparison rule: equal ids up to the first near-tie of its own run.
-fn keeps_rule(case: &Case, got: &[u32]) -> bool {
-    let cut = case
-        .margins
-        .iter()
-        .position(|&m| m < 0.05)
-        .unwrap_or(case.want.len());
-    got.len() >= cut && got[..cut] == case.want[..cut]
-}
-
 #[test]
 fn compressed_kv_keeps_greedy_tokens_within_measured_bounds() {
-    let cases = cases();
+    let cases = support::reference::cases();
     let base = run("none", &cases);
     assert!(base.payload_sent > 0.0);
     assert_eq!(
@@ -139,7 +97,7 @@ fn compressed_kv_keeps_greedy_tokens_within_measured_bounds() {
     let base_kept = cases
         .iter()
         .zip(&base.tokens)
-        .filter(|(c, t)| keeps_rule(c, t))
+        .filter(|(c, t)| c.keeps_rule(t))
         .count();
     eprintln!("none: reference rule kept on {base_kept}/{}", cases.len());
 
@@ -166,7 +124,7 @@ fn compressed_kv_keeps_greedy_tokens_within_measured_bounds() {
         for ((case, got), want) in cases.iter().zip(&r.tokens).zip(&base.tokens) {
             let same = common_prefix(got, want);
             identical += usize::from(got == want);
-            kept += usize::from(keeps_rule(case, got));
+            kept += usize::from(case.keeps_rule(got));
             eprintln!(
                 "{compression} {}: {same}/{} tokens equal to the uncompressed run",
                 case.id,

@@ -428,13 +428,10 @@ impl Scheduler {
         }
         match source {
             PrefillSource::Remote { first_token } => {
-                let claimed = self
-                    .reservations
-                    .get(&id)
-                    .map(|r| r.claim.is_some() || r.prompt_tokens != job.prompt.len());
-                let foreign_prefix = self
-                    .reservations
-                    .get(&id)
+                let reservation = self.reservations.get(&id);
+                let claimed =
+                    reservation.map(|r| r.claim.is_some() || r.prompt_tokens != job.prompt.len());
+                let foreign_prefix = reservation
                     .is_some_and(|r| !self.prefix_matches(&job.prompt, &r.cached_hashes));
                 match claimed {
                     None => {

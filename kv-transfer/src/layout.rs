@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
+use crate::protocol::Compression;
 
 /// Largest accepted layer count.
 pub const MAX_LAYERS: u32 = 1024;
@@ -433,6 +434,11 @@ impl TransferDesc {
     /// Payload bytes of the whole transfer (all layers).
     pub fn payload_bytes(&self, layout: &KvLayout) -> u64 {
         u64::from(layout.layers()) * layout.layer_frame_bytes(self.dst_blocks.len())
+    }
+
+    /// Layer bytes the whole transfer puts on the wire when encoded by `c`.
+    pub fn wire_bytes(&self, layout: &KvLayout, c: Compression) -> u64 {
+        u64::from(layout.layers()) * c.layer_wire_bytes(layout, self.dst_blocks.len())
     }
 }
 

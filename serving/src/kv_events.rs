@@ -222,6 +222,19 @@ impl KvCacheService {
 
 type BatchStream = Pin<Box<dyn Stream<Item = Result<pb::KvEventBatch, Status>> + Send>>;
 
+/// Sends one batch to a subscriber; `false` when it went away or the worker is draining (a
+/// slow subscriber must not hold the drain).
+async fn send(
+    out: &tokio::sync::mpsc::Sender<Result<pb::KvEventBatch, Status>>,
+    closed: &CancellationToken,
+    m: pb::KvEventBatch,
+) -> bool {
+    tokio::select! {
+        _ = closed.cancelled() => false,
+        r = out.send(Ok(m)) => r.is_ok(),
+    }
+}
+
 #[tonic::async_trait]
 impl pb::kv_cache_server::KvCache for KvCacheService {
     type SubscribeStream = BatchStream;
@@ -234,22 +247,12 @@ impl pb::kv_cache_server::KvCache for KvCacheService {
         let closed = self.closed.clone();
         let (out, rx_out) = tokio::sync::mpsc::channel(64);
         tokio::spawn(async move {
-            // Every send watches `closed` too: a slow subscriber must not hold the drain.
-            let send = |m: pb::KvEventBatch| {
-                let (out, closed) = (out.clone(), closed.clone());
-                async move {
-                    tokio::select! {
-                        _ = closed.cancelled() => false,
-                        r = out.send(Ok(m)) => r.is_ok(),
-                    }
-                }
-            };
             let (mut snapshot, mut rx) = hub.subscribe();
             loop {
                 let mut last = 0;
                 for m in snapshot.drain(..) {
                     last = m.seq;
-                    if !send(m).await {
+                    if !send(&out, &closed, m).await {
                         return;
                     }
                 }
@@ -262,7 +265,7 @@ impl pb::kv_cache_server::KvCache for KvCacheService {
                     match b {
                         Ok(b) if b.seq <= last => continue,
                         Ok(b) => {
-                            if !send((*b).clone()).await {
+                            if !send(&out, &closed, (*b).clone()).await {
                                 return;
                             }
                         }

@@ -16,6 +16,7 @@ use duet_proto::v1::generation_client::GenerationClient;
 #[path = "../../../discovery/tests/support/mod.rs"]
 pub mod etcd;
 pub mod prometheus;
+pub mod reference;
 
 pub fn model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")

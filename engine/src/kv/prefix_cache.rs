@@ -69,6 +69,15 @@ impl PrefixState {
         }
     }
 
+    /// The store of a lower tier (`None` for the device pool or a tier not configured).
+    fn lower_mut(&mut self, tier: KvTier) -> Option<&mut TierStore> {
+        match tier {
+            KvTier::Device => None,
+            KvTier::Host => self.host.as_mut(),
+            KvTier::Disk => self.disk.as_mut(),
+        }
+    }
+
     fn tier_of(&self, h: BlockHash) -> Option<KvTier> {
         if self.by_hash.contains_key(&h) {
             Some(KvTier::Device)
@@ -87,11 +96,7 @@ impl PrefixState {
     fn spill(&mut self, h: BlockHash, bytes: Vec<u8>) {
         let mut item = Some((h, bytes));
         for tier in [KvTier::Host, KvTier::Disk] {
-            let store = match tier {
-                KvTier::Host => self.host.as_mut(),
-                _ => self.disk.as_mut(),
-            };
-            let (Some(store), Some((h, bytes))) = (store, item.take()) else {
+            let (Some(store), Some((h, bytes))) = (self.lower_mut(tier), item.take()) else {
                 continue;
             };
             let put = store.put(h, &bytes);
@@ -110,11 +115,7 @@ impl PrefixState {
     /// Drops `h` from the lower tiers (the device pool holds it now).
     fn forget_below(&mut self, h: BlockHash) {
         for tier in [KvTier::Host, KvTier::Disk] {
-            let store = match tier {
-                KvTier::Host => self.host.as_mut(),
-                _ => self.disk.as_mut(),
-            };
-            if store.is_some_and(|s| s.remove(h)) {
+            if self.lower_mut(tier).is_some_and(|s| s.remove(h)) {
                 self.emit(false, tier, h);
             }
         }
@@ -229,11 +230,7 @@ impl KvCache {
         let tier = p.tier_of(h)?;
         let mut bytes = vec![0u8; self.block_bytes(0).len()];
         let p = self.prefix.as_mut()?;
-        let store = match tier {
-            KvTier::Host => p.host.as_mut()?,
-            _ => p.disk.as_mut()?,
-        };
-        if !matches!(store.take(h, &mut bytes), Ok(true)) {
+        if !matches!(p.lower_mut(tier)?.take(h, &mut bytes), Ok(true)) {
             return None;
         }
         let b = match self.allocate_blocks(1).ok().and_then(|mut v| v.pop()) {
@@ -241,11 +238,7 @@ impl KvCache {
             None => {
                 // No room: the block goes back where it was (its slot is still free).
                 let p = self.prefix.as_mut()?;
-                let store = match tier {
-                    KvTier::Host => p.host.as_mut()?,
-                    _ => p.disk.as_mut()?,
-                };
-                if !store.put(h, &bytes).stored {
+                if !p.lower_mut(tier)?.put(h, &bytes).stored {
                     p.emit(false, tier, h);
                 }
                 return None;

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
-use crate::api::{KvReceiver, KvSender};
+use crate::api::{KvReceiver, KvSender, TransferReceipt};
 use crate::backend::local;
 use crate::backend::shm::{ShmOptions, ShmReceiver, ShmSender};
 use crate::backend::tcp::{TcpReceiver, TcpSender};
@@ -254,13 +254,12 @@ impl Source {
     }
 }
 
-/// Sends one whole transfer; returns its latency (BEGIN to verdict) and the layer bytes the
-/// transport carried (the sender's receipt).
+/// Sends one whole transfer; returns its latency (BEGIN to verdict) and the sender's receipt.
 pub(crate) async fn send_transfer(
     tx: &mut AnySender,
     src: &Source,
     zero_copy: bool,
-) -> Result<(Duration, u64)> {
+) -> Result<(Duration, TransferReceipt)> {
     let start = Instant::now();
     tx.begin(src.desc.clone()).await?;
     for (layer, (k, v)) in src.layers.iter().enumerate() {
@@ -272,5 +271,5 @@ pub(crate) async fn send_transfer(
         }
     }
     let receipt = tx.finish().await?;
-    Ok((start.elapsed(), receipt.wire_bytes))
+    Ok((start.elapsed(), receipt))
 }

@@ -227,12 +227,6 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
     let mut cfg = bench_config(layout, opts.checksum)?;
     cfg.compression = opts.compression;
     let zero_copy = opts.backend == BackendKind::Local;
-    // The local backend hands buffers over; nothing is encoded.
-    let compression = if zero_copy {
-        Compression::None
-    } else {
-        opts.compression.effective(layout.dtype())
-    };
     let mut sinks = Vec::with_capacity(k);
     for i in 0..k {
         let mut sink = MemorySink::new(layout, blocks);
@@ -261,27 +255,32 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
             barrier.wait().await;
             let start = Instant::now();
             let mut lat = Vec::with_capacity(iters as usize);
-            let mut wire = 0;
+            let mut receipt = None;
             for _ in 0..iters {
-                let (took, bytes) = harness::send_transfer(&mut tx, &src, zero_copy).await?;
+                let (took, r) = harness::send_transfer(&mut tx, &src, zero_copy).await?;
                 lat.push(took);
-                wire = bytes;
+                receipt = Some(r);
             }
             let end = Instant::now();
             drop(tx);
-            Ok::<_, Error>((start, end, lat, wire))
+            Ok::<_, Error>((start, end, lat, receipt))
         }));
     }
     barrier.wait().await;
     let mut lat_us = Vec::new();
     let mut span: Option<(Instant, Instant)> = None;
     let mut wire_bytes = 0;
+    // What the senders actually used (the local backend never encodes).
+    let mut compression = Compression::None;
     for t in tx_tasks {
-        let (start, end, lat, wire) = t
+        let (start, end, lat, receipt) = t
             .await
             .map_err(|e| Error::Internal(format!("bench sender task: {e}")))??;
         lat_us.extend(lat.iter().map(|d| d.as_secs_f64() * 1e6));
-        wire_bytes += wire;
+        if let Some(r) = receipt {
+            wire_bytes += r.wire_bytes;
+            compression = r.compression;
+        }
         span = Some(match span {
             None => (start, end),
             Some((s, e)) => (s.min(start), e.max(end)),

@@ -111,16 +111,10 @@ pub(crate) async fn receive_transfer<T: FrameTransport, S: KvSink + Send>(
         return Err(aborted(desc.request_id, Vec::new(), e));
     }
     let mut tracker = Tracker::accept(layout, desc, &*sink)?;
-    let wire = Wire {
-        crc_on,
-        compression: f.compression,
-    };
-    match receive_layers(io, layout, sink, &mut tracker, wire, stage).await {
+    match receive_layers(io, layout, sink, &mut tracker, crc_on, f.compression, stage).await {
         Ok(()) => Ok(TransferReceipt {
             payload_bytes: tracker.desc.payload_bytes(layout),
-            wire_bytes: u64::from(tracker.received())
-                * f.compression
-                    .layer_wire_bytes(layout, tracker.desc.dst_blocks.len()),
+            wire_bytes: tracker.desc.wire_bytes(layout, f.compression),
             compression: f.compression,
             layers: tracker.received(),
             desc: tracker.desc,
@@ -146,35 +140,18 @@ fn bad_region(what: &str, got: usize) -> Error {
     ))
 }
 
-/// How one transfer's frames are put on the wire (from its BEGIN).
-#[derive(Debug, Clone, Copy)]
-struct Wire {
-    crc_on: bool,
-    compression: Compression,
-}
-
-/// Reads a compressed LAYER body whole into `stage`, checks its crc, then decodes every
-/// region into the sink (so a corrupted frame with crc on never reaches the sink).
-async fn receive_compressed_layer<T: FrameTransport, S: KvSink + Send>(
-    io: &mut T,
+/// Decodes a compressed LAYER body (`stage`, already read and crc-checked) region by region
+/// into the sink's blocks.
+fn decode_layer<S: KvSink>(
     layout: &KvLayout,
     sink: &mut S,
     blocks: &[u32],
-    wire: Wire,
-    hdr: &[u8; HEADER_LEN],
-    stage: &mut Vec<u8>,
+    layer: u32,
+    compression: Compression,
+    stage: &[u8],
 ) -> Result<()> {
-    let layer = FrameHeader::decode(hdr)?.arg;
-    let frame_len = wire.compression.layer_wire_bytes(layout, blocks.len());
-    // Bounded: the LAYER length was checked against the reserved blocks' count.
-    stage.resize(frame_len as usize, 0);
-    io.read_payload(stage).await?;
-    if wire.crc_on {
-        let c = crc32c::crc32c_append(crc32c::crc32c(hdr), stage);
-        read_trailer(io, "LAYER", c).await?;
-    }
     let region_len = layout.region_bytes();
-    let mut src = stage.chunks_exact(wire.compression.region_wire_bytes(layout));
+    let mut src = stage.chunks_exact(compression.region_wire_bytes(layout));
     for kind in KvKind::ORDER {
         for &block in blocks {
             let enc = src
@@ -184,7 +161,7 @@ async fn receive_compressed_layer<T: FrameTransport, S: KvSink + Send>(
             if dst.len() != region_len {
                 return Err(bad_region("region size", dst.len()));
             }
-            decode_region(wire.compression, layout, enc, dst)?;
+            decode_region(compression, layout, enc, dst)?;
         }
     }
     Ok(())
@@ -195,14 +172,12 @@ async fn receive_layers<T: FrameTransport, S: KvSink + Send>(
     layout: &KvLayout,
     sink: &mut S,
     tracker: &mut Tracker,
-    wire: Wire,
+    crc_on: bool,
+    compression: Compression,
     stage: &mut Vec<u8>,
 ) -> Result<()> {
-    let crc_on = wire.crc_on;
     let region_len = layout.region_bytes();
-    let frame_len = wire
-        .compression
-        .layer_wire_bytes(layout, tracker.desc.dst_blocks.len());
+    let frame_len = compression.layer_wire_bytes(layout, tracker.desc.dst_blocks.len());
     let request_id = tracker.desc.request_id;
     let mut hdr = [0u8; HEADER_LEN];
     // Reused (never reallocated after the first layer) list of region slices.
@@ -228,17 +203,17 @@ async fn receive_layers<T: FrameTransport, S: KvSink + Send>(
                     });
                 }
                 io.begin_payload(frame_len).await?;
-                if wire.compression != Compression::None {
-                    receive_compressed_layer(
-                        io,
-                        layout,
-                        sink,
-                        &tracker.desc.dst_blocks,
-                        wire,
-                        &hdr,
-                        stage,
-                    )
-                    .await?;
+                if compression != Compression::None {
+                    // Read whole and checked first: a corrupted frame (crc on) never reaches
+                    // the sink. Bounded: the length was checked against the reserved blocks.
+                    stage.resize(frame_len as usize, 0);
+                    io.read_payload(stage).await?;
+                    if crc_on {
+                        let c = crc32c::crc32c_append(crc32c::crc32c(&hdr), stage);
+                        read_trailer(io, "LAYER", c).await?;
+                    }
+                    let blocks = &tracker.desc.dst_blocks;
+                    decode_layer(layout, sink, blocks, layer, compression, stage)?;
                     tracker.finish_layer(layer);
                     sink.layer_done(request_id, layer);
                     continue;

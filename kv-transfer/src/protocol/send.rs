@@ -280,10 +280,7 @@ impl<T: FrameTransport> SenderCore<T> {
         self.state = SendState::Idle;
         Ok(TransferReceipt {
             payload_bytes: desc.payload_bytes(&self.layout),
-            wire_bytes: u64::from(sent)
-                * self
-                    .compression
-                    .layer_wire_bytes(&self.layout, desc.dst_blocks.len()),
+            wire_bytes: desc.wire_bytes(&self.layout, self.compression),
             compression: self.compression,
             layers: sent,
             desc,

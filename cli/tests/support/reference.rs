@@ -1,0 +1,54 @@
+//! llama.cpp's reference runs of the default model (`tests/data/smollm2-q4_1-greedy.jsonl`)
+//! and the rule duet's greedy output is compared by: equal ids up to the first position
+//! where llama.cpp's own top two logits were within 0.05 (a near-tie either side may break).
+
+/// One reference prompt and llama.cpp's greedy continuation of it.
+pub struct ReferenceCase {
+    pub id: String,
+    pub prompt_ids: Vec<u32>,
+    pub greedy_ids: Vec<u32>,
+    /// llama.cpp's top-1 minus top-2 logit at each generated position.
+    pub margins: Vec<f64>,
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// Every reference case, in file order.
+pub fn cases() -> Vec<ReferenceCase> {
+    include_str!("../../../tests/data/smollm2-q4_1-greedy.jsonl")
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json");
+            ReferenceCase {
+                id: v["id"].as_str().expect("id").to_string(),
+                prompt_ids: ids(&v["prompt_ids"]),
+                greedy_ids: ids(&v["greedy_ids"]),
+                margins: v["top2_margin"]
+                    .as_array()
+                    .expect("margins")
+                    .iter()
+                    .map(|m| m.as_f64().expect("margin"))
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+impl ReferenceCase {
+    /// `got` equals llama.cpp's ids up to its first near-tie (or whole, without one).
+    pub fn keeps_rule(&self, got: &[u32]) -> bool {
+        let cut = self
+            .margins
+            .iter()
+            .position(|&m| m < 0.05)
+            .unwrap_or(self.greedy_ids.len());
+        got.len() >= cut && got[..cut] == self.greedy_ids[..cut]
+    }
+}
