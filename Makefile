@@ -21,6 +21,7 @@ up: deps model
 
 test: deps model
 	$(CARGO) test --workspace --no-fail-fast
+	$(CARGO) test -p duet-kv-transfer --features rdma --test rdma
 	./scripts/check-deploy.sh
 
 model:
@@ -33,6 +34,7 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p duet-kv-transfer --all-targets --features nccl -- -D warnings
+	$(CARGO) clippy -p duet-kv-transfer --all-targets --features rdma -- -D warnings
 	./scripts/audit.sh
 
 fmt:

@@ -16,6 +16,10 @@ command -v curl >/dev/null || need_apt+=(curl)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
 # `ip netns`, veth and bridges: the KV link cut test (cli/tests/fault_network_cut.rs).
 command -v ip >/dev/null || need_apt+=(iproute2)
+# UCX headers and libraries, found with pkg-config: the rdma feature of kv-transfer
+# (kv-transfer/tests/rdma.rs runs it over UCX's tcp and shared-memory transports).
+command -v pkg-config >/dev/null || need_apt+=(pkg-config)
+{ command -v pkg-config >/dev/null && pkg-config --exists ucx; } || need_apt+=(libucx-dev)
 # Prometheus and promtool: the observability tests scrape a live cluster with them.
 command -v promtool >/dev/null && command -v prometheus >/dev/null || need_apt+=(prometheus)
 

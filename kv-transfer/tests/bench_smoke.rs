@@ -47,7 +47,14 @@ async fn bench_runs_on_every_backend() {
                 let have = r.points.iter().all(|p| p.reference_gbps.is_some());
                 assert!(have || r.reference_note.is_some());
             }
-            _ => assert!(r.points.iter().all(|p| p.reference_gbps.is_some())),
+            _ => {
+                assert!(r.points.iter().all(|p| p.reference_gbps.is_some()));
+                // Same user, same host: shm pulls from the sender's memory.
+                assert_eq!(r.shm_mode.as_deref(), Some("pull"));
+            }
+        }
+        if backend != BackendKind::Shm {
+            assert_eq!(r.shm_mode, None);
         }
         let json = serde_json::to_string(&r).unwrap();
         assert!(json.contains("throughput_gbps"));
@@ -94,6 +101,7 @@ async fn end_to_end_reports_a_tail() {
         runs: 2,
         checksum: true,
         compression: Compression::Int8,
+        shm_ring: false,
     })
     .await
     .unwrap();
@@ -103,11 +111,25 @@ async fn end_to_end_reports_a_tail() {
     assert!(r.tail_us_median > 0.0);
 }
 
+/// `shm_ring` forces the two-copy ring, and the report says which mode ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_ring_mode_can_be_forced_for_comparison() {
+    let r = run(BenchOptions {
+        shm_ring: true,
+        reference: false,
+        ..tiny(BackendKind::Shm, 1)
+    })
+    .await
+    .unwrap();
+    assert_eq!(r.shm_mode.as_deref(), Some("ring"));
+    assert!(r.points.iter().all(|p| p.verified));
+}
+
 #[tokio::test]
 async fn bench_rejects_bad_options() {
     let mut o = tiny(BackendKind::Tcp, 0);
     assert!(run(o.clone()).await.is_err());
     o.streams = 1;
-    o.backend = BackendKind::Rdma;
+    o.backend = BackendKind::Nccl;
     assert!(run(o).await.is_err());
 }

@@ -168,8 +168,9 @@ fn selection_table() {
 #[test]
 fn compiled_caps_and_names() {
     let caps = BackendCaps::compiled();
-    assert!(caps.tcp && caps.local && !caps.rdma);
+    assert!(caps.tcp && caps.local);
     assert_eq!(caps.nccl, cfg!(feature = "nccl"));
+    assert_eq!(caps.rdma, cfg!(feature = "rdma"));
     for k in [
         BackendKind::Local,
         BackendKind::Shm,

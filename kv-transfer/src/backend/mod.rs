@@ -7,6 +7,8 @@
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod select;
 #[cfg(unix)]
 pub mod shm;
@@ -34,6 +36,9 @@ pub enum AnySender {
     /// NCCL.
     #[cfg(feature = "nccl")]
     Nccl(nccl::NcclSender),
+    /// RDMA (UCX).
+    #[cfg(feature = "rdma")]
+    Rdma(rdma::RdmaSender),
 }
 
 /// A receiver of any backend.
@@ -49,6 +54,9 @@ pub enum AnyReceiver {
     /// NCCL.
     #[cfg(feature = "nccl")]
     Nccl(nccl::NcclInbound),
+    /// RDMA (UCX).
+    #[cfg(feature = "rdma")]
+    Rdma(rdma::RdmaInbound),
 }
 
 macro_rules! dispatch {
@@ -60,6 +68,8 @@ macro_rules! dispatch {
             AnySender::Local($s) => $e,
             #[cfg(feature = "nccl")]
             AnySender::Nccl($s) => $e,
+            #[cfg(feature = "rdma")]
+            AnySender::Rdma($s) => $e,
         }
     };
 }
@@ -74,6 +84,8 @@ impl AnySender {
             AnySender::Local(_) => BackendKind::Local,
             #[cfg(feature = "nccl")]
             AnySender::Nccl(_) => BackendKind::Nccl,
+            #[cfg(feature = "rdma")]
+            AnySender::Rdma(_) => BackendKind::Rdma,
         }
     }
 }
@@ -114,6 +126,8 @@ impl KvReceiver for AnyReceiver {
             AnyReceiver::Local(r) => r.receive(sink).await,
             #[cfg(feature = "nccl")]
             AnyReceiver::Nccl(r) => r.receive(sink).await,
+            #[cfg(feature = "rdma")]
+            AnyReceiver::Rdma(r) => r.receive(sink).await,
         }
     }
 }
@@ -148,5 +162,17 @@ impl From<shm::ShmInbound> for AnyReceiver {
 impl From<local::LocalReceiver> for AnyReceiver {
     fn from(s: local::LocalReceiver) -> Self {
         AnyReceiver::Local(s)
+    }
+}
+#[cfg(feature = "rdma")]
+impl From<rdma::RdmaSender> for AnySender {
+    fn from(s: rdma::RdmaSender) -> Self {
+        AnySender::Rdma(s)
+    }
+}
+#[cfg(feature = "rdma")]
+impl From<rdma::RdmaInbound> for AnyReceiver {
+    fn from(s: rdma::RdmaInbound) -> Self {
+        AnyReceiver::Rdma(s)
     }
 }

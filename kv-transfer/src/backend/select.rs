@@ -95,14 +95,14 @@ pub struct BackendCaps {
 }
 
 impl BackendCaps {
-    /// Backends compiled into this build: local, shm (unix), tcp, and nccl with the `nccl`
-    /// feature. rdma is not implemented (see the crate README).
+    /// Backends compiled into this build: local, shm (unix), tcp, nccl with the `nccl`
+    /// feature and rdma with the `rdma` feature.
     pub fn compiled() -> Self {
         BackendCaps {
             local: true,
             shm: cfg!(unix),
             nccl: cfg!(feature = "nccl"),
-            rdma: false,
+            rdma: cfg!(feature = "rdma"),
             tcp: true,
         }
     }

@@ -51,6 +51,26 @@ pub(crate) struct TcpTransport {
     t: Timeouts,
 }
 
+impl TcpTransport {
+    /// Resolves when the peer closed the connection (EOF or an error), never because data
+    /// arrived: lets a transport that moves payload elsewhere (rdma) notice a vanished peer.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) async fn closed(&self) {
+        let mut one = [0u8; 1];
+        match self.stream.peek(&mut one).await {
+            Ok(0) | Err(_) => {}
+            Ok(_) => std::future::pending().await,
+        }
+    }
+
+    /// Resolves when the peer sent something (a reply) or closed the connection.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) async fn replied(&self) {
+        let mut one = [0u8; 1];
+        let _ = self.stream.peek(&mut one).await;
+    }
+}
+
 fn part<'a, R: AsRef<[u8]>>(
     i: usize,
     header: &'a [u8],

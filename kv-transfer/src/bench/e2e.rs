@@ -33,6 +33,9 @@ pub struct E2eOptions {
     pub checksum: bool,
     /// Encoding of the layers on the wire.
     pub compression: Compression,
+    /// shm: use the ring even where pull mode works.
+    #[serde(default)]
+    pub shm_ring: bool,
 }
 
 impl Default for E2eOptions {
@@ -44,6 +47,7 @@ impl Default for E2eOptions {
             runs: 5,
             checksum: true,
             compression: Compression::None,
+            shm_ring: false,
         }
     }
 }
@@ -73,6 +77,8 @@ pub struct E2eReport {
     pub tail_us_max: f64,
     /// For comparison: the whole transfer sent back to back (no pipelining), median, µs.
     pub whole_transfer_us_median: f64,
+    /// shm: how the connection moved payload (`pull` or `ring`).
+    pub shm_mode: Option<String>,
 }
 
 fn model_layout() -> Result<KvLayout> {
@@ -104,7 +110,9 @@ pub async fn end_to_end(opts: E2eOptions) -> Result<E2eReport> {
     }
     let ids: Vec<u32> = (0..blocks).collect();
     sink.reserve(0, &ids).map_err(Error::Sink)?;
-    let (mut senders, receiver) = harness::connect_pairs(opts.backend, &cfg, vec![sink]).await?;
+    let (mut senders, receiver) =
+        harness::connect_pairs(opts.backend, &cfg, vec![sink], opts.shm_ring).await?;
+    let shm_mode = harness::shm_mode(&senders);
     let Some(mut tx) = senders.pop() else {
         return Err(Error::Internal("no bench pair".into()));
     };
@@ -165,5 +173,6 @@ pub async fn end_to_end(opts: E2eOptions) -> Result<E2eReport> {
         tail_us_min: percentile(&tails, 0.0),
         tail_us_max: percentile(&tails, 1.0),
         whole_transfer_us_median: percentile(&whole, 0.5),
+        shm_mode,
     })
 }

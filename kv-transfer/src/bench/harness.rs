@@ -57,6 +57,8 @@ impl ReceiverSide {
 
 enum Accept {
     Tcp(std::net::TcpListener),
+    #[cfg(feature = "rdma")]
+    Rdma(std::net::TcpListener),
     Shm(std::path::PathBuf, ShmOptions),
     Local(Vec<local::LocalReceiver>),
 }
@@ -100,6 +102,17 @@ fn spawn_receiver_thread(
                                 receivers.push(AnyReceiver::from(rx.accept().await?));
                             }
                         }
+                        #[cfg(feature = "rdma")]
+                        Accept::Rdma(std_listener) => {
+                            use crate::backend::rdma::{RdmaOptions, RdmaReceiver};
+                            let l = TcpListener::from_std(std_listener)
+                                .map_err(|e| Error::io("adopting the bench listener", e))?;
+                            let rx = RdmaReceiver::new(l, cfg, RdmaOptions::default())?;
+                            let _ = ready.send(Ok(()));
+                            for _ in 0..txs.len() {
+                                receivers.push(AnyReceiver::from(rx.accept().await?));
+                            }
+                        }
                         Accept::Shm(path, opts) => {
                             let rx = ShmReceiver::bind(&path, cfg, opts)?;
                             let _ = ready.send(Ok(()));
@@ -138,15 +151,49 @@ fn spawn_receiver_thread(
 
 /// `sinks.len()` connected pairs of `backend`: senders on the caller's runtime, receivers
 /// on their own thread.
+/// How the shm senders among `senders` move payload (`pull`, `ring`, `mixed`); None when
+/// there are none.
+pub(crate) fn shm_mode(senders: &[AnySender]) -> Option<String> {
+    let mut modes = senders.iter().filter_map(|s| match s {
+        #[cfg(unix)]
+        AnySender::Shm(s) => Some(s.mode()),
+        _ => None,
+    });
+    let first = modes.next()?;
+    Some(if modes.all(|m| m == first) {
+        format!("{first:?}").to_lowercase()
+    } else {
+        "mixed".into()
+    })
+}
+
 pub(crate) async fn connect_pairs(
     backend: BackendKind,
     cfg: &TransferConfig,
     sinks: Vec<MemorySink>,
+    shm_ring: bool,
 ) -> Result<(Vec<AnySender>, ReceiverSide)> {
     let k = sinks.len();
     let mut senders = Vec::with_capacity(k);
     let (ready_tx, ready_rx) = oneshot::channel();
     let results = match backend {
+        #[cfg(feature = "rdma")]
+        BackendKind::Rdma => {
+            use crate::backend::rdma::{RdmaOptions, RdmaSender};
+            let l = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                .map_err(|e| Error::io("binding the bench listener", e))?;
+            let addr = l
+                .local_addr()
+                .map_err(|e| Error::io("reading the listener address", e))?;
+            let results = spawn_receiver_thread(Accept::Rdma(l), cfg.clone(), sinks, ready_tx)?;
+            wait_ready(ready_rx).await?;
+            for _ in 0..k {
+                let tx = RdmaSender::connect(addr, cfg, &RdmaOptions::default()).await?;
+                senders.push(AnySender::from(tx));
+            }
+            results
+        }
         BackendKind::Tcp => {
             let l = std::net::TcpListener::bind("127.0.0.1:0")
                 .and_then(|l| l.set_nonblocking(true).map(|()| l))
@@ -162,7 +209,10 @@ pub(crate) async fn connect_pairs(
             results
         }
         BackendKind::Shm => {
-            let opts = ShmOptions::default();
+            let opts = ShmOptions {
+                pull: !shm_ring,
+                ..ShmOptions::default()
+            };
             let dir = opts.dir.clone();
             let path = std::env::temp_dir().join(format!(
                 "duet-kv-bench-{}-{}.sock",
@@ -196,7 +246,7 @@ pub(crate) async fn connect_pairs(
         other => {
             return Err(Error::BackendUnavailable {
                 backend: other.as_str(),
-                reason: "the benchmark drives tcp, shm and local".into(),
+                reason: "the benchmark drives tcp, shm, local and (feature rdma) rdma".into(),
             })
         }
     };

@@ -52,6 +52,9 @@ pub struct BenchOptions {
     pub reference: bool,
     /// Encoding of the layers on the wire (default none).
     pub compression: Compression,
+    /// shm: use the ring even where pull mode works (to compare the two).
+    #[serde(default)]
+    pub shm_ring: bool,
 }
 
 impl Default for BenchOptions {
@@ -65,6 +68,7 @@ impl Default for BenchOptions {
             checksum: true,
             reference: true,
             compression: Compression::None,
+            shm_ring: false,
         }
     }
 }
@@ -120,6 +124,8 @@ pub struct BenchReport {
     pub reference_note: Option<String>,
     /// Zero-copy evidence for the local backend.
     pub zero_copy_note: Option<String>,
+    /// shm: how the connections moved payload (`pull`, `ring`, or `mixed`).
+    pub shm_mode: Option<String>,
     /// One entry per payload size.
     pub points: Vec<BenchPoint>,
 }
@@ -183,13 +189,16 @@ pub async fn run(opts: BenchOptions) -> Result<BenchReport> {
             "bench needs streams >= 1, step >= 2 and 0 < min_bytes <= max_bytes".into(),
         ));
     }
-    if !matches!(
-        opts.backend,
-        BackendKind::Tcp | BackendKind::Shm | BackendKind::Local
-    ) {
+    let rdma = cfg!(feature = "rdma") && opts.backend == BackendKind::Rdma;
+    if !(rdma
+        || matches!(
+            opts.backend,
+            BackendKind::Tcp | BackendKind::Shm | BackendKind::Local
+        ))
+    {
         return Err(Error::BackendUnavailable {
             backend: opts.backend.as_str(),
-            reason: "the benchmark drives tcp, shm and local".into(),
+            reason: "the benchmark drives tcp, shm, local and (feature rdma) rdma".into(),
         });
     }
     let mut report = BenchReport {
@@ -198,11 +207,12 @@ pub async fn run(opts: BenchOptions) -> Result<BenchReport> {
         checksum: opts.checksum,
         compression: opts.compression,
         reference_kind: match opts.backend {
-            BackendKind::Tcp => "iperf3".into(),
+            BackendKind::Tcp | BackendKind::Rdma => "iperf3".into(),
             _ => "memcpy".into(),
         },
         reference_note: None,
         zero_copy_note: None,
+        shm_mode: None,
         points: Vec::new(),
     };
     for size in sizes(&opts) {
@@ -237,7 +247,14 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
         sink.reserve(i as u64, &ids).map_err(Error::Sink)?;
         sinks.push(sink);
     }
-    let (senders, receivers) = harness::connect_pairs(opts.backend, &cfg, sinks).await?;
+    let (senders, receivers) =
+        harness::connect_pairs(opts.backend, &cfg, sinks, opts.shm_ring).await?;
+    if let Some(mode) = harness::shm_mode(&senders) {
+        report.shm_mode = match &report.shm_mode {
+            Some(seen) if *seen != mode => Some("mixed".into()),
+            _ => Some(mode),
+        };
+    }
     let sources: Vec<harness::Source> = (0..k)
         .map(|i| harness::Source::new(&layout, i as u64, blocks))
         .collect();
@@ -301,7 +318,7 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
     let throughput = actual as f64 * f64::from(iters) / wall / 1e9;
     let reference = if !opts.reference {
         None
-    } else if opts.backend == BackendKind::Tcp {
+    } else if matches!(opts.backend, BackendKind::Tcp | BackendKind::Rdma) {
         match reference::iperf3(actual, k).await {
             Ok(p) => Some(p),
             Err(note) => {

@@ -13,8 +13,12 @@ pub(crate) const TAG_LAYER: u8 = 0x02;
 pub(crate) const TAG_END: u8 = 0x03;
 pub(crate) const TAG_ABORT: u8 = 0x04;
 pub(crate) const TAG_CHUNK: u8 = 0x05;
+/// shm pull mode: the sender's region list for one layer (see `backend::shm`).
+pub(crate) const TAG_PULL: u8 = 0x06;
 pub(crate) const TAG_VERDICT: u8 = 0x81;
 pub(crate) const TAG_CREDIT: u8 = 0x82;
+/// shm pull mode: the receiver has copied the layer announced by the last PULL.
+pub(crate) const TAG_PULLED: u8 = 0x83;
 
 pub(crate) const FLAG_CRC: u8 = 0x01;
 
@@ -55,8 +59,10 @@ pub(crate) fn tag_name(tag: u8) -> &'static str {
         TAG_END => "END",
         TAG_ABORT => "ABORT",
         TAG_CHUNK => "CHUNK",
+        TAG_PULL => "PULL",
         TAG_VERDICT => "VERDICT",
         TAG_CREDIT => "CREDIT",
+        TAG_PULLED => "PULLED",
         _ => "unknown",
     }
 }

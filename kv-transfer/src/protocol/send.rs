@@ -98,6 +98,11 @@ impl<T: FrameTransport> SenderCore<T> {
         &self.layout
     }
 
+    /// The transport (for backend-specific accessors).
+    pub(crate) fn transport(&self) -> &T {
+        &self.io
+    }
+
     fn poison<V>(&mut self, r: Result<V>) -> Result<V> {
         if r.is_err() {
             self.state = SendState::Broken;
@@ -356,6 +361,11 @@ impl<T: FrameTransport> ReceiverCore<T> {
 
     pub(crate) fn layout(&self) -> &KvLayout {
         &self.layout
+    }
+
+    /// The transport (for backend-specific accessors).
+    pub(crate) fn transport(&self) -> &T {
+        &self.io
     }
 
     pub(crate) async fn receive<S: KvSink + Send>(

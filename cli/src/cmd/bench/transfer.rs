@@ -29,6 +29,10 @@ pub struct TransferBenchArgs {
     /// Encoding of the KV on the wire (tcp, shm); GB/s count the KV as stored.
     #[arg(long, value_enum, default_value = "none")]
     pub compression: CompressionArg,
+    /// shm: move payload through the shared ring even where pull mode (one copy with
+    /// process_vm_readv) works, to compare the two.
+    #[arg(long)]
+    pub shm_ring: bool,
     /// Print JSON (and write it here when a path is given).
     #[arg(long)]
     pub json: bool,
@@ -53,12 +57,14 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
         streams: a.streams,
         checksum: !a.no_checksum,
         compression: a.compression.into(),
+        shm_ring: a.shm_ring,
         ..Default::default()
     }))?;
     let end_to_end = rt.block_on(bench::end_to_end(E2eOptions {
         backend: a.backend,
         checksum: !a.no_checksum,
         compression: a.compression.into(),
+        shm_ring: a.shm_ring,
         ..Default::default()
     }))?;
     let report = Report { sizes, end_to_end };
@@ -67,8 +73,15 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
     } else {
         let s = &report.sizes;
         println!(
-            "backend {:?}, {} stream(s), checksum {}, compression {}, reference {}",
-            s.backend, s.streams, s.checksum, s.compression, s.reference_kind
+            "backend {:?}{}, {} stream(s), checksum {}, compression {}, reference {}",
+            s.backend,
+            s.shm_mode
+                .as_ref()
+                .map_or(String::new(), |m| format!(" ({m} mode)")),
+            s.streams,
+            s.checksum,
+            s.compression,
+            s.reference_kind
         );
         println!(
             "{:>12} {:>10} {:>12} {:>12} {:>8}",

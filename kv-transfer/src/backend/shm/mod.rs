@@ -1,20 +1,37 @@
 //! Same-host backend: the frame protocol runs over a unix socket (the doorbell), while layer
-//! payload goes through a shared-memory ring of `slots` slots of `slot_bytes` each.
+//! payload moves in one of two ways ([`ShmMode`]):
+//!
+//! - **pull** (preferred): the sender names its regions' addresses in a PULL frame and the
+//!   receiver copies them straight into the reserved blocks with `process_vm_readv(2)`, one
+//!   copy per byte (the `pull` module);
+//! - **ring** (fallback, e.g. different users or ptrace forbidden): a shared-memory ring of
+//!   `slots` slots of `slot_bytes` each, copied in by the sender and out by the receiver.
 //!
 //! After the usual handshake, the receiver creates the ring file (random name, mode 0600,
-//! see the `mapping` module) and sends `SETUP` (80 bytes: slots u32, reserved u32, slot_bytes u64,
-//! name_len u8, name [u8; 63]); the sender maps it and answers `READY` (8 bytes: status u8,
-//! reserved [u8; 7]); the receiver then unlinks the file. Per layer the sender writes the
-//! LAYER header on the socket, copies the regions into slots (round robin) and rings a CHUNK
-//! doorbell per filled slot; the receiver copies each chunk straight into the sink regions
-//! and returns the slot with a CREDIT.
+//! see the `mapping` module) and sends `SETUP` (80 bytes: slots u32, reserved u32, slot_bytes
+//! u64, name_len u8, name [u8; 62], pull offered u8); the sender maps it and answers `READY`
+//! (8 bytes: status u8, pull accepted u8, reserved [u8; 6]). When both offered pull, the
+//! sender sends `OFFER` (32 bytes: address and length of a random nonce, the nonce) and the
+//! receiver answers `MODE` (8 bytes: 1 pull when it could read that nonce from the sender's
+//! pid, as the kernel reports it for the socket, else 0 ring). The receiver then unlinks the
+//! file. Older peers ignore the offer bytes (senders never checked SETUP's name tail,
+//! receivers never checked READY's reserved bytes), so mixed versions fall back to the ring.
+//!
+//! Ring: per layer the sender writes the LAYER header on the socket, copies the regions into
+//! slots (round robin) and rings a CHUNK doorbell per filled slot; the receiver copies each
+//! chunk straight into the sink regions and returns the slot with a CREDIT.
+//! Pull: per layer LAYER header, PULL (count, then address u64 + length u64 per run of
+//! adjacent regions), the receiver copies and answers PULLED, then the optional trailer.
 //!
 //! Invariants: a slot is written by the sender only between receiving its CREDIT (or
 //! initially) and ringing its CHUNK, and read by the receiver only between that CHUNK and
 //! its CREDIT; chunks never span two layers; CHUNK slot numbers and lengths are validated
-//! before any access; every socket wait is bounded by a timeout.
+//! before any access; a PULL must cover exactly the layer payload; a sender's `send_layer`
+//! returns only after PULLED, so its regions outlive the copy; every socket wait is bounded
+//! by a timeout.
 
 pub(crate) mod mapping;
+mod pull;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -27,7 +44,9 @@ use crate::config::{Timeouts, TransferConfig};
 use crate::error::{Error, Result};
 use crate::handshake;
 use crate::layout::{KvLayout, TransferDesc};
-use crate::protocol::frame::{FrameHeader, Verdict, TAG_CHUNK, TAG_CREDIT, VERDICT_FIXED_LEN};
+use crate::protocol::frame::{
+    FrameHeader, Verdict, TAG_CHUNK, TAG_CREDIT, TAG_PULL, TAG_PULLED, VERDICT_FIXED_LEN,
+};
 use crate::protocol::send::{ReceiverCore, SenderCore};
 use crate::protocol::transport::FrameTransport;
 use crate::protocol::{HEADER_LEN, IDLE, MAX_REASON_LEN};
@@ -35,6 +54,8 @@ use crate::sink::KvSink;
 use mapping::ShmMapping;
 
 const SETUP_LEN: usize = 80;
+/// SETUP byte saying the receiver offers pull mode (after the longest name).
+const SETUP_PULL_AT: usize = SETUP_LEN - 1;
 const READY_LEN: usize = 8;
 /// Largest slot count a receiver may ask for.
 pub const MAX_SLOTS: u32 = 64;
@@ -50,6 +71,18 @@ pub struct ShmOptions {
     pub slots: u32,
     /// Bytes per slot.
     pub slot_bytes: usize,
+    /// Offer pull mode (one copy through `process_vm_readv`); the ring is used when this is
+    /// false or the sender's memory cannot be read.
+    pub pull: bool,
+}
+
+/// How a connection moves layer payload (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShmMode {
+    /// Through the shared ring: copied in by the sender, out by the receiver.
+    Ring,
+    /// Copied once by the receiver from the sender's memory.
+    Pull,
 }
 
 impl Default for ShmOptions {
@@ -63,6 +96,7 @@ impl Default for ShmOptions {
             },
             slots: 8,
             slot_bytes: 1 << 20,
+            pull: true,
         }
     }
 }
@@ -117,10 +151,24 @@ pub(crate) struct ShmTransport {
     // Sender side: slot sequence numbers filled / credited.
     tx_seq: u64,
     tx_credited: u64,
+    mode: ShmMode,
+    // Pull mode, receiver side: the peer's pid, the current PULL and what is left of the
+    // layer payload; both sides: the reused PULL frame buffer.
+    peer_pid: i32,
+    cursor: pull::Cursor,
+    layer_left: u64,
+    pull_buf: Vec<u8>,
 }
 
 impl ShmTransport {
-    fn new(sock: UnixStream, t: Timeouts, map: ShmMapping, opts: &ShmOptions) -> Self {
+    fn new(
+        sock: UnixStream,
+        t: Timeouts,
+        map: ShmMapping,
+        opts: &ShmOptions,
+        mode: ShmMode,
+        peer_pid: i32,
+    ) -> Self {
         ShmTransport {
             sock,
             t,
@@ -133,6 +181,11 @@ impl ShmTransport {
             rx_seq: 0,
             tx_seq: 0,
             tx_credited: 0,
+            mode,
+            peer_pid,
+            cursor: pull::Cursor::default(),
+            layer_left: 0,
+            pull_buf: Vec::new(),
         }
     }
 
@@ -210,6 +263,74 @@ impl ShmTransport {
         self.tx_seq += 1;
         Ok(())
     }
+
+    /// Receiver, pull mode: fills `bufs` from the sender's regions, reading the layer's PULL
+    /// first when none is loaded, and answers PULLED once the layer payload is complete.
+    async fn pull_payload(&mut self, bufs: &mut [&mut [u8]]) -> Result<()> {
+        let want: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        if want == 0 {
+            return Ok(());
+        }
+        if want > self.layer_left {
+            return Err(Error::malformed("LAYER", "payload longer than announced"));
+        }
+        if !self.cursor.loaded {
+            let mut hdr = [0u8; HEADER_LEN];
+            self.sock_read(&mut hdr, "waiting for a PULL").await?;
+            let h = FrameHeader::decode(&hdr)?;
+            if h.tag != TAG_PULL || h.crc() {
+                return Err(Error::UnexpectedFrame {
+                    expected: "PULL",
+                    tag: h.tag,
+                });
+            }
+            let n = pull::check_header(h.arg, h.len, self.layer_left)?;
+            let mut body = std::mem::take(&mut self.pull_buf);
+            body.resize(n, 0);
+            let read = self.sock_read(&mut body, "reading a PULL").await;
+            let parsed = read.and_then(|()| {
+                pull::decode_regions(&body, self.layer_left, &mut self.cursor.regions)
+            });
+            self.pull_buf = body;
+            parsed?;
+            self.cursor.load();
+        }
+        pull::copy_into(self.peer_pid, &mut self.cursor, bufs)?;
+        self.layer_left -= want;
+        if self.layer_left == 0 {
+            let done = FrameHeader::new(TAG_PULLED, false, 0, 0).encode();
+            self.sock_write(&done, "answering PULLED").await?;
+        }
+        Ok(())
+    }
+
+    /// Sender, pull mode: names the regions, then waits until the receiver has copied them.
+    async fn pull_layer<R: AsRef<[u8]>>(&mut self, k: &[R], v: &[R]) -> Result<()> {
+        let mut frame = std::mem::take(&mut self.pull_buf);
+        frame.clear();
+        frame.resize(HEADER_LEN, 0);
+        let runs = pull::encode_regions(k.iter().chain(v).map(|r| r.as_ref()), &mut frame);
+        let h = FrameHeader::new(TAG_PULL, false, runs, (frame.len() - HEADER_LEN) as u64);
+        frame[..HEADER_LEN].copy_from_slice(&h.encode());
+        let sent = if runs == 0 {
+            Ok(())
+        } else {
+            self.sock_write(&frame, "sending a PULL").await
+        };
+        self.pull_buf = frame;
+        sent?;
+        if runs == 0 {
+            return Ok(());
+        }
+        let mut hdr = [0u8; HEADER_LEN];
+        self.sock_read(&mut hdr, "waiting for the receiver to pull a layer")
+            .await?;
+        let h = FrameHeader::decode(&hdr)?;
+        if h.tag == TAG_PULLED && h.len == 0 && h.arg == 0 && !h.crc() {
+            return Ok(());
+        }
+        Err(self.verdict_error(&hdr).await)
+    }
 }
 
 impl FrameTransport for ShmTransport {
@@ -222,6 +343,12 @@ impl FrameTransport for ShmTransport {
     }
 
     async fn read_ctl(&mut self, buf: &mut [u8], during: &'static str) -> Result<()> {
+        if self.cursor.loaded {
+            return Err(Error::malformed(
+                "PULL",
+                "regions extend past the layer payload",
+            ));
+        }
         if self.rx_rem != 0 {
             return Err(Error::malformed(
                 "CHUNK",
@@ -231,7 +358,25 @@ impl FrameTransport for ShmTransport {
         self.sock_read(buf, during).await
     }
 
+    async fn begin_payload(&mut self, len: u64) -> Result<()> {
+        self.layer_left = len;
+        Ok(())
+    }
+
+    async fn read_payload_vectored(&mut self, bufs: &mut [&mut [u8]]) -> Result<()> {
+        if self.mode == ShmMode::Pull {
+            return self.pull_payload(bufs).await;
+        }
+        for b in bufs.iter_mut() {
+            self.read_payload(b).await?;
+        }
+        Ok(())
+    }
+
     async fn read_payload(&mut self, dst: &mut [u8]) -> Result<()> {
+        if self.mode == ShmMode::Pull {
+            return self.pull_payload(&mut [dst]).await;
+        }
         let mut filled = 0;
         while filled < dst.len() {
             if self.rx_rem == 0 {
@@ -286,6 +431,13 @@ impl FrameTransport for ShmTransport {
         trailer: Option<[u8; 4]>,
     ) -> Result<()> {
         self.sock_write(header, "sending a layer header").await?;
+        if self.mode == ShmMode::Pull {
+            self.pull_layer(k, v).await?;
+            if let Some(t) = trailer {
+                self.sock_write(&t, "sending a crc32c trailer").await?;
+            }
+            return Ok(());
+        }
         let mut fill = 0usize;
         for region in k.iter().chain(v) {
             let mut src = region.as_ref();
@@ -385,27 +537,44 @@ impl ShmReceiver {
         setup[8..16].copy_from_slice(&(self.opts.slot_bytes as u64).to_le_bytes());
         setup[16] = name.len() as u8;
         setup[17..17 + name.len()].copy_from_slice(name.as_bytes());
+        setup[SETUP_PULL_AT] = u8::from(self.opts.pull);
         bounded(t.handshake, "sending shm setup", sock.write_all(&setup)).await?;
-        let mut ready = [0u8; READY_LEN];
-        let r = bounded(
-            t.handshake,
-            "waiting for shm ready",
-            sock.read_exact(&mut ready),
-        )
-        .await;
+        let r = negotiate(&mut sock, t.handshake, self.opts.pull).await;
         map.unlink();
-        r?;
-        if ready[0] != 0 {
-            return Err(Error::BackendUnavailable {
-                backend: "shm",
-                reason: "the sender could not map the shared ring".into(),
-            });
-        }
-        let io = ShmTransport::new(sock, t, map, &self.opts);
+        let (mode, pid) = r?;
+        let io = ShmTransport::new(sock, t, map, &self.opts, mode, pid);
         Ok(ShmInbound {
             core: ReceiverCore::new(io, self.cfg.layout, self.cfg.checksum),
         })
     }
+}
+
+/// Receiver: reads READY and, when both sides offered pull, probes the sender's memory and
+/// answers MODE. Returns the mode and the sender's pid.
+async fn negotiate(sock: &mut UnixStream, t: Duration, offered: bool) -> Result<(ShmMode, i32)> {
+    let mut ready = [0u8; READY_LEN];
+    bounded(t, "waiting for shm ready", sock.read_exact(&mut ready)).await?;
+    if ready[0] != 0 {
+        return Err(Error::BackendUnavailable {
+            backend: "shm",
+            reason: "the sender could not map the shared ring".into(),
+        });
+    }
+    if !(offered && ready[1] == 1) {
+        return Ok((ShmMode::Ring, 0));
+    }
+    let mut offer = [0u8; pull::OFFER_LEN];
+    bounded(t, "reading the pull offer", sock.read_exact(&mut offer)).await?;
+    let pid = sock.peer_cred().ok().and_then(|c| c.pid()).unwrap_or(0);
+    let ok = pid > 0 && pull::probe(pid, &offer);
+    let mut mode = [0u8; pull::MODE_LEN];
+    mode[0] = u8::from(ok);
+    bounded(t, "sending the shm mode", sock.write_all(&mode)).await?;
+    Ok(if ok {
+        (ShmMode::Pull, pid)
+    } else {
+        (ShmMode::Ring, 0)
+    })
 }
 
 impl Drop for ShmReceiver {
@@ -424,6 +593,11 @@ impl ShmInbound {
     /// The (shared) layout.
     pub fn layout(&self) -> &KvLayout {
         self.core.layout()
+    }
+
+    /// How this connection moves layer payload.
+    pub fn mode(&self) -> ShmMode {
+        self.core.transport().mode
     }
 }
 
@@ -456,12 +630,33 @@ impl ShmSender {
             let map = ShmMapping::open(dir, &name, opts.ring_len()?)?;
             Ok((opts, map))
         });
-        let status = [u8::from(opened.is_err()), 0, 0, 0, 0, 0, 0, 0];
+        let pull = opened.as_ref().is_ok_and(|(opts, _)| opts.pull);
+        let status = [u8::from(opened.is_err()), u8::from(pull), 0, 0, 0, 0, 0, 0];
         bounded(t.handshake, "sending shm ready", sock.write_all(&status)).await?;
         let (opts, map) = opened?;
+        let mut mode = ShmMode::Ring;
+        if pull {
+            // The nonce must stay alive until the receiver has probed it (MODE).
+            let probe = pull::Probe::new();
+            let offer = probe.offer();
+            bounded(
+                t.handshake,
+                "sending the pull offer",
+                sock.write_all(&offer),
+            )
+            .await?;
+            let mut m = [0u8; pull::MODE_LEN];
+            bounded(t.handshake, "reading the shm mode", sock.read_exact(&mut m)).await?;
+            drop(probe);
+            mode = match m {
+                [0, 0, 0, 0, 0, 0, 0, 0] => ShmMode::Ring,
+                [1, 0, 0, 0, 0, 0, 0, 0] => ShmMode::Pull,
+                _ => return Err(Error::malformed("shm mode", "unknown mode")),
+            };
+        }
         Ok(ShmSender {
             core: SenderCore::new(
-                ShmTransport::new(sock, t, map, &opts),
+                ShmTransport::new(sock, t, map, &opts, mode, 0),
                 cfg.layout,
                 cfg.checksum,
             )
@@ -473,6 +668,11 @@ impl ShmSender {
     pub fn layout(&self) -> &KvLayout {
         self.core.layout()
     }
+
+    /// How this connection moves layer payload.
+    pub fn mode(&self) -> ShmMode {
+        self.core.transport().mode
+    }
 }
 
 fn parse_setup(b: &[u8; SETUP_LEN], dir: &Path) -> Result<(ShmOptions, String)> {
@@ -482,7 +682,7 @@ fn parse_setup(b: &[u8; SETUP_LEN], dir: &Path) -> Result<(ShmOptions, String)> 
     let slot_bytes = usize::try_from(u64::from_le_bytes(sb))
         .map_err(|_| Error::malformed("shm setup", "slot size"))?;
     let name_len = usize::from(b[16]);
-    if b[4..8].iter().any(|&x| x != 0) || name_len > SETUP_LEN - 17 {
+    if b[4..8].iter().any(|&x| x != 0) || 17 + name_len > SETUP_PULL_AT || b[SETUP_PULL_AT] > 1 {
         return Err(Error::malformed(
             "shm setup",
             "reserved bytes or name length",
@@ -495,6 +695,7 @@ fn parse_setup(b: &[u8; SETUP_LEN], dir: &Path) -> Result<(ShmOptions, String)> 
         dir: dir.to_path_buf(),
         slots,
         slot_bytes,
+        pull: b[SETUP_PULL_AT] == 1,
     };
     opts.validate()
         .map_err(|_| Error::malformed("shm setup", "slot count or size out of range"))?;

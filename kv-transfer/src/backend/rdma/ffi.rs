@@ -1,0 +1,443 @@
+//! Bindings to `shim.c` and [`Ucx`], the safe owner of one UCX context, worker and (sender
+//! side) endpoint.
+//!
+//! Invariants that make the `unsafe` sound:
+//! - a posted operation's buffer and its completion record ([`Op`]) stay borrowed / in place
+//!   until UCX reports it complete: [`Posted`] holds both, and its `Drop` cancels receives
+//!   (and force-closes the endpoint for sends) and then progresses the worker until every
+//!   operation has completed, so a dropped future never leaves UCX writing into, or reading
+//!   from, memory that was handed back;
+//! - the worker is used in `UCS_THREAD_MODE_SERIALIZED`: every call goes through `&mut Ucx`,
+//!   so calls never overlap even though the owner may move between threads;
+//! - the worker's event fd is deregistered from tokio before the worker is destroyed.
+//!
+//! This module, `backend::nccl` and `backend::shm::mapping` are the crate's only `unsafe` code.
+#![allow(unsafe_code)]
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::marker::PhantomData;
+use std::os::fd::{AsRawFd, RawFd};
+use std::ptr::{self, NonNull};
+use std::time::{Duration, Instant};
+
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+
+use crate::error::{Error, Result};
+
+/// Opaque `duet_ucx_t`.
+#[repr(C)]
+struct Handle {
+    _private: [u8; 0],
+}
+
+/// `duet_ucx_op_t`: written by the shim's completion callbacks.
+#[repr(C)]
+#[derive(Debug, Default)]
+struct Op {
+    done: c_int,
+    status: c_int,
+    length: u64,
+}
+
+extern "C" {
+    fn duet_ucx_status_string(status: c_int) -> *const c_char;
+    fn duet_ucx_open(
+        tls: *const c_char,
+        out: *mut *mut Handle,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn duet_ucx_close(h: *mut Handle);
+    fn duet_ucx_ep_close(h: *mut Handle);
+    fn duet_ucx_address(h: *mut Handle, addr: *mut *mut c_void, len: *mut usize) -> c_int;
+    fn duet_ucx_address_free(h: *mut Handle, addr: *mut c_void);
+    fn duet_ucx_connect(h: *mut Handle, addr: *const c_void) -> c_int;
+    fn duet_ucx_ep_failed(h: *const Handle) -> c_int;
+    fn duet_ucx_efd(h: *mut Handle, fd: *mut c_int) -> c_int;
+    fn duet_ucx_progress(h: *mut Handle) -> c_uint;
+    fn duet_ucx_arm(h: *mut Handle) -> c_int;
+    fn duet_ucx_send(
+        h: *mut Handle,
+        tag: u64,
+        buf: *const c_void,
+        len: usize,
+        op: *mut Op,
+        req: *mut *mut c_void,
+    ) -> c_int;
+    fn duet_ucx_recv(
+        h: *mut Handle,
+        tag: u64,
+        buf: *mut c_void,
+        len: usize,
+        op: *mut Op,
+        req: *mut *mut c_void,
+    ) -> c_int;
+    fn duet_ucx_cancel(h: *mut Handle, req: *mut c_void);
+    fn duet_ucx_free(req: *mut c_void);
+}
+
+/// Most operations in flight per wait: bounds the requests and completion records a layer
+/// holds at once (a layer of a long prompt has hundreds of regions).
+const WINDOW: usize = 64;
+
+/// UCX's name for a status code.
+fn status_name(status: c_int) -> String {
+    // SAFETY: `ucs_status_string` returns a pointer to a static NUL-terminated string for
+    // every value (unknown ones included).
+    let p = unsafe { duet_ucx_status_string(status) };
+    if p.is_null() {
+        return format!("status {status}");
+    }
+    // SAFETY: non-null, static and NUL-terminated (see above).
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+fn unavailable(reason: String) -> Error {
+    Error::BackendUnavailable {
+        backend: "rdma",
+        reason,
+    }
+}
+
+fn ucx_error(during: &'static str, status: c_int) -> Error {
+    Error::io(
+        during,
+        std::io::Error::other(format!("UCX: {}", status_name(status))),
+    )
+}
+
+/// The worker's event fd, owned by UCX (never closed here).
+#[derive(Debug)]
+struct EventFd(RawFd);
+
+impl AsRawFd for EventFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+/// One UCX context + worker (+ endpoint once connected).
+#[derive(Debug)]
+pub(crate) struct Ucx {
+    h: NonNull<Handle>,
+    efd: Option<AsyncFd<EventFd>>,
+    connected: bool,
+    broken: bool,
+}
+
+// SAFETY: the worker runs in UCS_THREAD_MODE_SERIALIZED, which allows calls from any thread
+// as long as they do not overlap; every call goes through `&mut Ucx` (or `Drop`), so they
+// cannot.
+unsafe impl Send for Ucx {}
+
+impl Ucx {
+    /// Creates a context and worker restricted to the UCX transports `tls` (UCX_TLS syntax,
+    /// e.g. `tcp`, `shm`, `rc,ud`; empty = UCX's own choice).
+    pub(crate) fn open(tls: &str) -> Result<Ucx> {
+        let tls =
+            CString::new(tls).map_err(|_| Error::InvalidArgument("UCX_TLS has a NUL".into()))?;
+        let mut h: *mut Handle = ptr::null_mut();
+        let mut err = [0 as c_char; 256];
+        // SAFETY: `tls` is NUL-terminated, `h` and `err` are valid for writes of their sizes.
+        let rc = unsafe { duet_ucx_open(tls.as_ptr(), &mut h, err.as_mut_ptr(), err.len()) };
+        let Some(h) = NonNull::new(h).filter(|_| rc == 0) else {
+            // SAFETY: the shim NUL-terminates what it writes (snprintf) and `err` starts zeroed.
+            let msg = unsafe { CStr::from_ptr(err.as_ptr()) }
+                .to_string_lossy()
+                .into_owned();
+            return Err(unavailable(format!("UCX could not start: {msg}")));
+        };
+        let mut ucx = Ucx {
+            h,
+            efd: None,
+            connected: false,
+            broken: false,
+        };
+        let mut fd: c_int = -1;
+        // SAFETY: the handle is live; `fd` is valid for a write.
+        let rc = unsafe { duet_ucx_efd(ucx.h.as_ptr(), &mut fd) };
+        if rc != 0 {
+            return Err(unavailable(format!(
+                "UCX worker has no event fd: {}",
+                status_name(rc)
+            )));
+        }
+        // SAFETY: `fd` is the worker's open event fd; the worker (and so the fd) outlives the
+        // `AsyncFd`, which `Drop for Ucx` releases before closing the worker.
+        let efd = unsafe { AsyncFd::register_with_interest(EventFd(fd), Interest::READABLE) }
+            .map_err(|e| {
+                Error::io(
+                    "registering the UCX event fd",
+                    std::io::Error::other(e.to_string()),
+                )
+            })?;
+        ucx.efd = Some(efd);
+        Ok(ucx)
+    }
+
+    /// This worker's address, for the peer's [`Ucx::connect`].
+    pub(crate) fn address(&mut self) -> Result<Vec<u8>> {
+        let mut p: *mut c_void = ptr::null_mut();
+        let mut len: usize = 0;
+        // SAFETY: the handle is live; `p` and `len` are valid for writes.
+        let rc = unsafe { duet_ucx_address(self.h.as_ptr(), &mut p, &mut len) };
+        if rc != 0 || p.is_null() {
+            return Err(unavailable(format!(
+                "reading the UCX worker address: {}",
+                status_name(rc)
+            )));
+        }
+        // SAFETY: UCX returned `len` readable bytes at `p`, released right after the copy.
+        let bytes = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) }.to_vec();
+        // SAFETY: `p` came from `duet_ucx_address` on this handle and is released once.
+        unsafe { duet_ucx_address_free(self.h.as_ptr(), p) };
+        Ok(bytes)
+    }
+
+    /// Creates the endpoint to a peer worker address (sender side).
+    pub(crate) fn connect(&mut self, addr: &[u8]) -> Result<()> {
+        // SAFETY: the handle is live and `addr` is a readable worker address blob; UCX copies
+        // what it needs during the call.
+        let rc = unsafe { duet_ucx_connect(self.h.as_ptr(), addr.as_ptr().cast()) };
+        if rc != 0 {
+            return Err(unavailable(format!(
+                "connecting to the peer's UCX worker: {}",
+                status_name(rc)
+            )));
+        }
+        self.connected = true;
+        Ok(())
+    }
+
+    fn progress(&mut self) {
+        // SAFETY: the handle is live; calls are serialised by `&mut self`.
+        while unsafe { duet_ucx_progress(self.h.as_ptr()) } > 0 {}
+    }
+
+    /// Sends each buffer as one tag message, tags `first_tag..`, and waits for all of them.
+    pub(crate) async fn send_all(
+        &mut self,
+        first_tag: u64,
+        bufs: &[&[u8]],
+        timeout: Duration,
+    ) -> Result<()> {
+        for (w, chunk) in bufs.chunks(WINDOW).enumerate() {
+            let mut posted = Posted::new(self, chunk.len(), Kind::Send);
+            for (i, b) in chunk.iter().enumerate() {
+                let tag = first_tag + (w * WINDOW + i) as u64;
+                posted.post(tag, b.as_ptr().cast_mut(), b.len())?;
+            }
+            posted.wait(timeout, "sending KV over UCX").await?;
+        }
+        Ok(())
+    }
+
+    /// Receives one tag message into each buffer (tags `first_tag..`); every message must fill
+    /// its buffer exactly.
+    pub(crate) async fn recv_all(
+        &mut self,
+        first_tag: u64,
+        bufs: &mut [&mut [u8]],
+        timeout: Duration,
+    ) -> Result<()> {
+        for (w, chunk) in bufs.chunks_mut(WINDOW).enumerate() {
+            let mut posted = Posted::new(self, chunk.len(), Kind::Recv);
+            for (i, b) in chunk.iter_mut().enumerate() {
+                let tag = first_tag + (w * WINDOW + i) as u64;
+                posted.post(tag, b.as_mut_ptr(), b.len())?;
+            }
+            posted.wait(timeout, "receiving KV over UCX").await?;
+            for (op, b) in posted.ops.iter().zip(chunk.iter()) {
+                if op.length != b.len() as u64 {
+                    return Err(Error::Oversized {
+                        what: "UCX message",
+                        len: op.length,
+                        limit: b.len() as u64,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Ucx {
+    fn drop(&mut self) {
+        // Deregister the event fd before the worker that owns it goes away.
+        self.efd = None;
+        // SAFETY: the handle is live and closed exactly once; nothing is posted (every
+        // `Posted` borrowed `self` mutably and completed its operations in its own drop).
+        unsafe { duet_ucx_close(self.h.as_ptr()) };
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Send,
+    Recv,
+}
+
+/// A UCX request handle (null when the operation completed at once).
+#[derive(Debug, Clone, Copy)]
+struct Req(*mut c_void);
+
+// SAFETY: a request handle is only used through its `Posted`, which is reached through
+// `&mut` (serialised, see `Ucx`), so moving it to another thread with its owner is sound.
+unsafe impl Send for Req {}
+
+/// Operations in flight. The buffers they use are borrowed for `'b` by the caller of
+/// `send_all` / `recv_all`, which cannot return (or be dropped) before this value is.
+struct Posted<'u, 'b> {
+    ucx: &'u mut Ucx,
+    kind: Kind,
+    /// Completion records; boxed so their addresses never move while UCX may write them.
+    ops: Box<[Op]>,
+    reqs: Vec<Req>,
+    _bufs: PhantomData<&'b mut [u8]>,
+}
+
+impl<'u> Posted<'u, '_> {
+    fn new(ucx: &'u mut Ucx, n: usize, kind: Kind) -> Self {
+        Posted {
+            ucx,
+            kind,
+            ops: (0..n).map(|_| Op::default()).collect(),
+            reqs: Vec::with_capacity(n),
+            _bufs: PhantomData,
+        }
+    }
+
+    fn post(&mut self, tag: u64, buf: *mut u8, len: usize) -> Result<()> {
+        if self.ucx.broken {
+            return Err(Error::Broken);
+        }
+        let i = self.reqs.len();
+        let op: *mut Op = &mut self.ops[i];
+        let mut req: *mut c_void = ptr::null_mut();
+        let h = self.ucx.h.as_ptr();
+        // SAFETY: the handle is live; `buf` is valid for `len` bytes for `'b` (borrowed by the
+        // caller) and `op` stays in place in `self.ops` until this value is dropped, which
+        // waits for completion first.
+        let rc = unsafe {
+            match self.kind {
+                Kind::Send => duet_ucx_send(h, tag, buf.cast_const().cast(), len, op, &mut req),
+                Kind::Recv => duet_ucx_recv(h, tag, buf.cast(), len, op, &mut req),
+            }
+        };
+        self.reqs.push(Req(req));
+        if rc != 0 {
+            // Never posted: complete its record so that waits and `Drop` do not wait for it.
+            self.ops[i].status = rc;
+            self.ops[i].done = 1;
+            let during = match self.kind {
+                Kind::Send => "posting a UCX send",
+                Kind::Recv => "posting a UCX receive",
+            };
+            return Err(ucx_error(during, rc));
+        }
+        Ok(())
+    }
+
+    fn done(&self, i: usize) -> bool {
+        // SAFETY: `ops[i]` is a live, aligned `Op`; the callback that writes it runs inside
+        // `duet_ucx_progress` on this thread, a volatile read only keeps the compiler from
+        // caching the value across those calls.
+        unsafe { ptr::read_volatile(&self.ops[i].done) != 0 }
+    }
+
+    fn all_done(&self) -> bool {
+        (0..self.reqs.len()).all(|i| self.done(i))
+    }
+
+    fn first_error(&self) -> Option<c_int> {
+        self.ops[..self.reqs.len()]
+            .iter()
+            .map(|op| op.status)
+            .find(|&s| s != 0)
+    }
+
+    async fn wait(&mut self, timeout: Duration, during: &'static str) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.ucx.progress();
+            if self.all_done() {
+                return match self.first_error() {
+                    None => Ok(()),
+                    Some(s) => Err(ucx_error(during, s)),
+                };
+            }
+            // SAFETY: the handle is live.
+            if self.kind == Kind::Send && unsafe { duet_ucx_ep_failed(self.ucx.h.as_ptr()) } != 0 {
+                return Err(Error::PeerClosed { during });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    during,
+                    after: timeout,
+                });
+            }
+            // SAFETY: the handle is live.
+            match unsafe { duet_ucx_arm(self.ucx.h.as_ptr()) } {
+                0 => {
+                    // Armed: sleep until the worker's fd signals (or 1 ms, in case a
+                    // transport delivers without signalling).
+                    let slice = (deadline - now).min(Duration::from_millis(1));
+                    if let Some(efd) = &self.ucx.efd {
+                        if let Ok(Ok(mut g)) = tokio::time::timeout(slice, efd.readable()).await {
+                            g.clear_ready();
+                        }
+                    }
+                }
+                1 => tokio::task::yield_now().await,
+                s => return Err(ucx_error(during, s)),
+            }
+        }
+    }
+}
+
+impl Drop for Posted<'_, '_> {
+    fn drop(&mut self) {
+        let h = self.ucx.h.as_ptr();
+        let pending: Vec<usize> = (0..self.reqs.len())
+            .filter(|&i| !self.reqs[i].0.is_null() && !self.done(i))
+            .collect();
+        if !pending.is_empty() {
+            match self.kind {
+                Kind::Recv => {
+                    for &i in &pending {
+                        // SAFETY: a live request of this worker, not yet freed.
+                        unsafe { duet_ucx_cancel(h, self.reqs[i].0) };
+                    }
+                }
+                Kind::Send => {
+                    // Sends cannot be cancelled: closing the endpoint completes them (with an
+                    // error) and leaves this connection unusable.
+                    self.ucx.broken = true;
+                    // SAFETY: the handle is live; the endpoint is closed once (the shim
+                    // clears it) and its outstanding sends complete during the call.
+                    unsafe { duet_ucx_ep_close(h) };
+                }
+            }
+            let start = Instant::now();
+            while !self.all_done() {
+                self.ucx.progress();
+                if start.elapsed() > Duration::from_secs(10) {
+                    // UCX still owns buffers that are about to be handed back: continuing
+                    // could corrupt memory, so stop the process instead.
+                    tracing::error!("UCX did not complete cancelled operations in 10 s; aborting");
+                    eprintln!("duet-kv-transfer: UCX did not complete cancelled operations in 10 s; aborting");
+                    std::process::abort();
+                }
+                std::thread::yield_now();
+            }
+        }
+        for &Req(r) in &self.reqs {
+            if !r.is_null() {
+                // SAFETY: a request returned by a post on this worker, completed, freed once.
+                unsafe { duet_ucx_free(r) };
+            }
+        }
+    }
+}

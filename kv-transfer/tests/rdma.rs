@@ -1,0 +1,244 @@
+//! RDMA backend (feature `rdma`) through UCX. These machines have no RDMA device, so the
+//! round trips run over UCX's tcp and shared-memory transports, which exercise the same code:
+//! tag messages received straight into the reserved blocks, the control connection beside
+//! them, authentication, rejection and a vanished sender.
+#![cfg(feature = "rdma")]
+
+mod common;
+
+use duet_kv_transfer::backend::rdma::{probe, RdmaOptions, RdmaReceiver, RdmaSender};
+use duet_kv_transfer::protocol::compress::{decode_region, encode_region};
+use duet_kv_transfer::{
+    BackendKind, Compression, Error, ErrorClass, KvKind, KvLayout, KvReceiver, KvSender,
+    MemorySink, SharedSecret, TransferDesc,
+};
+use tokio::net::TcpListener;
+
+fn opts(tls: &str) -> RdmaOptions {
+    RdmaOptions { tls: tls.into() }
+}
+
+/// Finite f32 regions for compressed layers (arbitrary bytes are NaNs the encoder refuses).
+fn regions(
+    layout: &KvLayout,
+    d: &TransferDesc,
+    layer: u32,
+    c: Compression,
+) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let (mut k, mut v) = common::layer_regions(layout, d.request_id, layer, &d.dst_blocks);
+    if c != Compression::None {
+        for r in k.iter_mut().chain(v.iter_mut()) {
+            for w in r.chunks_exact_mut(4) {
+                let x = f32::from(w[0]) / 64.0 - 2.0;
+                w.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+    }
+    (k, v)
+}
+
+fn expected(layout: &KvLayout, c: Compression, src: Vec<u8>) -> Vec<u8> {
+    if c == Compression::None {
+        return src;
+    }
+    let mut enc = Vec::new();
+    encode_region(c, layout, &src, &mut enc).unwrap();
+    let mut out = vec![0u8; src.len()];
+    decode_region(c, layout, &enc, &mut out).unwrap();
+    out
+}
+
+async fn round_trip(tls: &str, c: Compression) {
+    let layout = common::model_layout();
+    let mut cfg = common::config(layout);
+    cfg.compression = c;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let rx = RdmaReceiver::new(listener, cfg.clone(), opts(tls)).unwrap();
+    let addr = rx.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let mut sink = MemorySink::new(layout, 8);
+        sink.reserve(1, &[4, 1, 6]).unwrap();
+        sink.reserve(2, &[0]).unwrap();
+        let mut conn = rx.accept().await.unwrap();
+        let a = conn.receive(&mut sink).await.unwrap();
+        let b = conn.receive(&mut sink).await.unwrap();
+        (sink, [a, b])
+    });
+    let mut tx = RdmaSender::connect(addr, &cfg, &opts(tls)).await.unwrap();
+    let d1 = TransferDesc {
+        request_id: 1,
+        token_start: 0,
+        token_count: 40,
+        dst_blocks: vec![4, 1, 6],
+    };
+    let d2 = TransferDesc {
+        request_id: 2,
+        token_start: 16,
+        token_count: 3,
+        dst_blocks: vec![0],
+    };
+    for d in [&d1, &d2] {
+        tx.begin(d.clone()).await.unwrap();
+        for layer in 0..layout.layers() {
+            let (k, v) = regions(&layout, d, layer, c);
+            tx.send_layer(layer, &k, &v).await.unwrap();
+        }
+        tx.finish().await.unwrap();
+    }
+    let (sink, receipts) = server.await.unwrap();
+    for (r, d) in receipts.iter().zip([&d1, &d2]) {
+        assert_eq!(r.compression, c);
+        assert_eq!(r.wire_bytes, d.wire_bytes(&layout, c));
+        for layer in 0..layout.layers() {
+            let (k, v) = regions(&layout, d, layer, c);
+            for (kind, srcs) in [(KvKind::K, k), (KvKind::V, v)] {
+                for (&b, src) in d.dst_blocks.iter().zip(srcs) {
+                    let got = sink.region(layer, kind, b).unwrap();
+                    assert!(
+                        got == expected(&layout, c, src).as_slice(),
+                        "{tls}: layer {layer} {kind:?} block {b}"
+                    );
+                }
+            }
+        }
+    }
+    for b in [2, 3, 5, 7] {
+        common::assert_untouched(&sink, &layout, b);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_round_trip_over_ucx_tcp() {
+    round_trip("tcp", Compression::None).await;
+    round_trip("tcp", Compression::Int8).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_round_trip_over_ucx_shared_memory() {
+    round_trip("shm", Compression::None).await;
+    round_trip("shm", Compression::F16).await;
+}
+
+#[test]
+fn rdma_is_compiled_in_and_selected_between_rdma_endpoints() {
+    assert!(duet_kv_transfer::BackendCaps::compiled().rdma);
+    let ep = |host: &str| duet_kv_transfer::EndpointInfo {
+        host_id: host.into(),
+        process_id: 1,
+        shm: false,
+        gpu: false,
+        nccl: false,
+        rdma: true,
+        tcp: true,
+    };
+    let kind = duet_kv_transfer::select_backend(
+        &ep("a"),
+        &ep("b"),
+        &duet_kv_transfer::BackendCaps::compiled(),
+    )
+    .unwrap();
+    assert_eq!(kind, BackendKind::Rdma);
+}
+
+#[test]
+fn unknown_ucx_transport_is_a_clear_error() {
+    let e = probe(&opts("no-such-transport")).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::BackendUnavailable {
+                backend: "rdma",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_wrong_secret_unreserved_blocks_and_vanished_sender() {
+    let layout = common::small_layout();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let rx = RdmaReceiver::new(listener, common::config(layout), opts("tcp")).unwrap();
+    let addr = rx.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let first = rx.accept().await.map(|_| ()).unwrap_err();
+        let mut sink = MemorySink::new(layout, 4);
+        sink.reserve(9, &[3]).unwrap();
+        sink.reserve(4, &[1, 2]).unwrap();
+        let mut conn = rx.accept().await.unwrap();
+        let rejected = conn.receive(&mut sink).await.unwrap_err();
+        let handed_out = sink.regions_handed_out;
+        let mut conn = rx.accept().await.unwrap();
+        let vanished = conn.receive(&mut sink).await.unwrap_err();
+        (first, rejected, handed_out, vanished)
+    });
+    let mut bad = common::config(layout);
+    bad.secret = SharedSecret::new([7u8; 20]).unwrap();
+    let e = RdmaSender::connect(addr, &bad, &opts("tcp"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.class(), ErrorClass::Unauthenticated);
+
+    let cfg = common::config(layout);
+    let mut tx = RdmaSender::connect(addr, &cfg, &opts("tcp")).await.unwrap();
+    let d = TransferDesc {
+        request_id: 9,
+        token_start: 0,
+        token_count: 8,
+        dst_blocks: vec![3, 2],
+    };
+    tx.begin(d.clone()).await.unwrap();
+    let mut sent = Ok(());
+    for layer in 0..layout.layers() {
+        let (k, v) = common::layer_regions(&layout, 9, layer, &d.dst_blocks);
+        sent = tx.send_layer(layer, &k, &v).await;
+        if sent.is_err() {
+            break;
+        }
+    }
+    let e = match sent {
+        Err(e) => e,
+        Ok(()) => tx.finish().await.map(|_| ()).unwrap_err(),
+    };
+    assert!(
+        matches!(
+            e,
+            Error::Rejected {
+                class: ErrorClass::NotFound,
+                ..
+            }
+        ),
+        "{e}"
+    );
+
+    let mut tx = RdmaSender::connect(addr, &cfg, &opts("tcp")).await.unwrap();
+    let d = TransferDesc {
+        request_id: 4,
+        token_start: 0,
+        token_count: 5,
+        dst_blocks: vec![1, 2],
+    };
+    tx.begin(d.clone()).await.unwrap();
+    let (k, v) = common::layer_regions(&layout, 4, 0, &d.dst_blocks);
+    tx.send_layer(0, &k, &v).await.unwrap();
+    let t = std::time::Instant::now();
+    drop(tx);
+    let (first, rejected, handed_out, vanished) = server.await.unwrap();
+    assert_eq!(first.class(), ErrorClass::Unauthenticated);
+    assert!(
+        matches!(rejected.root(), Error::BlockNotReserved { block: 2, .. }),
+        "{rejected}"
+    );
+    assert_eq!(handed_out, 0, "a rejected transfer wrote into the sink");
+    assert_eq!(vanished.class(), ErrorClass::Unavailable, "{vanished}");
+    let mut r = vanished.blocks_to_release().to_vec();
+    r.sort_unstable();
+    assert_eq!(r, vec![1, 2]);
+    // Noticed through the control connection, not the 5 s i/o timeout.
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(3),
+        "{:?}",
+        t.elapsed()
+    );
+}
