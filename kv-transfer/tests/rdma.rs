@@ -242,3 +242,54 @@ async fn rdma_wrong_secret_unreserved_blocks_and_vanished_sender() {
         t.elapsed()
     );
 }
+
+/// Regression: a receiver that stopped progressing UCX while it waited on the control
+/// connection deadlocked against a sender waiting for rendezvous acknowledgements still
+/// queued in the receiver's worker (UCX shared memory, a 1024-token prompt's 64 blocks per
+/// layer, a pause between layers as the prefill computes them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_long_prompt_over_ucx_shared_memory_completes() {
+    let layout = common::model_layout();
+    let cfg = common::config(layout);
+    let blocks: Vec<u32> = (0..64).collect();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let rx = RdmaReceiver::new(listener, cfg.clone(), opts("shm")).unwrap();
+    let addr = rx.local_addr().unwrap();
+    let want = blocks.clone();
+    let server = tokio::spawn(async move {
+        let mut sink = MemorySink::new(layout, 64);
+        let mut conn = rx.accept().await.unwrap();
+        for req in 0..3u64 {
+            sink.reserve(req, &want).unwrap();
+            conn.receive(&mut sink).await.unwrap();
+            sink.release(&want);
+        }
+        sink
+    });
+    let mut tx = RdmaSender::connect(addr, &cfg, &opts("shm")).await.unwrap();
+    let region = |req: u64, layer: u32, kind: u8, b: u32| {
+        vec![(req as u8) ^ (layer as u8).wrapping_mul(7) ^ kind ^ (b as u8); layout.region_bytes()]
+    };
+    for req in 0..3u64 {
+        let d = TransferDesc {
+            request_id: req,
+            token_start: 0,
+            token_count: 1024,
+            dst_blocks: blocks.clone(),
+        };
+        tx.begin(d).await.unwrap();
+        for layer in 0..layout.layers() {
+            let k: Vec<Vec<u8>> = blocks.iter().map(|&b| region(req, layer, 1, b)).collect();
+            let v: Vec<Vec<u8>> = blocks.iter().map(|&b| region(req, layer, 2, b)).collect();
+            tx.send_layer(layer, &k, &v).await.unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        tx.finish().await.unwrap();
+    }
+    let sink = server.await.unwrap();
+    for layer in 0..layout.layers() {
+        for &b in &blocks {
+            assert!(sink.region(layer, KvKind::V, b).unwrap() == region(2, layer, 2, b).as_slice());
+        }
+    }
+}

@@ -215,6 +215,33 @@ impl Ucx {
         while unsafe { duet_ucx_progress(self.h.as_ptr()) } > 0 {}
     }
 
+    /// Sleeps until the worker's fd signals, or 1 ms in case a transport delivers without
+    /// signalling (UCX's shared-memory transports).
+    async fn nap(&mut self, max: Duration) {
+        if let Some(efd) = &self.efd {
+            let slice = max.min(Duration::from_millis(1));
+            if let Ok(Ok(mut g)) = tokio::time::timeout(slice, efd.readable()).await {
+                g.clear_ready();
+            }
+        }
+    }
+
+    /// Keeps the worker progressing until the future is dropped. A completed receive does
+    /// not mean UCX is done: its rendezvous acknowledgement to the sender may still be queued
+    /// in this worker, and the sender's sends complete only once it goes out; without this,
+    /// a receiver blocked on the control connection while the sender waits for those
+    /// acknowledgements deadlocks (seen over UCX's shared-memory transports).
+    pub(crate) async fn progress_while_idle(&mut self) -> std::convert::Infallible {
+        loop {
+            self.progress();
+            // SAFETY: the handle is live.
+            match unsafe { duet_ucx_arm(self.h.as_ptr()) } {
+                1 => tokio::task::yield_now().await,
+                _ => self.nap(Duration::from_millis(1)).await,
+            }
+        }
+    }
+
     /// Sends each buffer as one tag message, tags `first_tag..`, and waits for all of them.
     pub(crate) async fn send_all(
         &mut self,
@@ -380,16 +407,7 @@ impl<'u> Posted<'u, '_> {
             }
             // SAFETY: the handle is live.
             match unsafe { duet_ucx_arm(self.ucx.h.as_ptr()) } {
-                0 => {
-                    // Armed: sleep until the worker's fd signals (or 1 ms, in case a
-                    // transport delivers without signalling).
-                    let slice = (deadline - now).min(Duration::from_millis(1));
-                    if let Some(efd) = &self.ucx.efd {
-                        if let Ok(Ok(mut g)) = tokio::time::timeout(slice, efd.readable()).await {
-                            g.clear_ready();
-                        }
-                    }
-                }
+                0 => self.ucx.nap(deadline - now).await,
                 1 => tokio::task::yield_now().await,
                 s => return Err(ucx_error(during, s)),
             }

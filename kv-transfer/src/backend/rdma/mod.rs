@@ -73,12 +73,20 @@ impl RdmaTransport {
 }
 
 impl FrameTransport for RdmaTransport {
+    // Every wait on the control connection keeps the UCX worker progressing (see
+    // `Ucx::progress_while_idle`).
     async fn read_idle(&mut self, buf: &mut [u8; HEADER_LEN]) -> Result<()> {
-        self.ctl.read_idle(buf).await
+        tokio::select! {
+            r = self.ctl.read_idle(buf) => r,
+            never = self.ucx.progress_while_idle() => match never {},
+        }
     }
 
     async fn read_ctl(&mut self, buf: &mut [u8], during: &'static str) -> Result<()> {
-        self.ctl.read_ctl(buf, during).await
+        tokio::select! {
+            r = self.ctl.read_ctl(buf, during) => r,
+            never = self.ucx.progress_while_idle() => match never {},
+        }
     }
 
     async fn read_payload(&mut self, dst: &mut [u8]) -> Result<()> {
@@ -119,7 +127,10 @@ impl FrameTransport for RdmaTransport {
     }
 
     async fn read_reply_header(&mut self, buf: &mut [u8; HEADER_LEN]) -> Result<()> {
-        self.ctl.read_reply_header(buf).await
+        tokio::select! {
+            r = self.ctl.read_reply_header(buf) => r,
+            never = self.ucx.progress_while_idle() => match never {},
+        }
     }
 
     async fn poll_early_reply(&mut self, buf: &mut [u8; HEADER_LEN]) -> Result<bool> {
