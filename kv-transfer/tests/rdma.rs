@@ -7,45 +7,14 @@
 mod common;
 
 use duet_kv_transfer::backend::rdma::{probe, RdmaOptions, RdmaReceiver, RdmaSender};
-use duet_kv_transfer::protocol::compress::{decode_region, encode_region};
 use duet_kv_transfer::{
-    BackendKind, Compression, Error, ErrorClass, KvKind, KvLayout, KvReceiver, KvSender,
-    MemorySink, SharedSecret, TransferDesc,
+    BackendKind, Compression, Error, ErrorClass, KvKind, KvReceiver, KvSender, MemorySink,
+    SharedSecret, TransferDesc,
 };
 use tokio::net::TcpListener;
 
 fn opts(tls: &str) -> RdmaOptions {
     RdmaOptions { tls: tls.into() }
-}
-
-/// Finite f32 regions for compressed layers (arbitrary bytes are NaNs the encoder refuses).
-fn regions(
-    layout: &KvLayout,
-    d: &TransferDesc,
-    layer: u32,
-    c: Compression,
-) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
-    let (mut k, mut v) = common::layer_regions(layout, d.request_id, layer, &d.dst_blocks);
-    if c != Compression::None {
-        for r in k.iter_mut().chain(v.iter_mut()) {
-            for w in r.chunks_exact_mut(4) {
-                let x = f32::from(w[0]) / 64.0 - 2.0;
-                w.copy_from_slice(&x.to_le_bytes());
-            }
-        }
-    }
-    (k, v)
-}
-
-fn expected(layout: &KvLayout, c: Compression, src: Vec<u8>) -> Vec<u8> {
-    if c == Compression::None {
-        return src;
-    }
-    let mut enc = Vec::new();
-    encode_region(c, layout, &src, &mut enc).unwrap();
-    let mut out = vec![0u8; src.len()];
-    decode_region(c, layout, &enc, &mut out).unwrap();
-    out
 }
 
 async fn round_trip(tls: &str, c: Compression) {
@@ -65,42 +34,15 @@ async fn round_trip(tls: &str, c: Compression) {
         (sink, [a, b])
     });
     let mut tx = RdmaSender::connect(addr, &cfg, &opts(tls)).await.unwrap();
-    let d1 = TransferDesc {
-        request_id: 1,
-        token_start: 0,
-        token_count: 40,
-        dst_blocks: vec![4, 1, 6],
-    };
-    let d2 = TransferDesc {
-        request_id: 2,
-        token_start: 16,
-        token_count: 3,
-        dst_blocks: vec![0],
-    };
+    let [d1, d2] = common::two_transfers();
     for d in [&d1, &d2] {
-        tx.begin(d.clone()).await.unwrap();
-        for layer in 0..layout.layers() {
-            let (k, v) = regions(&layout, d, layer, c);
-            tx.send_layer(layer, &k, &v).await.unwrap();
-        }
-        tx.finish().await.unwrap();
+        common::send_transfer(&mut tx, &layout, d, c).await.unwrap();
     }
     let (sink, receipts) = server.await.unwrap();
     for (r, d) in receipts.iter().zip([&d1, &d2]) {
         assert_eq!(r.compression, c);
         assert_eq!(r.wire_bytes, d.wire_bytes(&layout, c));
-        for layer in 0..layout.layers() {
-            let (k, v) = regions(&layout, d, layer, c);
-            for (kind, srcs) in [(KvKind::K, k), (KvKind::V, v)] {
-                for (&b, src) in d.dst_blocks.iter().zip(srcs) {
-                    let got = sink.region(layer, kind, b).unwrap();
-                    assert!(
-                        got == expected(&layout, c, src).as_slice(),
-                        "{tls}: layer {layer} {kind:?} block {b}"
-                    );
-                }
-            }
-        }
+        common::assert_landed_through(&sink, &layout, d, c);
     }
     for b in [2, 3, 5, 7] {
         common::assert_untouched(&sink, &layout, b);

@@ -4,10 +4,9 @@
 mod common;
 
 use duet_kv_transfer::backend::shm::{ShmMode, ShmOptions, ShmReceiver, ShmSender};
-use duet_kv_transfer::protocol::compress::{decode_region, encode_region};
 use duet_kv_transfer::{
-    Compression, Error, ErrorClass, KvKind, KvLayout, KvReceiver, KvSender, MemorySink,
-    SharedSecret, TransferDesc,
+    Compression, Error, ErrorClass, KvLayout, KvReceiver, KvSender, MemorySink, SharedSecret,
+    TransferDesc,
 };
 
 fn sock_path(tag: &str) -> std::path::PathBuf {
@@ -15,41 +14,7 @@ fn sock_path(tag: &str) -> std::path::PathBuf {
 }
 
 async fn send_all(tx: &mut ShmSender, layout: &KvLayout, d: &TransferDesc) -> Result<(), Error> {
-    tx.begin(d.clone()).await?;
-    for layer in 0..layout.layers() {
-        let (k, v) = regions(layout, d, layer, Compression::None);
-        tx.send_layer(layer, &k, &v).await?;
-    }
-    tx.finish().await.map(|_| ())
-}
-
-/// The deterministic regions of `layer`; for compression, turned into finite f32 values
-/// (arbitrary bytes are NaNs the encoder refuses).
-fn regions(
-    layout: &KvLayout,
-    d: &TransferDesc,
-    layer: u32,
-    c: Compression,
-) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
-    let (mut k, mut v) = common::layer_regions(layout, d.request_id, layer, &d.dst_blocks);
-    if c != Compression::None {
-        for r in k.iter_mut().chain(v.iter_mut()) {
-            for w in r.chunks_exact_mut(4) {
-                let x = f32::from(w[0]) / 64.0 - 2.0;
-                w.copy_from_slice(&x.to_le_bytes());
-            }
-        }
-    }
-    (k, v)
-}
-
-/// What a compressed region is expected to look like after the wire: one encode + decode.
-fn through_codec(layout: &KvLayout, c: Compression, src: &[u8]) -> Vec<u8> {
-    let mut enc = Vec::new();
-    encode_region(c, layout, src, &mut enc).unwrap();
-    let mut out = vec![0u8; src.len()];
-    decode_region(c, layout, &enc, &mut out).unwrap();
-    out
+    common::send_transfer(tx, layout, d, Compression::None).await
 }
 
 /// Two transfers (one spanning 3 blocks, one a single partial block) land exactly in their
@@ -73,44 +38,17 @@ async fn round_trip(tag: &str, opts: ShmOptions, compression: Compression) -> (S
         (sink, conn.mode(), receipts)
     });
     let mut tx = ShmSender::connect(&path, &cfg, &dir).await.unwrap();
-    let d1 = TransferDesc {
-        request_id: 1,
-        token_start: 0,
-        token_count: 40,
-        dst_blocks: vec![4, 1, 6],
-    };
-    let d2 = TransferDesc {
-        request_id: 2,
-        token_start: 16,
-        token_count: 3,
-        dst_blocks: vec![0],
-    };
+    let [d1, d2] = common::two_transfers();
     for d in [&d1, &d2] {
-        tx.begin(d.clone()).await.unwrap();
-        for layer in 0..layout.layers() {
-            let (k, v) = regions(&layout, d, layer, compression);
-            tx.send_layer(layer, &k, &v).await.unwrap();
-        }
-        tx.finish().await.unwrap();
+        common::send_transfer(&mut tx, &layout, d, compression)
+            .await
+            .unwrap();
     }
     let (sink, rx_mode, receipts) = server.await.unwrap();
     for (r, d) in receipts.iter().zip([&d1, &d2]) {
         assert_eq!(r.compression, compression);
         assert_eq!(r.wire_bytes, d.wire_bytes(&layout, compression));
-        for layer in 0..layout.layers() {
-            let (k, v) = regions(&layout, d, layer, compression);
-            for (kind, srcs) in [(KvKind::K, k), (KvKind::V, v)] {
-                for (&b, src) in d.dst_blocks.iter().zip(srcs) {
-                    let want = if compression == Compression::None {
-                        src
-                    } else {
-                        through_codec(&layout, compression, &src)
-                    };
-                    let got = sink.region(layer, kind, b).unwrap();
-                    assert!(got == want.as_slice(), "layer {layer} {kind:?} block {b}");
-                }
-            }
-        }
+        common::assert_landed_through(&sink, &layout, d, compression);
     }
     for b in [2, 3, 5, 7] {
         common::assert_untouched(&sink, &layout, b);

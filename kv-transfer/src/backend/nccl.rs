@@ -24,7 +24,7 @@ use cudarc::nccl::{Comm, Id};
 use tokio::net::{TcpListener, ToSocketAddrs};
 
 use crate::api::{KvReceiver, KvSender, TransferReceipt};
-use crate::backend::tcp::{accept_transport, connect_transport, TcpTransport};
+use crate::backend::tcp::{accept_authenticated, connect_transport, TcpTransport};
 use crate::config::TransferConfig;
 use crate::error::{Error, Result};
 use crate::layout::{KvLayout, TransferDesc};
@@ -344,16 +344,7 @@ impl NcclReceiver {
     /// Accepts one connection, authenticates it and joins the communicator.
     pub async fn accept(&self) -> Result<NcclInbound> {
         let t = self.cfg.timeouts;
-        let (stream, _) = match tokio::time::timeout(t.idle, self.listener.accept()).await {
-            Err(_) => {
-                return Err(Error::Timeout {
-                    during: "waiting for a connection",
-                    after: t.idle,
-                })
-            }
-            Ok(r) => r.map_err(|e| Error::io("accepting", e))?,
-        };
-        let mut ctl = accept_transport(stream, &self.cfg).await?;
+        let mut ctl = accept_authenticated(&self.listener, &self.cfg).await?;
         let id = Id::new().map_err(nccl("creating the unique id"))?;
         let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
         ctl.write_ctl(&bytes, "sending the NCCL id").await?;

@@ -268,6 +268,18 @@ pub(crate) async fn connect_transport(
     Ok(TcpTransport { stream, t })
 }
 
+/// Accepts one connection on `listener` (waiting up to `timeouts.idle`) and runs the receiver
+/// handshake on it: the control channel of the nccl and rdma backends.
+#[cfg_attr(not(any(feature = "nccl", feature = "rdma")), allow(dead_code))]
+pub(crate) async fn accept_authenticated(
+    listener: &TcpListener,
+    cfg: &TransferConfig,
+) -> Result<TcpTransport> {
+    let t = cfg.timeouts.idle;
+    let (stream, _) = bounded(t, "waiting for a connection", listener.accept()).await?;
+    accept_transport(stream, cfg).await
+}
+
 /// Runs the receiver handshake on an accepted stream; the raw transport.
 pub(crate) async fn accept_transport(
     mut stream: TcpStream,

@@ -167,6 +167,17 @@ pub(crate) fn shm_mode(senders: &[AnySender]) -> Option<String> {
     })
 }
 
+/// A non-blocking loopback listener on a free port (handed to the receiver thread).
+fn bind_loopback() -> Result<(std::net::TcpListener, std::net::SocketAddr)> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.set_nonblocking(true).map(|()| l))
+        .map_err(|e| Error::io("binding the bench listener", e))?;
+    let addr = l
+        .local_addr()
+        .map_err(|e| Error::io("reading the listener address", e))?;
+    Ok((l, addr))
+}
+
 pub(crate) async fn connect_pairs(
     backend: BackendKind,
     cfg: &TransferConfig,
@@ -180,12 +191,7 @@ pub(crate) async fn connect_pairs(
         #[cfg(feature = "rdma")]
         BackendKind::Rdma => {
             use crate::backend::rdma::{RdmaOptions, RdmaSender};
-            let l = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.set_nonblocking(true).map(|()| l))
-                .map_err(|e| Error::io("binding the bench listener", e))?;
-            let addr = l
-                .local_addr()
-                .map_err(|e| Error::io("reading the listener address", e))?;
+            let (l, addr) = bind_loopback()?;
             let results = spawn_receiver_thread(Accept::Rdma(l), cfg.clone(), sinks, ready_tx)?;
             wait_ready(ready_rx).await?;
             for _ in 0..k {
@@ -195,12 +201,7 @@ pub(crate) async fn connect_pairs(
             results
         }
         BackendKind::Tcp => {
-            let l = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.set_nonblocking(true).map(|()| l))
-                .map_err(|e| Error::io("binding the bench listener", e))?;
-            let addr = l
-                .local_addr()
-                .map_err(|e| Error::io("reading the listener address", e))?;
+            let (l, addr) = bind_loopback()?;
             let results = spawn_receiver_thread(Accept::Tcp(l), cfg.clone(), sinks, ready_tx)?;
             wait_ready(ready_rx).await?;
             for _ in 0..k {

@@ -3,10 +3,11 @@
 
 use std::time::Duration;
 
+use duet_kv_transfer::protocol::compress::{decode_region, encode_region};
 use duet_kv_transfer::protocol::encode_transfer;
 use duet_kv_transfer::{
-    Dtype, Fingerprint, KvKind, KvLayout, KvSink, LayerRegions, MemorySink, SharedSecret,
-    SinkError, Timeouts, TransferConfig, TransferDesc,
+    Compression, Dtype, Fingerprint, KvKind, KvLayout, KvSender, KvSink, LayerRegions, MemorySink,
+    SharedSecret, SinkError, Timeouts, TransferConfig, TransferDesc,
 };
 
 /// A sink that implements only the required methods, so receivers take the one-region-at-a-
@@ -140,4 +141,86 @@ pub fn encode_layers(layout: &KvLayout, d: &TransferDesc, layers: &[u32], crc: b
         })
         .collect();
     encode_transfer(layout, d, &regions, crc).unwrap()
+}
+
+/// `layer_regions` of `d`; for compression turned into finite f32 values (arbitrary bytes are
+/// NaNs the encoder refuses).
+pub fn layer_regions_for(
+    layout: &KvLayout,
+    d: &TransferDesc,
+    layer: u32,
+    c: Compression,
+) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let (mut k, mut v) = layer_regions(layout, d.request_id, layer, &d.dst_blocks);
+    if c != Compression::None {
+        for r in k.iter_mut().chain(v.iter_mut()) {
+            for w in r.chunks_exact_mut(4) {
+                let x = f32::from(w[0]) / 64.0 - 2.0;
+                w.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+    }
+    (k, v)
+}
+
+/// Asserts that every region of `d` holds what `layer_regions_for` sent, after one encode
+/// and decode when `c` compresses.
+pub fn assert_landed_through(
+    sink: &MemorySink,
+    layout: &KvLayout,
+    d: &TransferDesc,
+    c: Compression,
+) {
+    for layer in 0..layout.layers() {
+        let (k, v) = layer_regions_for(layout, d, layer, c);
+        for (kind, srcs) in [(KvKind::K, k), (KvKind::V, v)] {
+            for (&b, src) in d.dst_blocks.iter().zip(srcs) {
+                let want = if c == Compression::None {
+                    src
+                } else {
+                    let mut enc = Vec::new();
+                    encode_region(c, layout, &src, &mut enc).unwrap();
+                    let mut out = vec![0u8; src.len()];
+                    decode_region(c, layout, &enc, &mut out).unwrap();
+                    out
+                };
+                let got = sink.region(layer, kind, b).unwrap();
+                assert!(got == want.as_slice(), "layer {layer} {kind:?} block {b}");
+            }
+        }
+    }
+}
+
+/// Two transfers for round trips: one spanning blocks 4, 1, 6 (40 tokens), one a single
+/// partial block 0 starting at token 16; blocks 2, 3, 5, 7 of an 8-block sink stay untouched.
+pub fn two_transfers() -> [TransferDesc; 2] {
+    [
+        TransferDesc {
+            request_id: 1,
+            token_start: 0,
+            token_count: 40,
+            dst_blocks: vec![4, 1, 6],
+        },
+        TransferDesc {
+            request_id: 2,
+            token_start: 16,
+            token_count: 3,
+            dst_blocks: vec![0],
+        },
+    ]
+}
+
+/// Sends every layer of `d` (`layer_regions_for` contents) and finishes.
+pub async fn send_transfer(
+    tx: &mut impl KvSender,
+    layout: &KvLayout,
+    d: &TransferDesc,
+    c: Compression,
+) -> Result<(), duet_kv_transfer::Error> {
+    tx.begin(d.clone()).await?;
+    for layer in 0..layout.layers() {
+        let (k, v) = layer_regions_for(layout, d, layer, c);
+        tx.send_layer(layer, &k, &v).await?;
+    }
+    tx.finish().await.map(|_| ())
 }

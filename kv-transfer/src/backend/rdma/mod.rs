@@ -24,7 +24,7 @@ use std::time::Duration;
 use tokio::net::{TcpListener, ToSocketAddrs};
 
 use crate::api::{KvReceiver, KvSender, TransferReceipt};
-use crate::backend::tcp::{accept_transport, connect_transport, TcpTransport};
+use crate::backend::tcp::{accept_authenticated, connect_transport, TcpTransport};
 use crate::config::TransferConfig;
 use crate::error::{Error, Result};
 use crate::layout::{KvLayout, TransferDesc};
@@ -171,16 +171,7 @@ impl RdmaReceiver {
     /// Accepts one connection, authenticates it and hands the sender this side's UCX address.
     pub async fn accept(&self) -> Result<RdmaInbound> {
         let t = self.cfg.timeouts;
-        let (stream, _) = match tokio::time::timeout(t.idle, self.listener.accept()).await {
-            Err(_) => {
-                return Err(Error::Timeout {
-                    during: "waiting for a connection",
-                    after: t.idle,
-                })
-            }
-            Ok(r) => r.map_err(|e| Error::io("accepting", e))?,
-        };
-        let mut ctl = accept_transport(stream, &self.cfg).await?;
+        let mut ctl = accept_authenticated(&self.listener, &self.cfg).await?;
         let mut ucx = Ucx::open(&self.opts.tls)?;
         let addr = ucx.address()?;
         let mut msg = Vec::with_capacity(4 + addr.len());
