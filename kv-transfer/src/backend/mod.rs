@@ -4,6 +4,48 @@
 //! Invariant: every backend uses the same validation (layout, reservations, layer range,
 //! duplicates, sizes) and reports failures with the same [`crate::Error`] variants.
 
+/// Implements [`KvSender`] / [`KvReceiver`] for a backend type that wraps a
+/// `SenderCore` / `ReceiverCore` in a field named `core` (all but `local`).
+macro_rules! via_core {
+    (sender $t:ty) => {
+        impl $crate::api::KvSender for $t {
+            async fn begin(
+                &mut self,
+                desc: $crate::layout::TransferDesc,
+            ) -> $crate::error::Result<()> {
+                self.core.begin(desc).await
+            }
+
+            async fn send_layer<R: AsRef<[u8]> + Sync>(
+                &mut self,
+                layer: u32,
+                k: &[R],
+                v: &[R],
+            ) -> $crate::error::Result<()> {
+                self.core.send_layer(layer, k, v).await
+            }
+
+            async fn finish(&mut self) -> $crate::error::Result<$crate::api::TransferReceipt> {
+                self.core.finish().await
+            }
+
+            async fn abort(&mut self) -> $crate::error::Result<()> {
+                self.core.abort().await
+            }
+        }
+    };
+    (receiver $t:ty) => {
+        impl $crate::api::KvReceiver for $t {
+            async fn receive<S: $crate::sink::KvSink + Send>(
+                &mut self,
+                sink: &mut S,
+            ) -> $crate::error::Result<$crate::api::TransferReceipt> {
+                self.core.receive(sink).await
+            }
+        }
+    };
+}
+
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;

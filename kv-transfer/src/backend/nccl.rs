@@ -23,15 +23,13 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{Comm, Id};
 use tokio::net::{TcpListener, ToSocketAddrs};
 
-use crate::api::{KvReceiver, KvSender, TransferReceipt};
 use crate::backend::tcp::{accept_authenticated, connect_transport, TcpTransport};
 use crate::config::TransferConfig;
 use crate::error::{Error, Result};
-use crate::layout::{KvLayout, TransferDesc};
+use crate::layout::KvLayout;
 use crate::protocol::send::{ReceiverCore, SenderCore};
 use crate::protocol::transport::FrameTransport;
 use crate::protocol::HEADER_LEN;
-use crate::sink::KvSink;
 
 const NCCL_ID_LEN: usize = 128;
 
@@ -378,11 +376,7 @@ impl NcclInbound {
     }
 }
 
-impl KvReceiver for NcclInbound {
-    async fn receive<S: KvSink + Send>(&mut self, sink: &mut S) -> Result<TransferReceipt> {
-        self.core.receive(sink).await
-    }
-}
+via_core!(receiver NcclInbound);
 
 /// NCCL outbound connection (prefill side, rank 1).
 #[derive(Debug)]
@@ -424,25 +418,4 @@ impl NcclSender {
     }
 }
 
-impl KvSender for NcclSender {
-    async fn begin(&mut self, desc: TransferDesc) -> Result<()> {
-        self.core.begin(desc).await
-    }
-
-    async fn send_layer<R: AsRef<[u8]> + Sync>(
-        &mut self,
-        layer: u32,
-        k: &[R],
-        v: &[R],
-    ) -> Result<()> {
-        self.core.send_layer(layer, k, v).await
-    }
-
-    async fn finish(&mut self) -> Result<TransferReceipt> {
-        self.core.finish().await
-    }
-
-    async fn abort(&mut self) -> Result<()> {
-        self.core.abort().await
-    }
-}
+via_core!(sender NcclSender);

@@ -18,15 +18,13 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 
-use crate::api::{KvReceiver, KvSender, TransferReceipt};
 use crate::config::{Timeouts, TransferConfig};
 use crate::error::{Error, Result};
 use crate::handshake;
-use crate::layout::{KvLayout, TransferDesc};
+use crate::layout::KvLayout;
 use crate::protocol::send::{ReceiverCore, SenderCore};
 use crate::protocol::transport::FrameTransport;
 use crate::protocol::{HEADER_LEN, IDLE};
-use crate::sink::KvSink;
 
 /// Most `IoSlice`s handed to one `writev` call.
 const MAX_IOV: usize = 64;
@@ -376,11 +374,7 @@ impl TcpInbound {
     }
 }
 
-impl KvReceiver for TcpInbound {
-    async fn receive<S: KvSink + Send>(&mut self, sink: &mut S) -> Result<TransferReceipt> {
-        self.core.receive(sink).await
-    }
-}
+via_core!(receiver TcpInbound);
 
 /// Outbound connection (prefill side).
 #[derive(Debug)]
@@ -422,25 +416,4 @@ pub async fn connect_pool(
     Ok(out)
 }
 
-impl KvSender for TcpSender {
-    async fn begin(&mut self, desc: TransferDesc) -> Result<()> {
-        self.core.begin(desc).await
-    }
-
-    async fn send_layer<R: AsRef<[u8]> + Sync>(
-        &mut self,
-        layer: u32,
-        k: &[R],
-        v: &[R],
-    ) -> Result<()> {
-        self.core.send_layer(layer, k, v).await
-    }
-
-    async fn finish(&mut self) -> Result<TransferReceipt> {
-        self.core.finish().await
-    }
-
-    async fn abort(&mut self) -> Result<()> {
-        self.core.abort().await
-    }
-}
+via_core!(sender TcpSender);

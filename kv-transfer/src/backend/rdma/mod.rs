@@ -23,15 +23,13 @@ use std::time::Duration;
 
 use tokio::net::{TcpListener, ToSocketAddrs};
 
-use crate::api::{KvReceiver, KvSender, TransferReceipt};
 use crate::backend::tcp::{accept_authenticated, connect_transport, TcpTransport};
 use crate::config::TransferConfig;
 use crate::error::{Error, Result};
-use crate::layout::{KvLayout, TransferDesc};
+use crate::layout::KvLayout;
 use crate::protocol::send::{ReceiverCore, SenderCore};
 use crate::protocol::transport::FrameTransport;
 use crate::protocol::HEADER_LEN;
-use crate::sink::KvSink;
 use ffi::Ucx;
 
 /// Largest worker address accepted from a peer.
@@ -207,11 +205,7 @@ impl RdmaInbound {
     }
 }
 
-impl KvReceiver for RdmaInbound {
-    async fn receive<S: KvSink + Send>(&mut self, sink: &mut S) -> Result<TransferReceipt> {
-        self.core.receive(sink).await
-    }
-}
+via_core!(receiver RdmaInbound);
 
 /// RDMA outbound connection (prefill side).
 #[derive(Debug)]
@@ -265,25 +259,4 @@ impl RdmaSender {
     }
 }
 
-impl KvSender for RdmaSender {
-    async fn begin(&mut self, desc: TransferDesc) -> Result<()> {
-        self.core.begin(desc).await
-    }
-
-    async fn send_layer<R: AsRef<[u8]> + Sync>(
-        &mut self,
-        layer: u32,
-        k: &[R],
-        v: &[R],
-    ) -> Result<()> {
-        self.core.send_layer(layer, k, v).await
-    }
-
-    async fn finish(&mut self) -> Result<TransferReceipt> {
-        self.core.finish().await
-    }
-
-    async fn abort(&mut self) -> Result<()> {
-        self.core.abort().await
-    }
-}
+via_core!(sender RdmaSender);

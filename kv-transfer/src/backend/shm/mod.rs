@@ -39,18 +39,16 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 
-use crate::api::{KvReceiver, KvSender, TransferReceipt};
 use crate::config::{Timeouts, TransferConfig};
 use crate::error::{Error, Result};
 use crate::handshake;
-use crate::layout::{KvLayout, TransferDesc};
+use crate::layout::KvLayout;
 use crate::protocol::frame::{
     FrameHeader, Verdict, TAG_CHUNK, TAG_CREDIT, TAG_PULL, TAG_PULLED, VERDICT_FIXED_LEN,
 };
 use crate::protocol::send::{ReceiverCore, SenderCore};
 use crate::protocol::transport::FrameTransport;
 use crate::protocol::{HEADER_LEN, IDLE, MAX_REASON_LEN};
-use crate::sink::KvSink;
 use mapping::ShmMapping;
 
 const SETUP_LEN: usize = 80;
@@ -601,11 +599,7 @@ impl ShmInbound {
     }
 }
 
-impl KvReceiver for ShmInbound {
-    async fn receive<S: KvSink + Send>(&mut self, sink: &mut S) -> Result<TransferReceipt> {
-        self.core.receive(sink).await
-    }
-}
+via_core!(receiver ShmInbound);
 
 /// Same-host outbound connection (prefill side).
 #[derive(Debug)]
@@ -702,25 +696,4 @@ fn parse_setup(b: &[u8; SETUP_LEN], dir: &Path) -> Result<(ShmOptions, String)> 
     Ok((opts, name))
 }
 
-impl KvSender for ShmSender {
-    async fn begin(&mut self, desc: TransferDesc) -> Result<()> {
-        self.core.begin(desc).await
-    }
-
-    async fn send_layer<R: AsRef<[u8]> + Sync>(
-        &mut self,
-        layer: u32,
-        k: &[R],
-        v: &[R],
-    ) -> Result<()> {
-        self.core.send_layer(layer, k, v).await
-    }
-
-    async fn finish(&mut self) -> Result<TransferReceipt> {
-        self.core.finish().await
-    }
-
-    async fn abort(&mut self) -> Result<()> {
-        self.core.abort().await
-    }
-}
+via_core!(sender ShmSender);
