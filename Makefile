@@ -21,7 +21,7 @@ up: deps model
 
 test: deps model
 	$(CARGO) test --workspace --no-fail-fast
-	$(CARGO) test -p duet-kv-transfer --features rdma --test rdma
+	$(CARGO) test -p duet-kv-transfer --features rdma --lib --test rdma
 	./scripts/check-deploy.sh
 
 model:

@@ -3,10 +3,14 @@
 //!
 //! Invariants that make the `unsafe` sound:
 //! - a posted operation's buffer and its completion record ([`Op`]) stay borrowed / in place
-//!   until UCX reports it complete: [`Posted`] holds both, and its `Drop` cancels receives
-//!   (and force-closes the endpoint for sends) and then progresses the worker until every
-//!   operation has completed, so a dropped future never leaves UCX writing into, or reading
-//!   from, memory that was handed back;
+//!   until UCX reports it complete, or UCX is gone: [`Posted`] holds both, and its `Drop`
+//!   cancels receives (closes the endpoint for sends), progresses the worker for a bounded
+//!   time, and destroys the whole worker if operations are still pending then, so a dropped
+//!   future never leaves UCX writing into, or reading from, memory that was handed back;
+//! - a `Posted` that was leaked (`mem::forget` of a pinned future) leaves `in_flight`
+//!   non-zero: the worker is then never progressed nor destroyed again, so UCX cannot touch
+//!   the leaked operations' buffers (all its transports here move data only inside
+//!   progress calls);
 //! - the worker is used in `UCS_THREAD_MODE_SERIALIZED`: every call goes through `&mut Ucx`,
 //!   so calls never overlap even though the owner may move between threads;
 //! - the worker's event fd is deregistered from tokio before the worker is destroyed.
@@ -73,6 +77,7 @@ extern "C" {
         op: *mut Op,
         req: *mut *mut c_void,
     ) -> c_int;
+    fn duet_ucx_flush(h: *mut Handle, op: *mut Op, req: *mut *mut c_void) -> c_int;
     fn duet_ucx_cancel(h: *mut Handle, req: *mut c_void);
     fn duet_ucx_free(req: *mut c_void);
 }
@@ -80,6 +85,9 @@ extern "C" {
 /// Most operations in flight per wait: bounds the requests and completion records a layer
 /// holds at once (a layer of a long prompt has hundreds of regions).
 const WINDOW: usize = 64;
+
+/// `UCS_ERR_MESSAGE_TRUNCATED`: a message longer than the buffer posted for it.
+const UCS_ERR_MESSAGE_TRUNCATED: c_int = -9;
 
 /// UCX's name for a status code.
 fn status_name(status: c_int) -> String {
@@ -123,7 +131,13 @@ pub(crate) struct Ucx {
     h: NonNull<Handle>,
     efd: Option<AsyncFd<EventFd>>,
     connected: bool,
+    /// No more operations may be posted (endpoint closed after a dropped send).
     broken: bool,
+    /// The worker was destroyed (pending operations would not complete): no call may touch
+    /// the handle again.
+    dead: bool,
+    /// Operations posted and not yet completed or reclaimed by their `Posted`.
+    in_flight: usize,
 }
 
 // SAFETY: the worker runs in UCS_THREAD_MODE_SERIALIZED, which allows calls from any thread
@@ -153,6 +167,8 @@ impl Ucx {
             efd: None,
             connected: false,
             broken: false,
+            dead: false,
+            in_flight: 0,
         };
         let mut fd: c_int = -1;
         // SAFETY: the handle is live; `fd` is valid for a write.
@@ -211,8 +227,24 @@ impl Ucx {
     }
 
     fn progress(&mut self) {
-        // SAFETY: the handle is live; calls are serialised by `&mut self`.
+        if self.dead {
+            return;
+        }
+        // SAFETY: the handle is live (not dead); calls are serialised by `&mut self`.
         while unsafe { duet_ucx_progress(self.h.as_ptr()) } > 0 {}
+    }
+
+    /// Destroys the worker now (operations still pending are dropped with it).
+    fn kill(&mut self) {
+        if self.dead {
+            return;
+        }
+        self.efd = None;
+        // SAFETY: the handle is live and closed exactly once (`dead` guards every later use).
+        unsafe { duet_ucx_close(self.h.as_ptr()) };
+        self.dead = true;
+        self.broken = true;
+        self.in_flight = 0;
     }
 
     /// Sleeps until the worker's fd signals, or 1 ms in case a transport delivers without
@@ -233,6 +265,10 @@ impl Ucx {
     /// acknowledgements deadlocks (seen over UCX's shared-memory transports).
     pub(crate) async fn progress_while_idle(&mut self) -> std::convert::Infallible {
         loop {
+            if self.dead || self.in_flight != 0 {
+                // Dead, or a leaked batch: never progress again (see the module docs).
+                return std::future::pending().await;
+            }
             self.progress();
             // SAFETY: the handle is live.
             match unsafe { duet_ucx_arm(self.h.as_ptr()) } {
@@ -250,14 +286,20 @@ impl Ucx {
         timeout: Duration,
     ) -> Result<()> {
         for (w, chunk) in bufs.chunks(WINDOW).enumerate() {
-            let mut posted = Posted::new(self, chunk.len(), Kind::Send);
+            let mut posted = Posted::new(self, chunk.len(), Kind::Send)?;
             for (i, b) in chunk.iter().enumerate() {
                 let tag = first_tag + (w * WINDOW + i) as u64;
                 posted.post(tag, b.as_ptr().cast_mut(), b.len())?;
             }
             posted.wait(timeout, "sending KV over UCX").await?;
         }
-        Ok(())
+        // A completed send may still sit in the transport's buffers, and nothing progresses
+        // this worker until the next layer: flush so the receiver gets it now.
+        let mut posted = Posted::new(self, 1, Kind::Flush)?;
+        posted.post(0, ptr::null_mut(), 0)?;
+        posted
+            .wait(timeout, "flushing KV to the peer over UCX")
+            .await
     }
 
     /// Receives one tag message into each buffer (tags `first_tag..`); every message must fill
@@ -269,7 +311,7 @@ impl Ucx {
         timeout: Duration,
     ) -> Result<()> {
         for (w, chunk) in bufs.chunks_mut(WINDOW).enumerate() {
-            let mut posted = Posted::new(self, chunk.len(), Kind::Recv);
+            let mut posted = Posted::new(self, chunk.len(), Kind::Recv)?;
             for (i, b) in chunk.iter_mut().enumerate() {
                 let tag = first_tag + (w * WINDOW + i) as u64;
                 posted.post(tag, b.as_mut_ptr(), b.len())?;
@@ -277,11 +319,10 @@ impl Ucx {
             posted.wait(timeout, "receiving KV over UCX").await?;
             for (op, b) in posted.ops.iter().zip(chunk.iter()) {
                 if op.length != b.len() as u64 {
-                    return Err(Error::Oversized {
-                        what: "UCX message",
-                        len: op.length,
-                        limit: b.len() as u64,
-                    });
+                    return Err(Error::malformed(
+                        "UCX message",
+                        format!("{} bytes for a {}-byte region", op.length, b.len()),
+                    ));
                 }
             }
         }
@@ -291,11 +332,17 @@ impl Ucx {
 
 impl Drop for Ucx {
     fn drop(&mut self) {
-        // Deregister the event fd before the worker that owns it goes away.
-        self.efd = None;
-        // SAFETY: the handle is live and closed exactly once; nothing is posted (every
-        // `Posted` borrowed `self` mutably and completed its operations in its own drop).
-        unsafe { duet_ucx_close(self.h.as_ptr()) };
+        if self.in_flight != 0 {
+            // A leaked batch: destroying the worker could still complete its operations
+            // into memory that is gone; leak the worker instead.
+            tracing::warn!(
+                in_flight = self.in_flight,
+                "leaking a UCX worker with operations in flight"
+            );
+            return;
+        }
+        // Deregisters the event fd before the worker that owns it goes away.
+        self.kill();
     }
 }
 
@@ -303,6 +350,7 @@ impl Drop for Ucx {
 enum Kind {
     Send,
     Recv,
+    Flush,
 }
 
 /// A UCX request handle (null when the operation completed at once).
@@ -325,18 +373,21 @@ struct Posted<'u, 'b> {
 }
 
 impl<'u> Posted<'u, '_> {
-    fn new(ucx: &'u mut Ucx, n: usize, kind: Kind) -> Self {
-        Posted {
+    fn new(ucx: &'u mut Ucx, n: usize, kind: Kind) -> Result<Self> {
+        if ucx.broken || ucx.dead || ucx.in_flight != 0 {
+            return Err(Error::Broken);
+        }
+        Ok(Posted {
             ucx,
             kind,
             ops: (0..n).map(|_| Op::default()).collect(),
             reqs: Vec::with_capacity(n),
             _bufs: PhantomData,
-        }
+        })
     }
 
     fn post(&mut self, tag: u64, buf: *mut u8, len: usize) -> Result<()> {
-        if self.ucx.broken {
+        if self.ucx.broken || self.ucx.dead {
             return Err(Error::Broken);
         }
         let i = self.reqs.len();
@@ -350,9 +401,13 @@ impl<'u> Posted<'u, '_> {
             match self.kind {
                 Kind::Send => duet_ucx_send(h, tag, buf.cast_const().cast(), len, op, &mut req),
                 Kind::Recv => duet_ucx_recv(h, tag, buf.cast(), len, op, &mut req),
+                Kind::Flush => duet_ucx_flush(h, op, &mut req),
             }
         };
         self.reqs.push(Req(req));
+        if !req.is_null() {
+            self.ucx.in_flight += 1;
+        }
         if rc != 0 {
             // Never posted: complete its record so that waits and `Drop` do not wait for it.
             self.ops[i].status = rc;
@@ -360,6 +415,7 @@ impl<'u> Posted<'u, '_> {
             let during = match self.kind {
                 Kind::Send => "posting a UCX send",
                 Kind::Recv => "posting a UCX receive",
+                Kind::Flush => "flushing a UCX endpoint",
             };
             return Err(ucx_error(during, rc));
         }
@@ -391,11 +447,15 @@ impl<'u> Posted<'u, '_> {
             if self.all_done() {
                 return match self.first_error() {
                     None => Ok(()),
+                    Some(UCS_ERR_MESSAGE_TRUNCATED) => Err(Error::malformed(
+                        "UCX message",
+                        "longer than the region it was received into",
+                    )),
                     Some(s) => Err(ucx_error(during, s)),
                 };
             }
-            // SAFETY: the handle is live.
-            if self.kind == Kind::Send && unsafe { duet_ucx_ep_failed(self.ucx.h.as_ptr()) } != 0 {
+            // SAFETY: the handle is live (operations are pending, so it was not killed).
+            if self.kind != Kind::Recv && unsafe { duet_ucx_ep_failed(self.ucx.h.as_ptr()) } != 0 {
                 return Err(Error::PeerClosed { during });
             }
             let now = Instant::now();
@@ -417,45 +477,135 @@ impl<'u> Posted<'u, '_> {
 
 impl Drop for Posted<'_, '_> {
     fn drop(&mut self) {
+        let posted = self.reqs.iter().filter(|r| !r.0.is_null()).count();
+        if self.ucx.dead {
+            // The worker (and every request) went away with `kill`.
+            return;
+        }
         let h = self.ucx.h.as_ptr();
-        let pending: Vec<usize> = (0..self.reqs.len())
-            .filter(|&i| !self.reqs[i].0.is_null() && !self.done(i))
-            .collect();
-        if !pending.is_empty() {
+        if !self.all_done() {
             match self.kind {
                 Kind::Recv => {
-                    for &i in &pending {
-                        // SAFETY: a live request of this worker, not yet freed.
-                        unsafe { duet_ucx_cancel(h, self.reqs[i].0) };
+                    for i in 0..self.reqs.len() {
+                        if !self.reqs[i].0.is_null() && !self.done(i) {
+                            // SAFETY: a live request of this worker, not yet freed.
+                            unsafe { duet_ucx_cancel(h, self.reqs[i].0) };
+                        }
                     }
                 }
-                Kind::Send => {
-                    // Sends cannot be cancelled: closing the endpoint completes them (with an
-                    // error) and leaves this connection unusable.
+                Kind::Send | Kind::Flush => {
+                    // Sends cannot be cancelled: closing the endpoint completes them (forced
+                    // where the peer mode allows it) and leaves the connection unusable.
                     self.ucx.broken = true;
-                    // SAFETY: the handle is live; the endpoint is closed once (the shim
-                    // clears it) and its outstanding sends complete during the call.
+                    // SAFETY: the handle is live; the shim closes the endpoint once.
                     unsafe { duet_ucx_ep_close(h) };
                 }
             }
+            // A receive already matched to a large message is not cancelled by UCX; give it
+            // a moment, then destroy the worker, which takes every pending operation with it.
             let start = Instant::now();
-            while !self.all_done() {
+            while !self.all_done() && start.elapsed() < Duration::from_millis(200) {
                 self.ucx.progress();
-                if start.elapsed() > Duration::from_secs(10) {
-                    // UCX still owns buffers that are about to be handed back: continuing
-                    // could corrupt memory, so stop the process instead.
-                    tracing::error!("UCX did not complete cancelled operations in 10 s; aborting");
-                    eprintln!("duet-kv-transfer: UCX did not complete cancelled operations in 10 s; aborting");
-                    std::process::abort();
-                }
                 std::thread::yield_now();
+            }
+            if !self.all_done() {
+                tracing::warn!("UCX operations still pending after cancel; destroying the worker");
+                self.ucx.kill();
+                return;
             }
         }
         for &Req(r) in &self.reqs {
             if !r.is_null() {
-                // SAFETY: a request returned by a post on this worker, completed, freed once.
+                // SAFETY: a request returned by a post on this live worker, completed, freed
+                // once.
                 unsafe { duet_ucx_free(r) };
             }
         }
+        self.ucx.in_flight -= posted;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connected pair over UCX tcp: (sender, receiver).
+    fn pair() -> (Ucx, Ucx) {
+        let mut rx = Ucx::open("tcp").unwrap();
+        let mut tx = Ucx::open("tcp").unwrap();
+        let addr = rx.address().unwrap();
+        tx.connect(&addr).unwrap();
+        (tx, rx)
+    }
+
+    async fn exchange(tx: &mut Ucx, rx: &mut Ucx, tag: u64, byte: u8) -> Result<Vec<u8>> {
+        let src = vec![byte; 20_000];
+        let mut dst = vec![0u8; 20_000];
+        let t = Duration::from_secs(5);
+        let srcs = [&src[..]];
+        let mut dsts = [&mut dst[..]];
+        let (s, r) = tokio::join!(tx.send_all(tag, &srcs, t), rx.recv_all(tag, &mut dsts, t));
+        s?;
+        r?;
+        Ok(dst)
+    }
+
+    #[tokio::test]
+    async fn a_timed_out_receive_is_cancelled_and_the_worker_stays_usable() {
+        let (mut tx, mut rx) = pair();
+        let mut dst = [0u8; 64];
+        let e = rx
+            .recv_all(7, &mut [&mut dst[..]], Duration::from_millis(50))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(!rx.dead && rx.in_flight == 0);
+        // Tag 7 was cancelled: a later message with it is a new match.
+        assert_eq!(
+            exchange(&mut tx, &mut rx, 7, 5).await.unwrap(),
+            vec![5u8; 20_000]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_short_message_is_malformed() {
+        let (mut tx, mut rx) = pair();
+        let src = [1u8; 10];
+        let mut dst = [0u8; 64];
+        let t = Duration::from_secs(5);
+        let srcs = [&src[..]];
+        let mut dsts = [&mut dst[..]];
+        let (s, r) = tokio::join!(tx.send_all(0, &srcs, t), rx.recv_all(0, &mut dsts, t));
+        s.unwrap();
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::Malformed { .. }), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_leaked_receive_stops_the_worker_for_good() {
+        let (mut tx, mut rx) = pair();
+        // Leaked on purpose: the leaked receive may still own it.
+        let dst: &'static mut [u8] = Box::leak(vec![0u8; 64].into_boxed_slice());
+        let bufs: &'static mut [&'static mut [u8]] = Box::leak(Box::new([dst]));
+        {
+            let mut fut = Box::pin(rx.recv_all(9, bufs, Duration::from_secs(5)));
+            tokio::select! {
+                biased;
+                _ = &mut fut => panic!("nothing was sent"),
+                () = std::future::ready(()) => {}
+            }
+            std::mem::forget(fut);
+        }
+        assert_eq!(rx.in_flight, 1);
+        // The receiver refuses to touch the worker again; the sender's message is never taken.
+        let src = [3u8; 64];
+        let mut other = [0u8; 64];
+        let t = Duration::from_millis(200);
+        let srcs = [&src[..]];
+        let mut dsts = [&mut other[..]];
+        let (s, r) = tokio::join!(tx.send_all(1, &srcs, t), rx.recv_all(1, &mut dsts, t));
+        assert!(matches!(r, Err(Error::Broken)), "{r:?}");
+        assert!(s.is_err());
+        assert_eq!(other, [0u8; 64]);
     }
 }

@@ -59,7 +59,9 @@ pub(crate) struct RdmaTransport {
 
 impl RdmaTransport {
     /// Receives the next messages into `bufs`; a sender whose control connection closes
-    /// fails the wait at once (its receives are cancelled) instead of at the timeout.
+    /// fails the wait at once (its receives are cancelled) instead of at the timeout, as long
+    /// as nothing is queued on it (the peek that notices the EOF stops at queued bytes; the
+    /// timeout then applies).
     async fn recv(&mut self, bufs: &mut [&mut [u8]]) -> Result<()> {
         let first = self.tag;
         self.tag += bufs.len() as u64;

@@ -23,6 +23,7 @@ typedef struct {
     ucp_context_h context;
     ucp_worker_h worker;
     ucp_ep_h ep;
+    int peer_mode; /* the endpoint has UCP_ERR_HANDLING_MODE_PEER */
     volatile int ep_failed;
 } duet_ucx_t;
 
@@ -90,20 +91,25 @@ static void wait_request(duet_ucx_t *h, void *req) {
     if (req == NULL || UCS_PTR_IS_ERR(req)) {
         return;
     }
-    /* Bounded: a forced close completes at once, a flush finishes or fails with the peer. */
-    for (int i = 0; i < 1000000 && ucp_request_check_status(req) == UCS_INPROGRESS; i++) {
+    /* Bounded: a forced close completes at once; a flushing close finishes, fails with the
+     * peer, or is given up here (the request is then released when it completes). */
+    for (int i = 0; i < 100000 && ucp_request_check_status(req) == UCS_INPROGRESS; i++) {
         ucp_worker_progress(h->worker);
     }
     ucp_request_free(req);
 }
 
-/* Force-closes the endpoint: every outstanding send completes with UCS_ERR_CANCELED. */
+/* Closes the endpoint. With peer error handling it is forced, and every outstanding send
+ * completes with UCS_ERR_CANCELED; without it UCX forbids forcing, so the close flushes
+ * (outstanding sends may then stay pending: the caller destroys the worker if they do). */
 void duet_ucx_ep_close(duet_ucx_t *h) {
     if (h->ep != NULL) {
         ucp_request_param_t p;
         memset(&p, 0, sizeof(p));
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        if (h->peer_mode) {
+            p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+            p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        }
         wait_request(h, ucp_ep_close_nbx(h->ep, &p));
         h->ep = NULL;
     }
@@ -150,9 +156,15 @@ int duet_ucx_connect(duet_ucx_t *h, const void *addr) {
     ep.err_handler.arg = h;
     ucs_status_t s = ucp_ep_create(h->worker, &ep, &h->ep);
     if (s == UCS_OK) {
+        h->peer_mode = 1;
         return 0;
     }
+    /* Only for want of peer error handling in the selected transports. */
+    if (s != UCS_ERR_UNREACHABLE && s != UCS_ERR_UNSUPPORTED) {
+        return (int)s;
+    }
     ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    h->peer_mode = 0;
     return (int)ucp_ep_create(h->worker, &ep, &h->ep);
 }
 
@@ -210,6 +222,32 @@ int duet_ucx_send(duet_ucx_t *h, uint64_t tag, const void *buf, size_t len, duet
     p.cb.send = on_send;
     p.user_data = op;
     ucs_status_ptr_t r = ucp_tag_send_nbx(h->ep, buf, len, (ucp_tag_t)tag, &p);
+    if (UCS_PTR_IS_ERR(r)) {
+        return (int)UCS_PTR_STATUS(r);
+    }
+    if (r == NULL) {
+        op->done = 1;
+        return 0;
+    }
+    *req = r;
+    return 0;
+}
+
+/* Flushes the endpoint: completes (into op) once everything sent so far reached the peer. */
+int duet_ucx_flush(duet_ucx_t *h, duet_ucx_op_t *op, void **req) {
+    *req = NULL;
+    op->done = 0;
+    op->status = 0;
+    op->length = 0;
+    if (h->ep == NULL || h->ep_failed) {
+        return (int)UCS_ERR_NOT_CONNECTED;
+    }
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = on_send;
+    p.user_data = op;
+    ucs_status_ptr_t r = ucp_ep_flush_nbx(h->ep, &p);
     if (UCS_PTR_IS_ERR(r)) {
         return (int)UCS_PTR_STATUS(r);
     }

@@ -21,7 +21,8 @@
 //! slots (round robin) and rings a CHUNK doorbell per filled slot; the receiver copies each
 //! chunk straight into the sink regions and returns the slot with a CREDIT.
 //! Pull: per layer LAYER header, PULL (count, then address u64 + length u64 per run of
-//! adjacent regions), the receiver copies and answers PULLED, then the optional trailer.
+//! adjacent regions), the receiver copies and answers PULLED (echoing how many PULLs it has
+//! read), then the optional trailer.
 //!
 //! Invariants: a slot is written by the sender only between receiving its CREDIT (or
 //! initially) and ringing its CHUNK, and read by the receiver only between that CHUNK and
@@ -156,6 +157,9 @@ pub(crate) struct ShmTransport {
     cursor: pull::Cursor,
     layer_left: u64,
     pull_buf: Vec<u8>,
+    /// PULL frames sent (sender) / read (receiver) on this connection; PULLED echoes the
+    /// count (low 32 bits), so a sender never takes a stale PULLED for its current layer.
+    pulls: u32,
 }
 
 impl ShmTransport {
@@ -184,6 +188,7 @@ impl ShmTransport {
             cursor: pull::Cursor::default(),
             layer_left: 0,
             pull_buf: Vec::new(),
+            pulls: 0,
         }
     }
 
@@ -292,11 +297,12 @@ impl ShmTransport {
             self.pull_buf = body;
             parsed?;
             self.cursor.load();
+            self.pulls = self.pulls.wrapping_add(1);
         }
         pull::copy_into(self.peer_pid, &mut self.cursor, bufs)?;
         self.layer_left -= want;
         if self.layer_left == 0 {
-            let done = FrameHeader::new(TAG_PULLED, false, 0, 0).encode();
+            let done = FrameHeader::new(TAG_PULLED, false, self.pulls, 0).encode();
             self.sock_write(&done, "answering PULLED").await?;
         }
         Ok(())
@@ -320,12 +326,17 @@ impl ShmTransport {
         if runs == 0 {
             return Ok(());
         }
+        self.pulls = self.pulls.wrapping_add(1);
         let mut hdr = [0u8; HEADER_LEN];
         self.sock_read(&mut hdr, "waiting for the receiver to pull a layer")
             .await?;
         let h = FrameHeader::decode(&hdr)?;
-        if h.tag == TAG_PULLED && h.len == 0 && h.arg == 0 && !h.crc() {
-            return Ok(());
+        if h.tag == TAG_PULLED {
+            if h.len == 0 && h.arg == self.pulls && !h.crc() {
+                return Ok(());
+            }
+            // E.g. the PULLED of a layer whose send was dropped before it arrived.
+            return Err(Error::malformed("PULLED", "does not answer the last PULL"));
         }
         Err(self.verdict_error(&hdr).await)
     }
