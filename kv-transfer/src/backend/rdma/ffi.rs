@@ -19,6 +19,7 @@
 #![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::future::Future;
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::{self, NonNull};
@@ -130,7 +131,6 @@ impl AsRawFd for EventFd {
 pub(crate) struct Ucx {
     h: NonNull<Handle>,
     efd: Option<AsyncFd<EventFd>>,
-    connected: bool,
     /// No more operations may be posted (endpoint closed after a dropped send).
     broken: bool,
     /// The worker was destroyed (pending operations would not complete): no call may touch
@@ -165,7 +165,6 @@ impl Ucx {
         let mut ucx = Ucx {
             h,
             efd: None,
-            connected: false,
             broken: false,
             dead: false,
             in_flight: 0,
@@ -222,7 +221,6 @@ impl Ucx {
                 status_name(rc)
             )));
         }
-        self.connected = true;
         Ok(())
     }
 
@@ -263,7 +261,7 @@ impl Ucx {
     /// in this worker, and the sender's sends complete only once it goes out; without this,
     /// a receiver blocked on the control connection while the sender waits for those
     /// acknowledgements deadlocks (seen over UCX's shared-memory transports).
-    pub(crate) async fn progress_while_idle(&mut self) -> std::convert::Infallible {
+    async fn progress_while_idle(&mut self) -> std::convert::Infallible {
         loop {
             if self.dead || self.in_flight != 0 {
                 // Dead, or a leaked batch: never progress again (see the module docs).
@@ -275,6 +273,14 @@ impl Ucx {
                 1 => tokio::task::yield_now().await,
                 _ => self.nap(Duration::from_millis(1)).await,
             }
+        }
+    }
+
+    /// Runs `f` (a wait on the control connection) while keeping the worker progressing.
+    pub(crate) async fn progressing<T>(&mut self, f: impl Future<Output = T>) -> T {
+        tokio::select! {
+            r = f => r,
+            never = self.progress_while_idle() => match never {},
         }
     }
 

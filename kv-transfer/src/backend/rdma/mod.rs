@@ -74,19 +74,13 @@ impl RdmaTransport {
 
 impl FrameTransport for RdmaTransport {
     // Every wait on the control connection keeps the UCX worker progressing (see
-    // `Ucx::progress_while_idle`).
+    // `Ucx::progressing`).
     async fn read_idle(&mut self, buf: &mut [u8; HEADER_LEN]) -> Result<()> {
-        tokio::select! {
-            r = self.ctl.read_idle(buf) => r,
-            never = self.ucx.progress_while_idle() => match never {},
-        }
+        self.ucx.progressing(self.ctl.read_idle(buf)).await
     }
 
     async fn read_ctl(&mut self, buf: &mut [u8], during: &'static str) -> Result<()> {
-        tokio::select! {
-            r = self.ctl.read_ctl(buf, during) => r,
-            never = self.ucx.progress_while_idle() => match never {},
-        }
+        self.ucx.progressing(self.ctl.read_ctl(buf, during)).await
     }
 
     async fn read_payload(&mut self, dst: &mut [u8]) -> Result<()> {
@@ -127,10 +121,7 @@ impl FrameTransport for RdmaTransport {
     }
 
     async fn read_reply_header(&mut self, buf: &mut [u8; HEADER_LEN]) -> Result<()> {
-        tokio::select! {
-            r = self.ctl.read_reply_header(buf) => r,
-            never = self.ucx.progress_while_idle() => match never {},
-        }
+        self.ucx.progressing(self.ctl.read_reply_header(buf)).await
     }
 
     async fn poll_early_reply(&mut self, buf: &mut [u8; HEADER_LEN]) -> Result<bool> {

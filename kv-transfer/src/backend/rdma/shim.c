@@ -205,23 +205,28 @@ static void on_recv(void *request, ucs_status_t status, const ucp_tag_recv_info_
     op->done = 1;
 }
 
-/* Both post one operation. Returns 0 with *req NULL and op->done set when it completed at once,
- * 0 with *req set when it is in flight (op->done is set by the callback), <0 on error. */
-int duet_ucx_send(duet_ucx_t *h, uint64_t tag, const void *buf, size_t len, duet_ucx_op_t *op,
-                  void **req) {
-    *req = NULL;
+/* Resets a completion record before its operation is posted. */
+static void op_start(duet_ucx_op_t *op, uint64_t length) {
     op->done = 0;
     op->status = 0;
-    op->length = len;
-    if (h->ep == NULL || h->ep_failed) {
-        return (int)UCS_ERR_NOT_CONNECTED;
-    }
+    op->length = length;
+}
+
+/* Send-side parameters: completion through `on_send` into `op`. */
+static ucp_request_param_t send_param(duet_ucx_op_t *op) {
     ucp_request_param_t p;
     memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = on_send;
     p.user_data = op;
-    ucs_status_ptr_t r = ucp_tag_send_nbx(h->ep, buf, len, (ucp_tag_t)tag, &p);
+    return p;
+}
+
+/* Turns a UCX status pointer into the shim's convention: 0 with *req NULL and op->done set
+ * when the operation completed at once, 0 with *req set when it is in flight (op->done is
+ * set by the callback), <0 on error. */
+static int posted(ucs_status_ptr_t r, duet_ucx_op_t *op, void **req) {
+    *req = NULL;
     if (UCS_PTR_IS_ERR(r)) {
         return (int)UCS_PTR_STATUS(r);
     }
@@ -231,62 +236,45 @@ int duet_ucx_send(duet_ucx_t *h, uint64_t tag, const void *buf, size_t len, duet
     }
     *req = r;
     return 0;
+}
+
+/* Posts one tag send (see `posted` for the result). */
+int duet_ucx_send(duet_ucx_t *h, uint64_t tag, const void *buf, size_t len, duet_ucx_op_t *op,
+                  void **req) {
+    *req = NULL;
+    op_start(op, len);
+    if (h->ep == NULL || h->ep_failed) {
+        return (int)UCS_ERR_NOT_CONNECTED;
+    }
+    ucp_request_param_t p = send_param(op);
+    return posted(ucp_tag_send_nbx(h->ep, buf, len, (ucp_tag_t)tag, &p), op, req);
 }
 
 /* Flushes the endpoint: completes (into op) once everything sent so far reached the peer. */
 int duet_ucx_flush(duet_ucx_t *h, duet_ucx_op_t *op, void **req) {
     *req = NULL;
-    op->done = 0;
-    op->status = 0;
-    op->length = 0;
+    op_start(op, 0);
     if (h->ep == NULL || h->ep_failed) {
         return (int)UCS_ERR_NOT_CONNECTED;
     }
-    ucp_request_param_t p;
-    memset(&p, 0, sizeof(p));
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    p.cb.send = on_send;
-    p.user_data = op;
-    ucs_status_ptr_t r = ucp_ep_flush_nbx(h->ep, &p);
-    if (UCS_PTR_IS_ERR(r)) {
-        return (int)UCS_PTR_STATUS(r);
-    }
-    if (r == NULL) {
-        op->done = 1;
-        return 0;
-    }
-    *req = r;
-    return 0;
+    ucp_request_param_t p = send_param(op);
+    return posted(ucp_ep_flush_nbx(h->ep, &p), op, req);
 }
 
+/* Posts one tag receive (see `posted`). Always completed through the callback, which gets
+ * the message length: UCX 1.13 does not fill `recv_info` when a receive completes at once
+ * from the unexpected queue, and the length must be checked. */
 int duet_ucx_recv(duet_ucx_t *h, uint64_t tag, void *buf, size_t len, duet_ucx_op_t *op,
                   void **req) {
-    *req = NULL;
-    op->done = 0;
-    op->status = 0;
-    op->length = 0;
-    ucp_tag_recv_info_t info;
-    memset(&info, 0, sizeof(info));
+    op_start(op, 0);
     ucp_request_param_t p;
     memset(&p, 0, sizeof(p));
-    /* Always through the callback: UCX 1.13 does not fill recv_info when a receive
-     * completes immediately from the unexpected queue, and the length must be checked. */
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                     UCP_OP_ATTR_FIELD_RECV_INFO | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.cb.recv = on_recv;
     p.user_data = op;
-    p.recv_info.tag_info = &info;
-    ucs_status_ptr_t r = ucp_tag_recv_nbx(h->worker, buf, len, (ucp_tag_t)tag, TAG_MASK_FULL, &p);
-    if (UCS_PTR_IS_ERR(r)) {
-        return (int)UCS_PTR_STATUS(r);
-    }
-    if (r == NULL) {
-        op->length = info.length;
-        op->done = 1;
-        return 0;
-    }
-    *req = r;
-    return 0;
+    return posted(ucp_tag_recv_nbx(h->worker, buf, len, (ucp_tag_t)tag, TAG_MASK_FULL, &p), op,
+                  req);
 }
 
 void duet_ucx_cancel(duet_ucx_t *h, void *req) {
