@@ -5,7 +5,7 @@ import sys
 
 rows = [json.loads(l) for l in sys.stdin if l.strip()]
 out = {}
-for label in ("run", "disaggregated", "disaggregated-tcp", "colocated"):
+for label in ("run", "disaggregated", "disaggregated-tcp", "disaggregated-shm", "colocated"):
     rs = [r for r in rows if r["label"] == label]
     if not rs:
         continue

@@ -2,7 +2,7 @@
 # TTFT and time per output token for one long prompt, measured in one run:
 #   duet run (one process, no server)          --threads $RUN_THREADS
 #   duet up, disaggregated: 1 prefill + 1 decode worker, --threads 1 each (one core each),
-#     KV handed over in process (local) and over loopback tcp
+#     KV handed over in process (local), over loopback tcp and over shared memory (shm)
 #   duet up, colocated: 1 worker, --threads 2
 # plus the share of TTFT the KV transfer adds (timings.kv_transfer_seconds / TTFT).
 # Env: PROMPT_REPEAT (sentence repeats, ~10 tokens each), MAX_TOKENS, RUNS, OUT.
@@ -50,5 +50,6 @@ measure_run() {
   measure_run
   measure_up disaggregated --threads 1 --prefill-workers 1 --decode-workers 1 --local-prefill-max-tokens 0
   measure_up disaggregated-tcp --threads 1 --prefill-workers 1 --decode-workers 1 --local-prefill-max-tokens 0 --kv-transport tcp
+  measure_up disaggregated-shm --threads 1 --prefill-workers 1 --decode-workers 1 --local-prefill-max-tokens 0 --kv-transport shm
   measure_up colocated --threads 2 --mode colocated --prefill-workers 0 --decode-workers 1
 } | python3 bench/summarize_cluster.py "$OUT"

@@ -12,9 +12,11 @@
 //! (the router retries elsewhere, the blocks are freed).
 
 use bytes::Bytes;
+use duet_kv_transfer::backend::shm::ShmReceiver;
 use duet_kv_transfer::backend::tcp::TcpReceiver;
 use duet_kv_transfer::{
-    AnyReceiver, KvKind as WireKind, KvReceiver, KvSink, LocalHub, SinkError, TransferConfig,
+    AnyReceiver, Inbound, KvKind as WireKind, KvReceiver, KvSink, LocalHub, SinkError,
+    TransferConfig,
 };
 use duet_telemetry::names::{
     KV_TRANSFER_BYTES_TOTAL, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_TRANSFERS_TOTAL,
@@ -118,6 +120,7 @@ impl KvSink for StagingSink {
 /// configured timeout, or `cancel` fires.
 pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: CancellationToken) {
     let mut sink = StagingSink::new(handle.clone());
+    let transport = rx.kind().as_str();
     loop {
         let r = tokio::select! {
             _ = cancel.cancelled() => return,
@@ -126,16 +129,24 @@ pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: Can
         match r {
             Ok(receipt) => {
                 let d = &receipt.desc;
-                metrics::counter!(KV_TRANSFER_BYTES_TOTAL, "direction" => "received")
-                    .increment(receipt.payload_bytes);
+                metrics::counter!(
+                    KV_TRANSFER_BYTES_TOTAL,
+                    "direction" => "received",
+                    "transport" => transport
+                )
+                .increment(receipt.payload_bytes);
                 metrics::counter!(
                     KV_TRANSFER_WIRE_BYTES_TOTAL,
                     "direction" => "received",
                     "compression" => receipt.compression.as_str()
                 )
                 .increment(receipt.wire_bytes);
-                metrics::counter!(KV_TRANSFER_TRANSFERS_TOTAL, "direction" => "received")
-                    .increment(1);
+                metrics::counter!(
+                    KV_TRANSFER_TRANSFERS_TOTAL,
+                    "direction" => "received",
+                    "transport" => transport
+                )
+                .increment(1);
                 handle.transfer_done(d.request_id, (d.token_start + d.token_count) as usize);
             }
             Err(e) => {
@@ -161,19 +172,23 @@ pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: Can
     }
 }
 
-/// Serves KV on `tcp` (and on the in-process `hub` under `local_name`) into `handle` until
-/// `cancel` fires.
+/// Serves KV on `tcp`, on `shm` (same-host prefill workers) and on the in-process `hub`
+/// under `local_name`, into `handle` until `cancel` fires.
 pub async fn serve(
     tcp: Option<tokio::net::TcpListener>,
+    shm: Option<ShmReceiver>,
     hub: Option<(LocalHub, String)>,
     cfg: TransferConfig,
     handle: DecodeHandle,
     cancel: CancellationToken,
 ) {
-    let tcp = tcp.map(|l| TcpReceiver::new(l, cfg));
-    let local = hub.map(|(h, name)| h.listen(&name));
+    let inbound = Inbound {
+        tcp: tcp.map(|l| TcpReceiver::new(l, cfg)),
+        shm,
+        local: hub.map(|(h, name)| h.listen(&name)),
+    };
     let c = cancel.clone();
-    duet_kv_transfer::serve_inbound(tcp, local, cancel, move |rx| {
+    duet_kv_transfer::serve_inbound(inbound, cancel, move |rx| {
         tokio::spawn(receive_loop(rx, handle.clone(), c.clone()));
     })
     .await

@@ -1,13 +1,17 @@
 //! Endpoints as workers advertise them, pooled outbound connections, and the inbound
 //! accept loop, for whichever backend a pair of workers uses.
 //!
-//! - [`Endpoint`]: `(transport, address)`, the form a decode worker publishes.
+//! - [`Endpoint`]: `(transport, address)`, the form a decode worker publishes. An `shm`
+//!   address is `<host identity>:<socket path>` (see [`host_identity`]); the ring files live
+//!   in the socket's directory.
 //! - [`LocalHub`]: same-process receivers by name (the all-in-one `duet up`); connecting
 //!   creates a [`local::pair`] and hands the receiving half to the named listener.
-//! - [`Connector`]: the prefill side's pool of idle senders per endpoint. A sender goes back
+//! - [`Connector`]: the prefill side's choice among a decode worker's endpoints (made by
+//!   [`select_backend`] from what the offer reveals: a listener of this very process, an
+//!   `shm` socket on this host, tcp) and its pool of idle senders per endpoint. A sender goes back
 //!   to the pool only after a transfer finished cleanly; any error drops it, so a pooled
 //!   connection is never in an unknown protocol state.
-//! - [`serve_inbound`]: the decode side's accept loop over TCP and the local hub; each
+//! - [`serve_inbound`]: the decode side's accept loop over TCP, shm and the local hub; each
 //!   authenticated connection is handed to a callback (which receives transfers until the
 //!   peer closes or stays idle). The loop ends when its cancellation token fires.
 
@@ -17,9 +21,15 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use std::path::Path;
+
 use crate::backend::local;
+#[cfg(unix)]
+use crate::backend::shm::{host_identity, ShmReceiver, ShmSender};
 use crate::backend::tcp::{TcpInbound, TcpReceiver, TcpSender};
-use crate::backend::{AnyReceiver, AnySender, BackendKind};
+use crate::backend::{
+    select_backend, AnyReceiver, AnySender, BackendCaps, BackendKind, EndpointInfo,
+};
 use crate::config::TransferConfig;
 use crate::error::{Error, Result};
 
@@ -28,29 +38,54 @@ use crate::error::{Error, Result};
 pub struct Endpoint {
     /// Backend.
     pub kind: BackendKind,
-    /// `host:port` for tcp, a hub name for local.
+    /// `host:port` for tcp, a hub name for local, `<host identity>:<socket path>` for shm.
     pub address: String,
 }
 
 impl Endpoint {
-    /// Parses the advertised form (`transport` is `tcp`, `local`...).
+    /// Parses the advertised form (`transport` is `tcp`, `shm`, `local`).
     pub fn parse(transport: &str, address: &str) -> Result<Endpoint> {
         let kind = match transport {
             "tcp" => BackendKind::Tcp,
             "local" => BackendKind::Local,
+            "shm" if cfg!(unix) => BackendKind::Shm,
             other => {
                 return Err(Error::InvalidArgument(format!(
-                    "KV transport `{other}` is not served by this build (tcp, local)"
+                    "KV transport `{other}` is not served by this build (tcp, shm, local)"
                 )))
             }
         };
         if address.is_empty() {
             return Err(Error::InvalidArgument("empty KV endpoint address".into()));
         }
-        Ok(Endpoint {
+        let e = Endpoint {
             kind,
             address: address.to_string(),
-        })
+        };
+        if kind == BackendKind::Shm && e.shm_parts().is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "shm KV endpoint `{address}` is not `<host identity>:<absolute socket path>`"
+            )));
+        }
+        Ok(e)
+    }
+
+    /// The `shm` endpoint of a socket at `path` on the host `host` ([`host_identity`]).
+    pub fn shm(host: &str, path: &Path) -> Endpoint {
+        Endpoint {
+            kind: BackendKind::Shm,
+            address: format!("{host}:{}", path.display()),
+        }
+    }
+
+    /// Host identity and socket path of an `shm` endpoint.
+    pub fn shm_parts(&self) -> Option<(&str, &Path)> {
+        if self.kind != BackendKind::Shm {
+            return None;
+        }
+        let (host, path) = self.address.split_once(':')?;
+        let path = Path::new(path);
+        (!host.is_empty() && path.is_absolute() && path.parent().is_some()).then_some((host, path))
     }
 }
 
@@ -114,17 +149,40 @@ const MAX_IDLE_PER_ENDPOINT: usize = 8;
 pub struct Connector {
     cfg: TransferConfig,
     hub: Option<LocalHub>,
+    /// This host's identity when `shm` may be used.
+    shm_host: Option<String>,
     idle: Mutex<HashMap<Endpoint, Vec<AnySender>>>,
 }
 
+/// Stands for "some other host" when an offer names none of ours.
+const ELSEWHERE: &str = "elsewhere";
+
 impl Connector {
-    /// `hub`: the process's local listeners, if KV may stay in-process.
+    /// `hub`: the process's local listeners, if KV may stay in-process. `shm` stays off
+    /// until [`Connector::with_shm`].
     pub fn new(cfg: TransferConfig, hub: Option<LocalHub>) -> Connector {
         Connector {
             cfg,
             hub,
+            shm_host: None,
             idle: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Allows `shm` towards decode workers on this host (when its identity can be read).
+    pub fn with_shm(mut self, enabled: bool) -> Connector {
+        #[cfg(unix)]
+        {
+            self.shm_host = if enabled { host_identity() } else { None };
+        }
+        #[cfg(not(unix))]
+        let _ = enabled;
+        self
+    }
+
+    /// This host's identity, when `shm` is allowed and the identity could be read.
+    pub fn shm_host(&self) -> Option<&str> {
+        self.shm_host.as_deref()
     }
 
     /// The configuration connections are made with.
@@ -132,27 +190,56 @@ impl Connector {
         &self.cfg
     }
 
-    /// Picks the endpoint to use among those a decode worker advertises: a local listener
-    /// of this very process first, then tcp.
+    /// Picks the endpoint to use among those a decode worker advertises, by
+    /// [`select_backend`]: a local listener of this very process, else its `shm` socket when
+    /// it is on this host, else tcp.
     pub fn choose(&self, offered: &[Endpoint]) -> Result<Endpoint> {
-        if let Some(hub) = &self.hub {
-            if let Some(e) = offered
+        let local = self.hub.as_ref().and_then(|hub| {
+            offered
                 .iter()
                 .find(|e| e.kind == BackendKind::Local && hub.has(&e.address))
-            {
-                return Ok(e.clone());
-            }
-        }
-        offered
-            .iter()
-            .find(|e| e.kind == BackendKind::Tcp)
-            .cloned()
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "no usable KV endpoint among {offered:?} (this process reaches tcp{})",
-                    if self.hub.is_some() { " and local" } else { "" }
-                ))
-            })
+        });
+        let shm = offered.iter().find_map(|e| e.shm_parts().map(|(h, _)| h));
+        let me = self.shm_host.as_deref().unwrap_or("this host");
+        let info = |host: &str, process_id: u64, tcp: bool, shm: bool| EndpointInfo {
+            host_id: host.to_string(),
+            process_id,
+            tcp,
+            shm,
+            gpu: false,
+            nccl: false,
+            rdma: false,
+        };
+        let src = info(me, 1, true, self.shm_host.is_some());
+        let dst = info(
+            match (local, shm) {
+                (Some(_), _) => me,
+                (None, Some(h)) => h,
+                (None, None) => ELSEWHERE,
+            },
+            if local.is_some() { 1 } else { 2 },
+            offered.iter().any(|e| e.kind == BackendKind::Tcp),
+            shm.is_some(),
+        );
+        // What this connector can open (nccl and rdma are not pooled here).
+        let caps = BackendCaps {
+            local: local.is_some(),
+            shm: cfg!(unix),
+            nccl: false,
+            rdma: false,
+            tcp: true,
+        };
+        let kind = select_backend(&src, &dst, &caps).map_err(|e| {
+            Error::InvalidArgument(format!("no usable KV endpoint among {offered:?}: {e}"))
+        })?;
+        let chosen = match kind {
+            BackendKind::Local => local,
+            BackendKind::Shm => offered.iter().find(|e| e.shm_parts().is_some()),
+            k => offered.iter().find(|e| e.kind == k),
+        };
+        chosen.cloned().ok_or_else(|| {
+            Error::InvalidArgument(format!("no {kind} KV endpoint among {offered:?}"))
+        })
     }
 
     /// An idle pooled sender for `ep`, or a new connection. `fresh` skips the pool (retry
@@ -172,6 +259,17 @@ impl Connector {
             BackendKind::Tcp => Ok(AnySender::Tcp(
                 TcpSender::connect(ep.address.as_str(), &self.cfg).await?,
             )),
+            #[cfg(unix)]
+            BackendKind::Shm => {
+                let (_, path) = ep.shm_parts().ok_or_else(|| {
+                    Error::InvalidArgument(format!("bad shm KV endpoint `{}`", ep.address))
+                })?;
+                // The receiver creates its ring files beside its socket.
+                let dir = path.parent().unwrap_or(Path::new("/"));
+                Ok(AnySender::Shm(
+                    ShmSender::connect(path, &self.cfg, dir).await?,
+                ))
+            }
             BackendKind::Local => match &self.hub {
                 Some(hub) => hub.connect(&ep.address, &self.cfg).await,
                 None => Err(Error::InvalidArgument(
@@ -196,15 +294,33 @@ impl Connector {
     }
 }
 
+/// The listeners a decode worker receives KV on.
+#[derive(Debug, Default)]
+pub struct Inbound {
+    /// TCP (across hosts).
+    pub tcp: Option<TcpReceiver>,
+    /// Shared memory (same host).
+    #[cfg(unix)]
+    pub shm: Option<ShmReceiver>,
+    /// Same process.
+    pub local: Option<mpsc::Receiver<AnyReceiver>>,
+}
+
 /// Accepts inbound KV connections until `cancel` fires, handing each authenticated one to
-/// `on_receiver` (which typically spawns a task receiving transfers on it).
+/// `on_receiver` (which typically spawns a task receiving transfers on it). Handshakes run in
+/// their own tasks, so a slow or silent peer never holds up the accept loop.
 pub async fn serve_inbound(
-    tcp: Option<TcpReceiver>,
-    mut local: Option<mpsc::Receiver<AnyReceiver>>,
+    inbound: Inbound,
     cancel: CancellationToken,
     on_receiver: impl Fn(AnyReceiver) + Send + Sync + 'static,
 ) {
     let on_receiver = Arc::new(on_receiver);
+    let Inbound {
+        tcp,
+        #[cfg(unix)]
+        shm,
+        mut local,
+    } = inbound;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -220,16 +336,35 @@ pub async fn serve_inbound(
                         tokio::spawn(async move {
                             match TcpInbound::handshake(stream, peer, &cfg).await {
                                 Ok(inbound) => cb(AnyReceiver::Tcp(inbound)),
-                                Err(e) => tracing::warn!(%peer, error = %e, "KV handshake refused"),
+                                Err(e) => handshake_failed("tcp", &e),
                             }
                         });
                     }
-                    Err(Error::Timeout { .. }) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accepting a KV connection");
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    }
+                    Err(e) => accept_failed(e).await,
                 }
+            }
+            accepted = async {
+                #[cfg(unix)]
+                if let Some(s) = &shm {
+                    return s.accept_stream().await.map(|sock| (sock, s.setup()));
+                }
+                std::future::pending().await
+            } => {
+                #[cfg(unix)]
+                match accepted {
+                    Ok((sock, setup)) => {
+                        let cb = on_receiver.clone();
+                        tokio::spawn(async move {
+                            match setup.run(sock).await {
+                                Ok(inbound) => cb(AnyReceiver::Shm(inbound)),
+                                Err(e) => handshake_failed("shm", &e),
+                            }
+                        });
+                    }
+                    Err(e) => accept_failed(e).await,
+                }
+                #[cfg(not(unix))]
+                let _: Result<()> = accepted;
             }
             r = async {
                 match local.as_mut() {
@@ -241,5 +376,24 @@ pub async fn serve_inbound(
                 None => local = None,
             },
         }
+    }
+}
+
+/// A peer that connects and leaves without a word (a liveness probe, a worker checking for
+/// stale sockets) is routine; any other failed handshake is worth a warning.
+fn handshake_failed(transport: &'static str, e: &Error) {
+    if matches!(e, Error::PeerClosed { .. }) {
+        tracing::debug!(transport, error = %e, "KV peer left before the handshake");
+    } else {
+        tracing::warn!(transport, error = %e, "KV handshake refused");
+    }
+}
+
+/// An accept that timed out is routine (the idle bound); anything else is logged and
+/// followed by a short pause, so a persistent error (out of descriptors) cannot spin.
+async fn accept_failed(e: Error) {
+    if !matches!(e, Error::Timeout { .. }) {
+        tracing::warn!(error = %e, "accepting a KV connection");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }

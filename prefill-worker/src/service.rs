@@ -27,6 +27,33 @@ impl PrefillService {
     }
 }
 
+/// The decode worker's endpoints this build understands (others, from a newer peer, are
+/// skipped); only the router's single pick when the list is empty (an older router).
+fn offered_endpoints(
+    all: &[pb::KvEndpoint],
+    picked: Option<&pb::KvEndpoint>,
+) -> Result<Vec<Endpoint>, Status> {
+    if all.is_empty() {
+        let ep = picked.cloned().unwrap_or_default();
+        return Endpoint::parse(&ep.transport, &ep.address)
+            .map(|e| vec![e])
+            .map_err(|e| PrefillError::Transfer(e).status());
+    }
+    let parsed: Vec<Endpoint> = all
+        .iter()
+        .filter_map(|e| Endpoint::parse(&e.transport, &e.address).ok())
+        .collect();
+    if parsed.is_empty() {
+        return Err(
+            PrefillError::Transfer(duet_kv_transfer::Error::InvalidArgument(format!(
+                "none of the decode worker's KV endpoints is usable: {all:?}"
+            )))
+            .status(),
+        );
+    }
+    Ok(parsed)
+}
+
 #[tonic::async_trait]
 impl pb::prefill_server::Prefill for PrefillService {
     async fn prefill(
@@ -35,13 +62,10 @@ impl pb::prefill_server::Prefill for PrefillService {
     ) -> Result<Response<pb::PrefillResponse>, Status> {
         let trace = TraceContext::extract(req.metadata());
         let r = req.into_inner();
-        let ep = r.kv_endpoint.unwrap_or_default();
-        let offered = Endpoint::parse(&ep.transport, &ep.address)
-            .map_err(|e| PrefillError::Transfer(e).status())?;
         let endpoint = self
             .handle
             .connector()
-            .choose(&[offered])
+            .choose(&offered_endpoints(&r.kv_endpoints, r.kv_endpoint.as_ref())?)
             .map_err(|e| PrefillError::Transfer(e).status())?;
         let sampling = sampling_from_proto(r.sampling.as_ref());
         sampling

@@ -92,17 +92,26 @@ async fn run(
             }
             Msg::Finish => match sender.as_mut() {
                 Some(s) => s.finish().await.map(|receipt| {
+                    let transport = s.kind().as_str();
                     bytes += receipt.payload_bytes;
-                    metrics::counter!(KV_TRANSFER_BYTES_TOTAL, "direction" => "sent")
-                        .increment(receipt.payload_bytes);
+                    metrics::counter!(
+                        KV_TRANSFER_BYTES_TOTAL,
+                        "direction" => "sent",
+                        "transport" => transport
+                    )
+                    .increment(receipt.payload_bytes);
                     metrics::counter!(
                         KV_TRANSFER_WIRE_BYTES_TOTAL,
                         "direction" => "sent",
                         "compression" => receipt.compression.as_str()
                     )
                     .increment(receipt.wire_bytes);
-                    metrics::counter!(KV_TRANSFER_TRANSFERS_TOTAL, "direction" => "sent")
-                        .increment(1);
+                    metrics::counter!(
+                        KV_TRANSFER_TRANSFERS_TOTAL,
+                        "direction" => "sent",
+                        "transport" => transport
+                    )
+                    .increment(1);
                 }),
                 None => Ok(()),
             },

@@ -340,8 +340,9 @@ fn connection_broke(status: &Status) -> bool {
     std::error::Error::source(status).is_some()
 }
 
-/// The KV endpoint a prefill worker should use to reach `offered`: the in-process one when
-/// both workers live in the same process, else tcp.
+/// The KV endpoint for prefill workers that predate `PrefillRequest.kv_endpoints`: the
+/// in-process one when both workers live in the same process, else tcp, else whatever is
+/// offered (newer workers pick among all offered endpoints themselves, shm included).
 fn kv_endpoint_for(offered: &[pb::KvEndpoint], prefill: &WorkerRecord) -> Option<pb::KvEndpoint> {
     let local_process = prefill
         .kv_endpoints
@@ -356,7 +357,11 @@ fn kv_endpoint_for(offered: &[pb::KvEndpoint], prefill: &WorkerRecord) -> Option
             return Some(e.clone());
         }
     }
-    offered.iter().find(|e| e.transport == "tcp").cloned()
+    offered
+        .iter()
+        .find(|e| e.transport == "tcp")
+        .or_else(|| offered.first())
+        .cloned()
 }
 
 /// The bounded metric label of a placement.
@@ -629,6 +634,7 @@ async fn attempt_once(
                 prompt: prompt.clone(),
                 sampling,
                 kv_endpoint: Some(endpoint),
+                kv_endpoints: res.kv_endpoints.clone(),
                 dst_blocks: res.block_ids.clone(),
                 priority: job.prep.priority as i32,
                 dst_start_tokens: res.cached_tokens,

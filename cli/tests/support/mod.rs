@@ -69,6 +69,10 @@ impl Proc {
                 "DUET_LOG",
                 std::env::var("DUET_TEST_LOG").unwrap_or_else(|_| "warn".into()),
             )
+            // Workers of one host would otherwise pick shm: these tests are about KV over
+            // tcp between processes (as between hosts, or across cut network namespaces).
+            // `kv_shm.rs` turns it back on.
+            .env("DUET_KV_SHM", "off")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(if keep_stderr {
@@ -399,7 +403,7 @@ impl Cluster {
     }
 
     /// A worker; with `Some(env)`, started with those variables and its logs kept.
-    fn worker_with(
+    pub fn worker_with(
         etcd: &etcd::EtcdServer,
         cluster: &str,
         role: &str,

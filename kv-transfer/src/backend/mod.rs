@@ -159,6 +159,22 @@ impl KvSender for AnySender {
     }
 }
 
+impl AnyReceiver {
+    /// Which backend this is.
+    pub fn kind(&self) -> BackendKind {
+        match self {
+            AnyReceiver::Tcp(_) => BackendKind::Tcp,
+            #[cfg(unix)]
+            AnyReceiver::Shm(_) => BackendKind::Shm,
+            AnyReceiver::Local(_) => BackendKind::Local,
+            #[cfg(feature = "nccl")]
+            AnyReceiver::Nccl(_) => BackendKind::Nccl,
+            #[cfg(feature = "rdma")]
+            AnyReceiver::Rdma(_) => BackendKind::Rdma,
+        }
+    }
+}
+
 impl KvReceiver for AnyReceiver {
     async fn receive<S: KvSink + Send>(&mut self, sink: &mut S) -> Result<TransferReceipt> {
         match self {

@@ -127,6 +127,22 @@ pub enum Switch {
     Off,
 }
 
+/// Same-host KV over shared memory (separate worker processes).
+#[derive(Args, Debug, Clone)]
+pub struct ShmArgs {
+    /// Move KV over shared memory between workers on this host (same boot and mount
+    /// namespace): decode workers also listen on a unix socket, prefill workers use it for
+    /// decode workers on their host; tcp for every other pair.
+    #[arg(long, env = "DUET_KV_SHM", value_enum, default_value = "on")]
+    pub kv_shm: Switch,
+}
+
+/// The directory shm sockets and ring files go in by default: `/dev/shm` (memory-backed)
+/// where it exists, else the temp dir.
+pub fn default_shm_dir() -> std::path::PathBuf {
+    duet_kv_transfer::backend::shm::ShmOptions::default().dir
+}
+
 /// Tokens per KV block (fixed: every worker of a cluster must agree).
 pub const BLOCK_SIZE: usize = 16;
 

@@ -16,7 +16,7 @@ use duet_prefill_worker::PrefillConfig;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use super::args::{parse_duration, KvArgs, RegistryArgs};
+use super::args::{default_shm_dir, parse_duration, KvArgs, RegistryArgs, ShmArgs, Switch};
 use super::router::{model_name, run_router, serve_metrics_on, RouterListeners, RoutingArgs};
 use super::tls_args::TlsArgs;
 use super::worker::{run_decode, run_prefill, WorkerEnv};
@@ -93,8 +93,9 @@ pub struct UpArgs {
     /// How long in-flight requests may finish after SIGTERM.
     #[arg(long, env = "DUET_DRAIN", default_value = "10s", value_parser = parse_duration)]
     pub drain: Duration,
-    /// How KV moves between the workers of this process: handed over in memory (`local`)
-    /// or over loopback tcp, as between hosts (`tcp`, to measure the transport).
+    /// How KV moves between the workers of this process: handed over in memory (`local`),
+    /// or, to measure a transport, over loopback tcp as between hosts (`tcp`) or over shared
+    /// memory as between processes of one host (`shm`).
     #[arg(long, env = "DUET_KV_TRANSPORT", value_enum, default_value = "local")]
     pub kv_transport: KvTransport,
     #[command(flatten)]
@@ -106,6 +107,7 @@ pub struct UpArgs {
 pub enum KvTransport {
     Local,
     Tcp,
+    Shm,
 }
 
 fn load(m: &ModelArgs) -> anyhow::Result<Arc<Model>> {
@@ -158,6 +160,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             grpc,
             advertise_host: "127.0.0.1".into(),
             hub: (a.kv_transport == KvTransport::Local).then(|| (hub.clone(), tag.clone())),
+            kv_shm_dir: (a.kv_transport == KvTransport::Shm).then(default_shm_dir),
             kv_advertise_host: None,
             drain: a.drain,
             tls: server_tls.clone(),
@@ -165,13 +168,17 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         for i in 0..a.decode_workers {
             let model = load(&a.model)?;
             let grpc = TcpListener::bind("127.0.0.1:0").await?;
-            let kv = TcpListener::bind("127.0.0.1:0").await?;
+            // Over shm, tcp is not offered: the transfers measured are shm's.
+            let kv = match a.kv_transport {
+                KvTransport::Shm => None,
+                _ => Some(TcpListener::bind("127.0.0.1:0").await?),
+            };
             let e = env(model, grpc);
             tasks.spawn(run_decode(
                 e,
                 format!("decode-{i}"),
                 dcfg.clone(),
-                Some(kv),
+                kv,
                 shutdown.clone(),
             ));
         }
@@ -294,6 +301,11 @@ pub struct DecodeCmd {
     /// KV receive address (tcp).
     #[arg(long, env = "DUET_KV_LISTEN", default_value = "127.0.0.1:0")]
     pub kv_listen: SocketAddr,
+    #[command(flatten)]
+    pub shm: ShmArgs,
+    /// Directory of the shm KV socket and ring files (default: /dev/shm, else the temp dir).
+    #[arg(long, env = "DUET_KV_SHM_DIR")]
+    pub kv_shm_dir: Option<std::path::PathBuf>,
     /// Host prefill workers send KV to, when KV travels on another network than gRPC (a
     /// dedicated data network); default: --advertise-host.
     #[arg(long, env = "DUET_KV_ADVERTISE_HOST")]
@@ -313,6 +325,8 @@ pub struct PrefillCmd {
     pub kv: KvArgs,
     #[command(flatten)]
     pub prefill: PrefillArgs,
+    #[command(flatten)]
+    pub shm: ShmArgs,
     /// Served model name (default: the GGUF file name without extension).
     #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -355,6 +369,7 @@ async fn worker_env(
         grpc,
         advertise_host: p.host(),
         hub: None,
+        kv_shm_dir: None,
         kv_advertise_host: None,
         drain: p.drain,
     })
@@ -370,6 +385,9 @@ pub fn decode(a: DecodeCmd) -> anyhow::Result<()> {
         serve_metrics_on(a.process.metrics_listen, shutdown.clone()).await?;
         let mut env = worker_env(&a.process, model, name, a.kv.clone()).await?;
         env.kv_advertise_host = a.kv_advertise_host.clone();
+        if a.shm.kv_shm == Switch::On {
+            env.kv_shm_dir = Some(a.kv_shm_dir.clone().unwrap_or_else(default_shm_dir));
+        }
         let kv = TcpListener::bind(a.kv_listen)
             .await
             .with_context(|| format!("binding {}", a.kv_listen))?;
@@ -385,7 +403,11 @@ pub fn prefill(a: PrefillCmd) -> anyhow::Result<()> {
     runtime()?.block_on(async move {
         let shutdown = duet_serving::server::shutdown_on_signal();
         serve_metrics_on(a.process.metrics_listen, shutdown.clone()).await?;
-        let env = worker_env(&a.process, model, name, a.kv.clone()).await?;
+        let mut env = worker_env(&a.process, model, name, a.kv.clone()).await?;
+        if a.shm.kv_shm == Switch::On {
+            // Only "on" matters to a sender: the directory is the receiver's.
+            env.kv_shm_dir = Some(default_shm_dir());
+        }
         run_prefill(env, a.process.id("prefill"), cfg, shutdown).await
     })
 }

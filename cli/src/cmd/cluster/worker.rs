@@ -5,6 +5,7 @@
 //! stop choosing this worker), then health goes NOT_SERVING and the server drains in-flight
 //! calls up to the deadline, then the engine thread stops.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +15,8 @@ use duet_discovery::{
     Capacity, KvEndpoint, Registration, RegistrationOptions, Registry, Role, WorkerRecord,
 };
 use duet_engine::Model;
-use duet_kv_transfer::{Connector, LocalHub};
+use duet_kv_transfer::backend::shm::{host_identity, ShmOptions, ShmReceiver};
+use duet_kv_transfer::{Connector, Endpoint, LocalHub, TransferConfig};
 use duet_prefill_worker::{service::PrefillService, PrefillConfig, PrefillHandle};
 use duet_proto::v1 as pb;
 use duet_serving::kv_events::KvCacheService;
@@ -42,6 +44,9 @@ pub struct WorkerEnv {
     pub kv_advertise_host: Option<String>,
     /// In-process hub and this process's tag (all-in-one mode).
     pub hub: Option<(LocalHub, String)>,
+    /// Same-host shm KV when set: decode workers listen on a unix socket in this directory
+    /// (their ring files go there too), prefill workers use shm toward them.
+    pub kv_shm_dir: Option<PathBuf>,
     pub drain: Duration,
     /// TLS on the gRPC server (mutual when it names a client CA).
     pub tls: Option<ServerTls>,
@@ -159,6 +164,17 @@ pub async fn run_decode(
             ),
         });
     }
+    let shm = match &env.kv_shm_dir {
+        Some(dir) => shm_listener(dir, &id, &tcfg)?,
+        None => None,
+    };
+    if let Some((rx, host)) = &shm {
+        let e = Endpoint::shm(host, rx.path());
+        endpoints.push(KvEndpoint {
+            transport: "shm".into(),
+            address: e.address,
+        });
+    }
     let local = env
         .hub
         .as_ref()
@@ -171,6 +187,7 @@ pub async fn run_decode(
     }
     tokio::spawn(kv_inbound::serve(
         kv_tcp,
+        shm.map(|(rx, _)| rx),
         local,
         tcfg,
         handle.clone(),
@@ -216,6 +233,53 @@ pub async fn run_decode(
     serve_until(env, routes, &services, reg, shutdown).await
 }
 
+/// Names of decode workers' shm sockets (a worker binds a fresh name at every start).
+const SHM_SOCKET_PREFIX: &str = "duet-sock-";
+
+/// Removes sockets left in `dir` by decode workers that died without cleaning up (`kill -9`):
+/// those nobody listens on any more (connecting is refused).
+fn remove_stale_sockets(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let stale = name.to_string_lossy().starts_with(SHM_SOCKET_PREFIX)
+            && matches!(
+                std::os::unix::net::UnixStream::connect(e.path()),
+                Err(err) if err.kind() == std::io::ErrorKind::ConnectionRefused
+            );
+        if stale && std::fs::remove_file(e.path()).is_ok() {
+            tracing::info!(path = %e.path().display(), "removed a stale shm KV socket");
+        }
+    }
+}
+
+/// The decode worker's shm socket in `dir` and this host's identity; `None` (tcp only, said
+/// once in the log) where the identity cannot be read.
+fn shm_listener(
+    dir: &Path,
+    id: &str,
+    cfg: &TransferConfig,
+) -> anyhow::Result<Option<(ShmReceiver, String)>> {
+    let Some(host) = host_identity() else {
+        tracing::warn!("no host identity (/proc): KV over shm disabled, tcp only");
+        return Ok(None);
+    };
+    remove_stale_sockets(dir);
+    let path = dir.join(format!(
+        "{SHM_SOCKET_PREFIX}{id}-{:08x}.sock",
+        rand::random::<u32>()
+    ));
+    let opts = ShmOptions {
+        dir: dir.to_path_buf(),
+        ..ShmOptions::default()
+    };
+    let rx = ShmReceiver::bind(&path, cfg.clone(), opts)
+        .with_context(|| format!("binding the shm KV socket {}", path.display()))?;
+    Ok(Some((rx, host)))
+}
+
 fn decode_capacity(h: &DecodeHandle) -> Capacity {
     let s = h.status();
     Capacity {
@@ -241,10 +305,10 @@ pub async fn run_prefill(
     let engine_stop = CancellationToken::new();
     let _stop_engine = engine_stop.clone().drop_guard();
     let tcfg = env.kv.transfer_config(&env.model)?;
-    let connector = Arc::new(Connector::new(
-        tcfg,
-        env.hub.as_ref().map(|(h, _)| h.clone()),
-    ));
+    let connector = Arc::new(
+        Connector::new(tcfg, env.hub.as_ref().map(|(h, _)| h.clone()))
+            .with_shm(env.kv_shm_dir.is_some()),
+    );
     let handle = PrefillHandle::start(
         env.model.clone(),
         env.kv.cache_config(&env.model),

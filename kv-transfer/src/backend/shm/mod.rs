@@ -31,8 +31,11 @@
 //! returns only after PULLED, so its regions outlive the copy; every socket wait is bounded
 //! by a timeout.
 
+mod host;
 pub(crate) mod mapping;
 mod pull;
+
+pub use host::host_identity;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -534,11 +537,44 @@ impl ShmReceiver {
         &self.path
     }
 
+    /// Waits for one connection (bounded by the idle timeout); [`ShmSetup::run`] then
+    /// authenticates it and sets up its ring, so a slow peer never holds up the accept loop.
+    pub async fn accept_stream(&self) -> Result<UnixStream> {
+        let (sock, _) = bounded(
+            self.cfg.timeouts.idle,
+            "waiting for a connection",
+            self.listener.accept(),
+        )
+        .await?;
+        Ok(sock)
+    }
+
+    /// What [`ShmSetup::run`] needs, detached from the listener (for a spawned task).
+    pub fn setup(&self) -> ShmSetup {
+        ShmSetup {
+            cfg: self.cfg.clone(),
+            opts: self.opts.clone(),
+        }
+    }
+
     /// Accepts one connection, authenticates it and sets up its ring.
     pub async fn accept(&self) -> Result<ShmInbound> {
+        let sock = self.accept_stream().await?;
+        self.setup().run(sock).await
+    }
+}
+
+/// The receiver's side of a connection's set-up: handshake, ring, mode negotiation.
+#[derive(Debug, Clone)]
+pub struct ShmSetup {
+    cfg: TransferConfig,
+    opts: ShmOptions,
+}
+
+impl ShmSetup {
+    /// Authenticates the peer on `sock` and sets up its ring (and pull mode when possible).
+    pub async fn run(self, mut sock: UnixStream) -> Result<ShmInbound> {
         let t = self.cfg.timeouts;
-        let (mut sock, _) =
-            bounded(t.idle, "waiting for a connection", self.listener.accept()).await?;
         handshake::server(&mut sock, &self.cfg.layout, &self.cfg.secret, t.handshake).await?;
         let (mut map, name) = ShmMapping::create(&self.opts.dir, self.opts.ring_len()?)?;
         let mut setup = [0u8; SETUP_LEN];

@@ -1,0 +1,205 @@
+//! Endpoints as a decode worker offers them, the prefill side's choice among them, and the
+//! decode side's accept loop: a prefill connector reaches a decode worker on the same host
+//! over shm, through `serve_inbound`, and the bytes land in the reserved blocks.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use duet_kv_transfer::backend::shm::{host_identity, ShmOptions, ShmReceiver};
+use duet_kv_transfer::{
+    serve_inbound, AnyReceiver, BackendKind, Compression, Connector, Endpoint, Inbound, KvReceiver,
+    LocalHub, MemorySink,
+};
+use tokio_util::sync::CancellationToken;
+
+fn tcp() -> Endpoint {
+    Endpoint::parse("tcp", "10.0.0.7:5000").unwrap()
+}
+
+fn shm_on(host: &str) -> Endpoint {
+    Endpoint::shm(host, Path::new("/dev/shm/duet-sock-decode-0.sock"))
+}
+
+fn connector(shm: bool, hub: Option<LocalHub>) -> Connector {
+    Connector::new(common::config(common::small_layout()), hub).with_shm(shm)
+}
+
+#[test]
+fn shm_addresses_round_trip_and_malformed_ones_are_refused() {
+    let e = shm_on("abc-123");
+    let back = Endpoint::parse("shm", &e.address).unwrap();
+    assert_eq!(back, e);
+    assert_eq!(
+        back.shm_parts(),
+        Some(("abc-123", Path::new("/dev/shm/duet-sock-decode-0.sock")))
+    );
+    for bad in [
+        "no-colon",
+        ":/dev/shm/x.sock",
+        "host:relative/x.sock",
+        "host:/",
+    ] {
+        let err = Endpoint::parse("shm", bad).unwrap_err().to_string();
+        assert!(err.contains("host identity"), "{bad}: {err}");
+    }
+    let err = Endpoint::parse("carrier-pigeon", "x")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("carrier-pigeon"), "{err}");
+}
+
+/// Which endpoint a prefill worker picks, for what the decode worker offers and what this
+/// side allows. Expected values come from the rule (same process, same host, elsewhere),
+/// not from the implementation.
+#[test]
+fn the_connector_picks_local_then_same_host_shm_then_tcp() {
+    let me = host_identity().expect("a Linux host identity");
+    let hub = LocalHub::default();
+    let _listener = hub.listen("proc/decode-0");
+    let local = Endpoint::parse("local", "proc/decode-0").unwrap();
+    let foreign_local = Endpoint::parse("local", "other-proc/decode-0").unwrap();
+    let cases: Vec<(&str, Connector, Vec<Endpoint>, Option<BackendKind>)> = vec![
+        (
+            "same process beats everything",
+            connector(true, Some(hub.clone())),
+            vec![tcp(), shm_on(&me), local.clone()],
+            Some(BackendKind::Local),
+        ),
+        (
+            "a local name of another process is not this process",
+            connector(false, Some(hub.clone())),
+            vec![foreign_local.clone(), tcp()],
+            Some(BackendKind::Tcp),
+        ),
+        (
+            "same host: shm over tcp",
+            connector(true, None),
+            vec![tcp(), shm_on(&me)],
+            Some(BackendKind::Shm),
+        ),
+        (
+            "same host, shm only",
+            connector(true, None),
+            vec![shm_on(&me)],
+            Some(BackendKind::Shm),
+        ),
+        (
+            "another host: tcp",
+            connector(true, None),
+            vec![shm_on("some-other-host-1"), tcp()],
+            Some(BackendKind::Tcp),
+        ),
+        (
+            "shm switched off here: tcp",
+            connector(false, None),
+            vec![shm_on(&me), tcp()],
+            Some(BackendKind::Tcp),
+        ),
+        (
+            "another host's shm only: unreachable",
+            connector(true, None),
+            vec![shm_on("some-other-host-1")],
+            None,
+        ),
+        (
+            "shm off and nothing else: unreachable",
+            connector(false, None),
+            vec![shm_on(&me)],
+            None,
+        ),
+        ("nothing offered", connector(true, None), vec![], None),
+    ];
+    for (case, c, offered, want) in cases {
+        let got = c.choose(&offered);
+        match want {
+            Some(kind) => {
+                let e = got.unwrap_or_else(|e| panic!("{case}: {e}"));
+                assert_eq!(e.kind, kind, "{case}");
+                assert!(offered.contains(&e), "{case}: {e:?} was not offered");
+            }
+            None => {
+                let err = got.expect_err(case).to_string();
+                assert!(err.contains("no usable KV endpoint"), "{case}: {err}");
+            }
+        }
+    }
+}
+
+/// A decode side serving shm through `serve_inbound`, a prefill side whose connector chose
+/// the shm endpoint: two transfers land exactly in their reserved blocks, and a peer that
+/// connects and says nothing does not hold up the next connection's set-up.
+#[tokio::test]
+async fn a_connector_reaches_serve_inbound_over_shm() {
+    let layout = common::model_layout();
+    let cfg = common::config(layout);
+    let dir = std::env::temp_dir().join(format!("duet-endpoint-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("duet-sock-decode-0.sock");
+    let opts = ShmOptions {
+        dir: dir.clone(),
+        ..ShmOptions::default()
+    };
+    let rx = ShmReceiver::bind(&path, cfg.clone(), opts).unwrap();
+    let cancel = CancellationToken::new();
+    let (conns, mut accepted) = tokio::sync::mpsc::unbounded_channel::<AnyReceiver>();
+    let server = tokio::spawn(serve_inbound(
+        Inbound {
+            shm: Some(rx),
+            ..Inbound::default()
+        },
+        cancel.clone(),
+        move |conn| {
+            let _ = conns.send(conn);
+        },
+    ));
+
+    // A silent peer: connected, never speaks (its handshake waits out its own timeout).
+    let _silent = tokio::net::UnixStream::connect(&path).await.unwrap();
+
+    let me = host_identity().unwrap();
+    let offered = vec![tcp(), Endpoint::shm(&me, &path)];
+    let c = Connector::new(cfg, None).with_shm(true);
+    let ep = c.choose(&offered).unwrap();
+    assert_eq!(ep.kind, BackendKind::Shm);
+    let mut tx = tokio::time::timeout(Duration::from_secs(3), c.checkout(&ep, false))
+        .await
+        .expect("set-up not held up by the silent peer")
+        .unwrap();
+    assert_eq!(tx.kind(), BackendKind::Shm);
+    let [d1, d2] = common::two_transfers();
+    let mut conn = tokio::time::timeout(Duration::from_secs(3), accepted.recv())
+        .await
+        .expect("the connection is handed over")
+        .unwrap();
+    assert_eq!(conn.kind(), BackendKind::Shm);
+    let mut sink = MemorySink::new(layout, 8);
+    sink.reserve(1, &[4, 1, 6]).unwrap();
+    sink.reserve(2, &[0]).unwrap();
+    let receiving = async {
+        let a = conn.receive(&mut sink).await.unwrap();
+        let b = conn.receive(&mut sink).await.unwrap();
+        [a.desc.request_id, b.desc.request_id]
+    };
+    let sending = async {
+        for d in [&d1, &d2] {
+            common::send_transfer(&mut tx, &layout, d, Compression::None)
+                .await
+                .unwrap();
+        }
+    };
+    let (ids, ()) = tokio::join!(receiving, sending);
+    assert_eq!(ids, [1, 2]);
+    c.checkin(&ep, tx);
+    for d in [&d1, &d2] {
+        common::assert_landed_through(&sink, &layout, d, Compression::None);
+    }
+    for b in [2, 3, 5, 7] {
+        common::assert_untouched(&sink, &layout, b);
+    }
+    cancel.cancel();
+    server.await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
