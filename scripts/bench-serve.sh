@@ -37,6 +37,8 @@
 #   TTFT_SCALE, TPOT_SCALE  SLO multiples of the unloaded p90 [5, 3]
 #   SLO_TTFT_MS, SLO_TPOT_MS  a fixed SLO instead (e.g. to extend an earlier run)
 #   DUET_BACKEND  how duet is loaded: duet (gRPC door) or openai (its HTTP door) [duet]
+#   KV_SHM        KV between the separate worker processes over shared memory (on) or
+#                 loopback tcp, as between hosts (off) [off: what docs/benchmarks.md measured]
 #   LLAMA_SLOTS   llama-server parallel slots [4]
 #   OUT           results directory [bench/results/serve-<date>]
 #   SMOKE=1       a tiny run to check the script works (2 rates x 4 requests, short
@@ -192,10 +194,12 @@ start_config() {
       local cluster="bench-$name-$RANDOM" local_max=0
       [ "$name" = conditional ] && local_max=256
       taskset -c 1 "$duet" decode --model "$model" --threads 1 --etcd "$etcd_ep" --cluster "$cluster" \
-        --listen 127.0.0.1:0 --kv-listen 127.0.0.1:0 --kv-pool 256MiB --prefix-cache off >"$log-decode.log" 2>&1 &
+        --listen 127.0.0.1:0 --kv-listen 127.0.0.1:0 --kv-pool 256MiB --prefix-cache off \
+        --kv-shm "${KV_SHM:-off}" >"$log-decode.log" 2>&1 &
       pids+=($!)
       taskset -c 0 "$duet" prefill --model "$model" --threads 1 --etcd "$etcd_ep" --cluster "$cluster" \
-        --listen 127.0.0.1:0 --kv-pool 256MiB --prefix-cache off >"$log-prefill.log" 2>&1 &
+        --listen 127.0.0.1:0 --kv-pool 256MiB --prefix-cache off \
+        --kv-shm "${KV_SHM:-off}" >"$log-prefill.log" 2>&1 &
       pids+=($!)
       wait_line "$log-decode.log" "serving gRPC on" >/dev/null
       wait_line "$log-prefill.log" "serving gRPC on" >/dev/null

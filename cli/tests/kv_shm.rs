@@ -3,7 +3,8 @@
 //! worker offers a unix socket beside tcp, the prefill worker sees it is on the same host and
 //! picks shm, and the tokens equal `duet run`'s. A decode worker killed with SIGKILL leaves
 //! its socket behind; the next one to start in that directory removes it, serves over shm in
-//! turn, and removes its own socket when it stops gracefully.
+//! turn, and removes its own socket when it stops gracefully. A `--kv-shm-dir` that cannot
+//! be used stops the decode worker with an error naming the flag.
 
 mod support;
 
@@ -107,5 +108,25 @@ fn separate_workers_on_one_host_move_kv_over_shm() {
     let mut next = next;
     assert_eq!(next.terminate(Duration::from_secs(20)), Some(0));
     assert!(!next_socket.exists(), "{next_socket:?} left after SIGTERM");
+
+    // Asked for explicitly, a directory that cannot hold the socket is an error at start.
+    let ep = cl.etcd.endpoint();
+    let mut bad = support::Proc::start_logged(
+        "decode-bad",
+        &[
+            "decode",
+            "--etcd",
+            &ep,
+            "--cluster",
+            &cl.cluster,
+            "--kv-shm-dir",
+            "/nonexistent/duet-kv",
+        ],
+        &[("DUET_KV_SHM", "on")],
+    );
+    let code = bad.wait_exit(START);
+    assert!(matches!(code, Some(c) if c != 0), "exit {code:?}");
+    let logs = bad.log_lines().join("\n");
+    assert!(logs.contains("--kv-shm-dir /nonexistent/duet-kv"), "{logs}");
     let _ = std::fs::remove_dir_all(&dir);
 }

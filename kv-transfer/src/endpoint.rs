@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use crate::backend::local;
 #[cfg(unix)]
@@ -143,15 +144,34 @@ impl LocalHub {
 
 /// Idle connections kept per endpoint.
 const MAX_IDLE_PER_ENDPOINT: usize = 8;
+/// How long an shm endpoint that could not be set up is passed over (then tried again).
+pub const SHM_REFUSED_FOR: Duration = Duration::from_secs(60);
+
+/// Where one transfer goes: the chosen endpoint, and the tcp endpoint to fall back on when a
+/// same-host shm connection cannot be set up (another user's socket or ring file, a chroot:
+/// an equal host identity does not prove access).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// The endpoint [`Connector::choose`] picked.
+    pub endpoint: Endpoint,
+    /// Tried when `endpoint` is shm and connecting to it fails.
+    pub fallback: Option<Endpoint>,
+}
 
 /// Outbound connections, pooled per endpoint.
+///
+/// Invariant: an idle sender is dropped once it has been idle longer than the idle timeout
+/// (its receiver closes it by then anyway), so endpoints that vanished (a restarted decode
+/// worker binds a new socket name) hold no descriptors or rings for long.
 #[derive(Debug)]
 pub struct Connector {
     cfg: TransferConfig,
     hub: Option<LocalHub>,
     /// This host's identity when `shm` may be used.
     shm_host: Option<String>,
-    idle: Mutex<HashMap<Endpoint, Vec<AnySender>>>,
+    idle: Mutex<HashMap<Endpoint, Vec<(Instant, AnySender)>>>,
+    /// shm endpoints whose set-up failed, and when.
+    refused: Mutex<HashMap<Endpoint, Instant>>,
 }
 
 /// Stands for "some other host" when an offer names none of ours.
@@ -166,6 +186,7 @@ impl Connector {
             hub,
             shm_host: None,
             idle: Mutex::new(HashMap::new()),
+            refused: Mutex::new(HashMap::new()),
         }
     }
 
@@ -199,7 +220,10 @@ impl Connector {
                 .iter()
                 .find(|e| e.kind == BackendKind::Local && hub.has(&e.address))
         });
-        let shm = offered.iter().find_map(|e| e.shm_parts().map(|(h, _)| h));
+        let shm_endpoint = offered
+            .iter()
+            .find(|e| e.shm_parts().is_some() && !self.recently_refused(e));
+        let shm = shm_endpoint.and_then(|e| e.shm_parts()).map(|(h, _)| h);
         let me = self.shm_host.as_deref().unwrap_or("this host");
         let info = |host: &str, process_id: u64, tcp: bool, shm: bool| EndpointInfo {
             host_id: host.to_string(),
@@ -234,7 +258,7 @@ impl Connector {
         })?;
         let chosen = match kind {
             BackendKind::Local => local,
-            BackendKind::Shm => offered.iter().find(|e| e.shm_parts().is_some()),
+            BackendKind::Shm => shm_endpoint,
             k => offered.iter().find(|e| e.kind == k),
         };
         chosen.cloned().ok_or_else(|| {
@@ -242,16 +266,72 @@ impl Connector {
         })
     }
 
+    /// [`Connector::choose`], with tcp as the fallback of an shm choice.
+    pub fn route(&self, offered: &[Endpoint]) -> Result<Route> {
+        let endpoint = self.choose(offered)?;
+        let fallback = (endpoint.kind == BackendKind::Shm)
+            .then(|| offered.iter().find(|e| e.kind == BackendKind::Tcp).cloned())
+            .flatten();
+        Ok(Route { endpoint, fallback })
+    }
+
+    /// A sender along `route`: [`Connector::checkout`] of its endpoint, else, when that is an
+    /// shm endpoint that cannot be set up, of its fallback (the shm endpoint is then passed
+    /// over for [`SHM_REFUSED_FOR`]). Returns the endpoint actually used (for checkin).
+    pub async fn connect(&self, route: &Route, fresh: bool) -> Result<(Endpoint, AnySender)> {
+        match self.checkout(&route.endpoint, fresh).await {
+            Ok(s) => Ok((route.endpoint.clone(), s)),
+            Err(e) => match &route.fallback {
+                Some(fb) if route.endpoint.kind == BackendKind::Shm => {
+                    tracing::warn!(
+                        endpoint = %route.endpoint.address,
+                        error = %e,
+                        "shm KV endpoint unusable from here; falling back to tcp"
+                    );
+                    if let Ok(mut r) = self.refused.lock() {
+                        r.insert(route.endpoint.clone(), Instant::now());
+                    }
+                    let s = self.checkout(fb, fresh).await?;
+                    Ok((fb.clone(), s))
+                }
+                _ => Err(e),
+            },
+        }
+    }
+
+    fn recently_refused(&self, ep: &Endpoint) -> bool {
+        self.refused.lock().is_ok_and(|mut r| {
+            r.retain(|_, at| at.elapsed() < SHM_REFUSED_FOR);
+            r.contains_key(ep)
+        })
+    }
+
+    /// Drops senders idle past the idle timeout, and endpoints left without any.
+    fn sweep(&self, m: &mut HashMap<Endpoint, Vec<(Instant, AnySender)>>) {
+        let limit = self.cfg.timeouts.idle;
+        m.retain(|_, v| {
+            v.retain(|(at, _)| at.elapsed() < limit);
+            !v.is_empty()
+        });
+    }
+
+    /// Idle senders held, over every endpoint.
+    pub fn idle_count(&self) -> usize {
+        self.idle.lock().map_or(0, |mut m| {
+            self.sweep(&mut m);
+            m.values().map(Vec::len).sum()
+        })
+    }
+
     /// An idle pooled sender for `ep`, or a new connection. `fresh` skips the pool (retry
     /// after a pooled connection turned out to be closed by the peer).
     pub async fn checkout(&self, ep: &Endpoint, fresh: bool) -> Result<AnySender> {
         if !fresh {
-            if let Some(s) = self
-                .idle
-                .lock()
-                .ok()
-                .and_then(|mut m| m.get_mut(ep).and_then(Vec::pop))
-            {
+            let pooled = self.idle.lock().ok().and_then(|mut m| {
+                self.sweep(&mut m);
+                m.get_mut(ep).and_then(Vec::pop)
+            });
+            if let Some((_, s)) = pooled {
                 return Ok(s);
             }
         }
@@ -286,9 +366,10 @@ impl Connector {
     /// Returns a sender whose last transfer finished cleanly.
     pub fn checkin(&self, ep: &Endpoint, s: AnySender) {
         if let Ok(mut m) = self.idle.lock() {
+            self.sweep(&mut m);
             let v = m.entry(ep.clone()).or_default();
             if v.len() < MAX_IDLE_PER_ENDPOINT {
-                v.push(s);
+                v.push((Instant::now(), s));
             }
         }
     }

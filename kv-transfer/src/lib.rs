@@ -39,7 +39,7 @@ pub use api::{KvReceiver, KvSender, TransferReceipt};
 pub use auth::SharedSecret;
 pub use backend::{select_backend, AnyReceiver, AnySender, BackendCaps, BackendKind, EndpointInfo};
 pub use config::{Timeouts, TransferConfig};
-pub use endpoint::{serve_inbound, Connector, Endpoint, Inbound, LocalHub};
+pub use endpoint::{serve_inbound, Connector, Endpoint, Inbound, LocalHub, Route};
 pub use error::{Error, ErrorClass, Result, SinkError};
 pub use layout::{
     Dtype, Fingerprint, KvKind, KvLayout, KvLayoutSpec, LayoutMismatch, TransferDesc,

@@ -8,6 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use duet_kv_transfer::backend::shm::{host_identity, ShmOptions, ShmReceiver};
+use duet_kv_transfer::backend::tcp::TcpReceiver;
 use duet_kv_transfer::{
     serve_inbound, AnyReceiver, BackendKind, Compression, Connector, Endpoint, Inbound, KvReceiver,
     LocalHub, MemorySink,
@@ -202,4 +203,64 @@ async fn a_connector_reaches_serve_inbound_over_shm() {
     cancel.cancel();
     server.await.unwrap();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An shm endpoint on this host that cannot be set up from here (its socket is gone): the
+/// transfer goes over the tcp fallback, and the shm endpoint is passed over afterwards.
+#[tokio::test]
+async fn an_unusable_shm_endpoint_falls_back_to_tcp_and_is_passed_over() {
+    let layout = common::model_layout();
+    let cfg = common::config(layout);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let rx = TcpReceiver::new(listener, cfg.clone());
+    let tcp_ep = Endpoint::parse("tcp", &rx.local_addr().unwrap().to_string()).unwrap();
+    let server = tokio::spawn(async move {
+        let mut sink = MemorySink::new(layout, 8);
+        sink.reserve(1, &[4, 1, 6]).unwrap();
+        let mut conn = rx.accept().await.unwrap();
+        conn.receive(&mut sink).await.unwrap();
+        sink
+    });
+    let me = host_identity().unwrap();
+    let gone = std::env::temp_dir().join(format!("duet-sock-gone-{}.sock", std::process::id()));
+    let offered = vec![Endpoint::shm(&me, &gone), tcp_ep.clone()];
+    let c = Connector::new(cfg, None).with_shm(true);
+    let route = c.route(&offered).unwrap();
+    assert_eq!(route.endpoint.kind, BackendKind::Shm);
+    assert_eq!(route.fallback.as_ref(), Some(&tcp_ep));
+    let (used, mut tx) = c.connect(&route, false).await.unwrap();
+    assert_eq!(used, tcp_ep);
+    assert_eq!(tx.kind(), BackendKind::Tcp);
+    let [d1, _] = common::two_transfers();
+    common::send_transfer(&mut tx, &layout, &d1, Compression::None)
+        .await
+        .unwrap();
+    let sink = server.await.unwrap();
+    common::assert_landed_through(&sink, &layout, &d1, Compression::None);
+    // Next requests go straight to tcp for a while.
+    assert_eq!(c.choose(&offered).unwrap(), tcp_ep);
+    // Offered alone, a passed-over shm endpoint leaves nothing usable.
+    let alone = c.route(&[Endpoint::shm(&me, &gone)]);
+    assert!(alone.is_err(), "{alone:?}");
+}
+
+/// Pooled senders are dropped once idle past the idle timeout (their receivers close them by
+/// then), so a vanished endpoint holds nothing for long.
+#[tokio::test]
+async fn idle_pooled_senders_expire() {
+    let layout = common::small_layout();
+    let mut cfg = common::config(layout);
+    cfg.timeouts.idle = Duration::from_millis(200);
+    let hub = LocalHub::default();
+    let mut listener = hub.listen("p/decode-0");
+    let c = Connector::new(cfg, Some(hub.clone()));
+    let ep = c
+        .choose(&[Endpoint::parse("local", "p/decode-0").unwrap()])
+        .unwrap();
+    let tx = c.checkout(&ep, false).await.unwrap();
+    let _rx = listener.recv().await.unwrap();
+    c.checkin(&ep, tx);
+    assert_eq!(c.idle_count(), 1);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(c.idle_count(), 0);
 }

@@ -23,7 +23,7 @@ use duet_engine::{
     BlockHash, KvCache, KvCacheConfig, KvKind, Model, PrefixCacheConfig, PrefixHasher, Sampler,
     SamplingParams, SeqChunk,
 };
-use duet_kv_transfer::{Connector, Endpoint, TransferDesc};
+use duet_kv_transfer::{Connector, Route, TransferDesc};
 use duet_serving::kv_events::KvEventHub;
 use duet_serving::prefix_cache::PrefixCacheBook;
 use tokio::sync::{mpsc, oneshot};
@@ -61,7 +61,8 @@ pub struct PrefillJob {
     pub request_id: u64,
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
-    pub endpoint: Endpoint,
+    /// Where the KV goes (and the tcp fallback of an shm choice).
+    pub route: Route,
     /// Destination blocks reserved by the decode worker, in sequence order, for the tokens
     /// from `dst_start` on.
     pub dst_blocks: Vec<u32>,
@@ -531,13 +532,14 @@ impl Engine {
                 parent: &job.span,
                 "kv_transfer",
                 request_id = job.request_id,
-                endpoint = ?job.endpoint,
+                endpoint = %job.route.endpoint.address,
+                transport = job.route.endpoint.kind.as_str(),
                 kv_bytes = tracing::field::Empty,
             );
             let tx = transfer::spawn(
                 &self.rt,
                 self.connector.clone(),
-                job.endpoint.clone(),
+                job.route.clone(),
                 reply,
                 span,
             );

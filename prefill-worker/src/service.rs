@@ -41,7 +41,13 @@ fn offered_endpoints(
     }
     let parsed: Vec<Endpoint> = all
         .iter()
-        .filter_map(|e| Endpoint::parse(&e.transport, &e.address).ok())
+        .filter_map(|e| match Endpoint::parse(&e.transport, &e.address) {
+            Ok(e) => Some(e),
+            Err(err) => {
+                tracing::debug!(error = %err, "skipping a KV endpoint");
+                None
+            }
+        })
         .collect();
     if parsed.is_empty() {
         return Err(
@@ -62,10 +68,10 @@ impl pb::prefill_server::Prefill for PrefillService {
     ) -> Result<Response<pb::PrefillResponse>, Status> {
         let trace = TraceContext::extract(req.metadata());
         let r = req.into_inner();
-        let endpoint = self
+        let route = self
             .handle
             .connector()
-            .choose(&offered_endpoints(&r.kv_endpoints, r.kv_endpoint.as_ref())?)
+            .route(&offered_endpoints(&r.kv_endpoints, r.kv_endpoint.as_ref())?)
             .map_err(|e| PrefillError::Transfer(e).status())?;
         let sampling = sampling_from_proto(r.sampling.as_ref());
         sampling
@@ -88,7 +94,7 @@ impl pb::prefill_server::Prefill for PrefillService {
                 request_id: r.request_id,
                 prompt: r.prompt,
                 sampling,
-                endpoint,
+                route,
                 dst_blocks: r.dst_blocks,
                 dst_start: r.dst_start_tokens as usize,
                 batch: r.priority == pb::Priority::Batch as i32,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use duet_kv_transfer::{AnySender, Connector, Endpoint, KvSender, TransferDesc};
+use duet_kv_transfer::{AnySender, Connector, Endpoint, KvSender, Route, TransferDesc};
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
@@ -42,56 +42,58 @@ pub(crate) type Reply = oneshot::Sender<Result<PrefillResult, PrefillError>>;
 pub(crate) fn spawn(
     rt: &tokio::runtime::Handle,
     connector: Arc<Connector>,
-    endpoint: Endpoint,
+    route: Route,
     reply: Reply,
     span: tracing::Span,
 ) -> mpsc::UnboundedSender<Msg> {
     let (tx, rx) = mpsc::unbounded_channel();
-    rt.spawn(run(connector, endpoint, rx, reply).instrument(span));
+    rt.spawn(run(connector, route, rx, reply).instrument(span));
     tx
 }
 
+/// Starts a transfer on the request's sender, connecting one first (along `route`, so an
+/// unusable shm endpoint falls back to tcp); `sender` then holds the endpoint it belongs to.
 async fn begin(
     connector: &Connector,
-    endpoint: &Endpoint,
-    sender: &mut Option<AnySender>,
+    route: &Route,
+    sender: &mut Option<(Endpoint, AnySender)>,
     desc: TransferDesc,
 ) -> Result<(), duet_kv_transfer::Error> {
-    if let Some(s) = sender.as_mut() {
+    if let Some((_, s)) = sender.as_mut() {
         return s.begin(desc).await;
     }
     // A pooled connection may have been closed by the peer while idle: retry once fresh.
-    let mut s = connector.checkout(endpoint, false).await?;
+    let (mut ep, mut s) = connector.connect(route, false).await?;
     if s.begin(desc.clone()).await.is_err() {
-        s = connector.checkout(endpoint, true).await?;
+        (ep, s) = connector.connect(route, true).await?;
         s.begin(desc).await?;
     }
-    *sender = Some(s);
+    *sender = Some((ep, s));
     Ok(())
 }
 
 async fn run(
     connector: Arc<Connector>,
-    endpoint: Endpoint,
+    route: Route,
     mut rx: mpsc::UnboundedReceiver<Msg>,
     reply: Reply,
 ) {
-    let mut sender: Option<AnySender> = None;
+    let mut sender: Option<(Endpoint, AnySender)> = None;
     let mut failed: Option<PrefillError> = None;
     let mut first_layer: Option<Instant> = None;
     let mut bytes = 0u64;
     while let Some(msg) = rx.recv().await {
         let r = match msg {
-            Msg::Begin(desc) => begin(&connector, &endpoint, &mut sender, desc).await,
+            Msg::Begin(desc) => begin(&connector, &route, &mut sender, desc).await,
             Msg::Layer { layer, k, v } => {
                 first_layer.get_or_insert_with(Instant::now);
                 match sender.as_mut() {
-                    Some(s) => s.send_layer_bytes(layer, k, v).await,
+                    Some((_, s)) => s.send_layer_bytes(layer, k, v).await,
                     None => Ok(()),
                 }
             }
             Msg::Finish => match sender.as_mut() {
-                Some(s) => s.finish().await.map(|receipt| {
+                Some((_, s)) => s.finish().await.map(|receipt| {
                     let transport = s.kind().as_str();
                     bytes += receipt.payload_bytes;
                     metrics::counter!(
@@ -124,8 +126,8 @@ async fn run(
                 result.kv_bytes = bytes;
                 tracing::Span::current().record("kv_bytes", bytes);
                 metrics::histogram!(KV_TRANSFER_SECONDS).record(result.kv_transfer_seconds);
-                if let Some(s) = sender.take() {
-                    connector.checkin(&endpoint, s);
+                if let Some((ep, s)) = sender.take() {
+                    connector.checkin(&ep, s);
                 }
                 let _ = reply.send(Ok(result));
                 return;
@@ -147,7 +149,7 @@ async fn run(
             break;
         }
     }
-    if let Some(mut s) = sender.take() {
+    if let Some((_, mut s)) = sender.take() {
         let _ = s.abort().await;
     }
     let _ = reply.send(Err(failed.unwrap_or(PrefillError::ShuttingDown)));

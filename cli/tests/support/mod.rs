@@ -187,9 +187,8 @@ impl Proc {
         let _ = self.child.wait();
     }
 
-    /// SIGTERM; waits up to `timeout` for the exit and returns its status code.
-    pub fn terminate(&mut self, timeout: Duration) -> Option<i32> {
-        self.signal("-TERM");
+    /// Waits up to `timeout` for the process to exit on its own; its status code.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
         let end = Instant::now() + timeout;
         while Instant::now() < end {
             if let Ok(Some(s)) = self.child.try_wait() {
@@ -198,6 +197,12 @@ impl Proc {
             std::thread::sleep(Duration::from_millis(50));
         }
         None
+    }
+
+    /// SIGTERM; waits up to `timeout` for the exit and returns its status code.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<i32> {
+        self.signal("-TERM");
+        self.wait_exit(timeout)
     }
 }
 

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use super::args::{default_shm_dir, parse_duration, KvArgs, RegistryArgs, ShmArgs, Switch};
 use super::router::{model_name, run_router, serve_metrics_on, RouterListeners, RoutingArgs};
 use super::tls_args::TlsArgs;
-use super::worker::{run_decode, run_prefill, WorkerEnv};
+use super::worker::{run_decode, run_prefill, ShmSetting, WorkerEnv};
 use crate::cmd::model_args::ModelArgs;
 
 /// Decode scheduling flags.
@@ -160,7 +160,10 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             grpc,
             advertise_host: "127.0.0.1".into(),
             hub: (a.kv_transport == KvTransport::Local).then(|| (hub.clone(), tag.clone())),
-            kv_shm_dir: (a.kv_transport == KvTransport::Shm).then(default_shm_dir),
+            kv_shm: (a.kv_transport == KvTransport::Shm).then(|| ShmSetting {
+                dir: default_shm_dir(),
+                required: true,
+            }),
             kv_advertise_host: None,
             drain: a.drain,
             tls: server_tls.clone(),
@@ -369,7 +372,7 @@ async fn worker_env(
         grpc,
         advertise_host: p.host(),
         hub: None,
-        kv_shm_dir: None,
+        kv_shm: None,
         kv_advertise_host: None,
         drain: p.drain,
     })
@@ -386,7 +389,10 @@ pub fn decode(a: DecodeCmd) -> anyhow::Result<()> {
         let mut env = worker_env(&a.process, model, name, a.kv.clone()).await?;
         env.kv_advertise_host = a.kv_advertise_host.clone();
         if a.shm.kv_shm == Switch::On {
-            env.kv_shm_dir = Some(a.kv_shm_dir.clone().unwrap_or_else(default_shm_dir));
+            env.kv_shm = Some(ShmSetting {
+                dir: a.kv_shm_dir.clone().unwrap_or_else(default_shm_dir),
+                required: a.kv_shm_dir.is_some(),
+            });
         }
         let kv = TcpListener::bind(a.kv_listen)
             .await
@@ -406,7 +412,10 @@ pub fn prefill(a: PrefillCmd) -> anyhow::Result<()> {
         let mut env = worker_env(&a.process, model, name, a.kv.clone()).await?;
         if a.shm.kv_shm == Switch::On {
             // Only "on" matters to a sender: the directory is the receiver's.
-            env.kv_shm_dir = Some(default_shm_dir());
+            env.kv_shm = Some(ShmSetting {
+                dir: default_shm_dir(),
+                required: false,
+            });
         }
         run_prefill(env, a.process.id("prefill"), cfg, shutdown).await
     })

@@ -5,7 +5,7 @@
 //! stop choosing this worker), then health goes NOT_SERVING and the server drains in-flight
 //! calls up to the deadline, then the engine thread stops.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,6 +29,16 @@ use super::args::KvArgs;
 /// How often a worker hands its live numbers to the registration (which coalesces them).
 const CAPACITY_POLL: Duration = Duration::from_millis(200);
 
+/// Where a decode worker receives KV over shm.
+#[derive(Debug, Clone)]
+pub struct ShmSetting {
+    /// Directory of its socket and ring files.
+    pub dir: PathBuf,
+    /// When shm cannot be set up, the worker stops (asked for explicitly: `--kv-shm-dir`, or
+    /// `duet up --kv-transport shm`); otherwise it says so and receives over tcp alone.
+    pub required: bool,
+}
+
 /// What every worker needs besides its engine.
 pub struct WorkerEnv {
     pub model: Arc<Model>,
@@ -44,9 +54,9 @@ pub struct WorkerEnv {
     pub kv_advertise_host: Option<String>,
     /// In-process hub and this process's tag (all-in-one mode).
     pub hub: Option<(LocalHub, String)>,
-    /// Same-host shm KV when set: decode workers listen on a unix socket in this directory
+    /// Same-host shm KV when set: decode workers listen on a unix socket in its directory
     /// (their ring files go there too), prefill workers use shm toward them.
-    pub kv_shm_dir: Option<PathBuf>,
+    pub kv_shm: Option<ShmSetting>,
     pub drain: Duration,
     /// TLS on the gRPC server (mutual when it names a client CA).
     pub tls: Option<ServerTls>,
@@ -164,15 +174,14 @@ pub async fn run_decode(
             ),
         });
     }
-    let shm = match &env.kv_shm_dir {
-        Some(dir) => shm_listener(dir, &id, &tcfg)?,
+    let shm = match &env.kv_shm {
+        Some(setting) => shm_listener(setting, &id, &tcfg).await?,
         None => None,
     };
-    if let Some((rx, host)) = &shm {
-        let e = Endpoint::shm(host, rx.path());
+    if let Some((_, e)) = &shm {
         endpoints.push(KvEndpoint {
             transport: "shm".into(),
-            address: e.address,
+            address: e.address.clone(),
         });
     }
     let local = env
@@ -184,6 +193,11 @@ pub async fn run_decode(
             transport: "local".into(),
             address: name.clone(),
         });
+    }
+    if endpoints.is_empty() {
+        anyhow::bail!(
+            "decode worker {id}: no KV endpoint to offer (no tcp listener, shm unavailable)"
+        );
     }
     tokio::spawn(kv_inbound::serve(
         kv_tcp,
@@ -233,51 +247,41 @@ pub async fn run_decode(
     serve_until(env, routes, &services, reg, shutdown).await
 }
 
-/// Names of decode workers' shm sockets (a worker binds a fresh name at every start).
-const SHM_SOCKET_PREFIX: &str = "duet-sock-";
-
-/// Removes sockets left in `dir` by decode workers that died without cleaning up (`kill -9`):
-/// those nobody listens on any more (connecting is refused).
-fn remove_stale_sockets(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let stale = name.to_string_lossy().starts_with(SHM_SOCKET_PREFIX)
-            && matches!(
-                std::os::unix::net::UnixStream::connect(e.path()),
-                Err(err) if err.kind() == std::io::ErrorKind::ConnectionRefused
-            );
-        if stale && std::fs::remove_file(e.path()).is_ok() {
-            tracing::info!(path = %e.path().display(), "removed a stale shm KV socket");
-        }
-    }
-}
-
-/// The decode worker's shm socket in `dir` and this host's identity; `None` (tcp only, said
-/// once in the log) where the identity cannot be read.
-fn shm_listener(
-    dir: &Path,
+/// The decode worker's shm receiver (a fresh socket in the setting's directory, after what
+/// dead workers left there is removed) and the endpoint it is advertised as. `None` when shm
+/// is unavailable and not required: the worker says so once and offers tcp alone.
+async fn shm_listener(
+    setting: &ShmSetting,
     id: &str,
     cfg: &TransferConfig,
-) -> anyhow::Result<Option<(ShmReceiver, String)>> {
-    let Some(host) = host_identity() else {
-        tracing::warn!("no host identity (/proc): KV over shm disabled, tcp only");
-        return Ok(None);
-    };
-    remove_stale_sockets(dir);
-    let path = dir.join(format!(
-        "{SHM_SOCKET_PREFIX}{id}-{:08x}.sock",
-        rand::random::<u32>()
-    ));
-    let opts = ShmOptions {
-        dir: dir.to_path_buf(),
-        ..ShmOptions::default()
-    };
-    let rx = ShmReceiver::bind(&path, cfg.clone(), opts)
-        .with_context(|| format!("binding the shm KV socket {}", path.display()))?;
-    Ok(Some((rx, host)))
+) -> anyhow::Result<Option<(ShmReceiver, Endpoint)>> {
+    let r = async {
+        let host = host_identity()
+            .context("no host identity (/proc/sys/kernel/random/boot_id, /proc/self/ns/mnt)")?;
+        // Senders must find the socket by this path from anywhere: absolute, no symlinks.
+        let dir = std::fs::canonicalize(&setting.dir)
+            .with_context(|| format!("--kv-shm-dir {}", setting.dir.display()))?;
+        let opts = ShmOptions {
+            dir: dir.clone(),
+            ..ShmOptions::default()
+        };
+        let rx = ShmReceiver::bind_in(id, cfg.clone(), opts)
+            .await
+            .with_context(|| format!("binding the shm KV socket in {}", dir.display()))?;
+        let e = Endpoint::shm(&host, rx.path());
+        // What a prefill worker will parse; refuse to advertise anything it would skip.
+        Endpoint::parse("shm", &e.address)?;
+        anyhow::Ok((rx, e))
+    }
+    .await;
+    match r {
+        Ok(x) => Ok(Some(x)),
+        Err(e) if !setting.required => {
+            tracing::warn!(error = %format!("{e:#}"), "KV over shm unavailable: tcp only");
+            Ok(None)
+        }
+        Err(e) => Err(e.context("--kv-shm")),
+    }
 }
 
 fn decode_capacity(h: &DecodeHandle) -> Capacity {
@@ -307,7 +311,7 @@ pub async fn run_prefill(
     let tcfg = env.kv.transfer_config(&env.model)?;
     let connector = Arc::new(
         Connector::new(tcfg, env.hub.as_ref().map(|(h, _)| h.clone()))
-            .with_shm(env.kv_shm_dir.is_some()),
+            .with_shm(env.kv_shm.is_some()),
     );
     let handle = PrefillHandle::start(
         env.model.clone(),

@@ -111,6 +111,24 @@ impl ShmMapping {
         })
     }
 
+    /// Backs the whole file with memory now, so that a full `/dev/shm` is an error here
+    /// instead of a SIGBUS in whichever process first touches a page of a sparse file. Only
+    /// ring mode writes the ring, so only ring mode reserves it.
+    pub(crate) fn reserve(&self) -> Result<()> {
+        let len = i64::try_from(self.map.len())
+            .map_err(|_| Error::InvalidArgument("shm ring size overflows".into()))?;
+        #[cfg(target_os = "linux")]
+        nix::fcntl::posix_fallocate(&self._file, 0, len).map_err(|e| {
+            Error::io(
+                "reserving memory for the shm ring (is its directory full?)",
+                std::io::Error::from(e),
+            )
+        })?;
+        #[cfg(not(target_os = "linux"))]
+        let _ = len;
+        Ok(())
+    }
+
     /// Removes the directory entry (the mapping stays valid). Idempotent.
     pub(crate) fn unlink(&mut self) {
         if let Some(p) = self.owned_path.take() {
@@ -192,5 +210,8 @@ mod tests {
         assert!(b.read_at(usize::MAX, &mut out).is_err());
         assert!(ShmMapping::open(&dir, "../etc/passwd", 1).is_err());
         assert!(ShmMapping::open(&dir, &name, 4096).is_err()); // unlinked
+        a.reserve().unwrap();
+        b.read_at(100, &mut out).unwrap();
+        assert_eq!(&out, b"hello", "reserving keeps the contents");
     }
 }

@@ -4,8 +4,12 @@
 //! - **pull** (preferred): the sender names its regions' addresses in a PULL frame and the
 //!   receiver copies them straight into the reserved blocks with `process_vm_readv(2)`, one
 //!   copy per byte (the `pull` module);
-//! - **ring** (fallback, e.g. different users or ptrace forbidden): a shared-memory ring of
-//!   `slots` slots of `slot_bytes` each, copied in by the sender and out by the receiver.
+//! - **ring** (fallback when the sender's memory cannot be read, e.g. ptrace forbidden): a
+//!   shared-memory ring of `slots` slots of `slot_bytes` each, copied in by the sender and
+//!   out by the receiver. The ring file is mode 0600, so processes of different users cannot
+//!   share it: their set-up fails (the workers then fall back to tcp, see `Connector`). A
+//!   ring that will be used is backed with memory before the sender may write it, so a full
+//!   directory fails the set-up instead of raising SIGBUS.
 //!
 //! After the usual handshake, the receiver creates the ring file (random name, mode 0600,
 //! see the `mapping` module) and sends `SETUP` (80 bytes: slots u32, reserved u32, slot_bytes
@@ -31,10 +35,12 @@
 //! returns only after PULLED, so its regions outlive the copy; every socket wait is bounded
 //! by a timeout.
 
+mod files;
 mod host;
 pub(crate) mod mapping;
 mod pull;
 
+pub use files::{remove_stale, SOCKET_PREFIX, STALE_AFTER};
 pub use host::host_identity;
 
 use std::path::{Path, PathBuf};
@@ -518,18 +524,26 @@ pub struct ShmReceiver {
 }
 
 impl ShmReceiver {
-    /// Binds the doorbell socket at `path` (which must not exist).
+    /// Binds the doorbell socket at `path` (which must not exist). The path names a
+    /// listening socket from the moment it exists (see the `files` module).
     pub fn bind(path: impl AsRef<Path>, cfg: TransferConfig, opts: ShmOptions) -> Result<Self> {
         opts.validate()?;
         let path = path.as_ref().to_path_buf();
-        let listener =
-            UnixListener::bind(&path).map_err(|e| Error::io("binding the unix socket", e))?;
+        let listener = files::bind_atomically(&path)?;
         Ok(ShmReceiver {
             listener,
             path,
             cfg,
             opts,
         })
+    }
+
+    /// A decode worker's receiver: first removes what dead receivers left in `opts.dir`
+    /// ([`remove_stale`]), then binds a fresh socket `duet-sock-<tag>-<random>.sock` there.
+    pub async fn bind_in(tag: &str, cfg: TransferConfig, opts: ShmOptions) -> Result<Self> {
+        remove_stale(&opts.dir).await;
+        let path = files::socket_path(&opts.dir, tag);
+        ShmReceiver::bind(path, cfg, opts)
     }
 
     /// The socket path senders connect to.
@@ -577,6 +591,10 @@ impl ShmSetup {
         let t = self.cfg.timeouts;
         handshake::server(&mut sock, &self.cfg.layout, &self.cfg.secret, t.handshake).await?;
         let (mut map, name) = ShmMapping::create(&self.opts.dir, self.opts.ring_len()?)?;
+        if !self.opts.pull {
+            // Ring for sure: back it before the sender can write a slot.
+            map.reserve()?;
+        }
         let mut setup = [0u8; SETUP_LEN];
         setup[0..4].copy_from_slice(&self.opts.slots.to_le_bytes());
         setup[8..16].copy_from_slice(&(self.opts.slot_bytes as u64).to_le_bytes());
@@ -584,7 +602,7 @@ impl ShmSetup {
         setup[17..17 + name.len()].copy_from_slice(name.as_bytes());
         setup[SETUP_PULL_AT] = u8::from(self.opts.pull);
         bounded(t.handshake, "sending shm setup", sock.write_all(&setup)).await?;
-        let r = negotiate(&mut sock, t.handshake, self.opts.pull).await;
+        let r = negotiate(&mut sock, t.handshake, self.opts.pull, &map).await;
         map.unlink();
         let (mode, pid) = r?;
         let io = ShmTransport::new(sock, t, map, &self.opts, mode, pid);
@@ -595,8 +613,15 @@ impl ShmSetup {
 }
 
 /// Receiver: reads READY and, when both sides offered pull, probes the sender's memory and
-/// answers MODE. Returns the mode and the sender's pid.
-async fn negotiate(sock: &mut UnixStream, t: Duration, offered: bool) -> Result<(ShmMode, i32)> {
+/// answers MODE. Returns the mode and the sender's pid. A ring that will be used is backed
+/// with memory ([`ShmMapping::reserve`]) before MODE lets the sender write it (a sender that
+/// declined pull may already be writing: only a full directory makes that matter).
+async fn negotiate(
+    sock: &mut UnixStream,
+    t: Duration,
+    offered: bool,
+    map: &ShmMapping,
+) -> Result<(ShmMode, i32)> {
     let mut ready = [0u8; READY_LEN];
     bounded(t, "waiting for shm ready", sock.read_exact(&mut ready)).await?;
     if ready[0] != 0 {
@@ -606,12 +631,18 @@ async fn negotiate(sock: &mut UnixStream, t: Duration, offered: bool) -> Result<
         });
     }
     if !(offered && ready[1] == 1) {
+        if offered {
+            map.reserve()?;
+        }
         return Ok((ShmMode::Ring, 0));
     }
     let mut offer = [0u8; pull::OFFER_LEN];
     bounded(t, "reading the pull offer", sock.read_exact(&mut offer)).await?;
     let pid = sock.peer_cred().ok().and_then(|c| c.pid()).unwrap_or(0);
     let ok = pid > 0 && pull::probe(pid, &offer);
+    if !ok {
+        map.reserve()?;
+    }
     let mut mode = [0u8; pull::MODE_LEN];
     mode[0] = u8::from(ok);
     bounded(t, "sending the shm mode", sock.write_all(&mode)).await?;
