@@ -1,7 +1,8 @@
 //! Runs the transfer benchmark and prints its JSON report:
 //! `cargo run -p duet-kv-transfer --example bench_transfer -- tcp 1073741824 1 [e2e]`
 //! (arguments: backend, max bytes, streams, then `e2e` for the end-to-end figure or `nocrc`
-//! to turn crc32c trailers off).
+//! to turn crc32c trailers off, and `huge` to put the payload and the memcpy reference on
+//! transparent huge pages).
 
 use duet_kv_transfer::bench::{end_to_end, run, BenchOptions, E2eOptions};
 use duet_kv_transfer::BackendKind;
@@ -35,6 +36,7 @@ async fn main() -> anyhow::Result<()> {
         max_bytes,
         streams,
         checksum,
+        huge_pages: args.iter().any(|a| a == "huge"),
         ..BenchOptions::default()
     })
     .await?;

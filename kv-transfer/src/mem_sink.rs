@@ -1,7 +1,9 @@
 //! [`MemorySink`]: an in-memory paged KV cache implementing [`KvSink`], used by tests, the
 //! benchmark and as a reference for the engine's implementation.
 //!
-//! Storage is one `Vec<u8>`; region `(block, layer, kind)` lives at
+//! Storage is one page-aligned buffer (see the `buffer` module: transports that copy in the
+//! kernel are fastest when both sides share their alignment); region `(block, layer, kind)`
+//! lives at
 //! `((block * layers + layer) * 2 + kind) * region_bytes`. Reservations map a block to the
 //! request it was reserved for. Counters record every call so tests can prove that nothing
 //! was written (e.g. after a failed authentication).
@@ -11,6 +13,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
+use crate::buffer::Buffer;
 use crate::error::{ErrorClass, SinkError};
 use crate::layout::{KvKind, KvLayout};
 use crate::sink::KvSink;
@@ -20,7 +23,7 @@ use crate::sink::KvSink;
 pub struct MemorySink {
     layout: KvLayout,
     n_blocks: u32,
-    data: Vec<u8>,
+    data: Buffer,
     reserved: HashMap<u32, u64>,
     adopt_zero_copy: bool,
     adopted: HashMap<(u32, KvKind, u32), Bytes>,
@@ -41,7 +44,7 @@ impl MemorySink {
         MemorySink {
             layout,
             n_blocks,
-            data: vec![0; len],
+            data: Buffer::zeroed(len, false),
             reserved: HashMap::new(),
             adopt_zero_copy: false,
             adopted: HashMap::new(),

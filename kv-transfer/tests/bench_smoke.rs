@@ -125,6 +125,23 @@ async fn shm_ring_mode_can_be_forced_for_comparison() {
     assert!(r.points.iter().all(|p| p.verified));
 }
 
+/// With `huge_pages` the payload lives in an anonymous mapping (advised onto huge pages):
+/// it still arrives intact, over pull mode, and the report says how it was measured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_pull_from_huge_page_buffers_lands_intact() {
+    let r = run(BenchOptions {
+        huge_pages: true,
+        ..tiny(BackendKind::Shm, 1)
+    })
+    .await
+    .unwrap();
+    assert!(r.huge_pages);
+    assert_eq!(r.shm_mode.as_deref(), Some("pull"));
+    assert!(r.points.iter().all(|p| p.verified));
+    let note = r.reference_note.unwrap_or_default();
+    assert!(note.contains("huge pages"), "{note}");
+}
+
 #[tokio::test]
 async fn bench_rejects_bad_options() {
     let mut o = tiny(BackendKind::Tcp, 0);

@@ -116,7 +116,7 @@ pub async fn end_to_end(opts: E2eOptions) -> Result<E2eReport> {
     let Some(mut tx) = senders.pop() else {
         return Err(Error::Internal("no bench pair".into()));
     };
-    let src = harness::Source::new(&layout, 0, blocks);
+    let src = harness::Source::new(&layout, 0, blocks, false);
     // Warm-up, then `runs` pipelined runs, then `runs` back-to-back runs.
     harness::send_transfer(&mut tx, &src, zero_copy).await?;
     let mut handed = Vec::new();

@@ -272,16 +272,18 @@ pub(crate) struct Source {
 }
 
 impl Source {
-    /// Fills a buffer with finite f32 values (a pattern of period 251, so compressed
-    /// encodings have something to round) and slices it into regions.
-    pub(crate) fn new(layout: &KvLayout, request_id: u64, blocks: u32) -> Source {
+    /// Fills a page-aligned buffer with finite f32 values (a pattern of period 251, so
+    /// compressed encodings have something to round) and slices it into regions; on
+    /// transparent huge pages when `huge`.
+    pub(crate) fn new(layout: &KvLayout, request_id: u64, blocks: u32, huge: bool) -> Source {
         let region = layout.region_bytes();
         let n = blocks as usize;
         let total = layout.layers() as usize * 2 * n * region;
-        let data: Vec<u8> = (0..total / 4)
-            .flat_map(|i| ((i % 251) as f32 * 0.01 - 1.25).to_le_bytes())
-            .collect();
-        let data = Bytes::from(data);
+        let mut data = crate::buffer::Buffer::zeroed(total, huge);
+        for (i, w) in data.chunks_exact_mut(4).enumerate() {
+            w.copy_from_slice(&((i % 251) as f32 * 0.01 - 1.25).to_le_bytes());
+        }
+        let data = data.freeze();
         let mut layers = Vec::with_capacity(layout.layers() as usize);
         for l in 0..layout.layers() as usize {
             let base = l * 2 * n * region;

@@ -55,6 +55,11 @@ pub struct BenchOptions {
     /// shm: use the ring even where pull mode works (to compare the two).
     #[serde(default)]
     pub shm_ring: bool,
+    /// Put the sender's payload and both buffers of the memcpy reference on transparent
+    /// huge pages (`madvise(MADV_HUGEPAGE)`): the kernel then pins one 2 MiB page where it
+    /// would pin 512 small ones, which is what limits shm pull mode on large payloads.
+    #[serde(default)]
+    pub huge_pages: bool,
 }
 
 impl Default for BenchOptions {
@@ -69,6 +74,7 @@ impl Default for BenchOptions {
             reference: true,
             compression: Compression::None,
             shm_ring: false,
+            huge_pages: false,
         }
     }
 }
@@ -126,6 +132,9 @@ pub struct BenchReport {
     pub zero_copy_note: Option<String>,
     /// shm: how the connections moved payload (`pull`, `ring`, or `mixed`).
     pub shm_mode: Option<String>,
+    /// The sender's payload (and the memcpy reference) on transparent huge pages.
+    #[serde(default)]
+    pub huge_pages: bool,
     /// One entry per payload size.
     pub points: Vec<BenchPoint>,
 }
@@ -213,6 +222,7 @@ pub async fn run(opts: BenchOptions) -> Result<BenchReport> {
         reference_note: None,
         zero_copy_note: None,
         shm_mode: None,
+        huge_pages: opts.huge_pages,
         points: Vec::new(),
     };
     for size in sizes(&opts) {
@@ -256,7 +266,7 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
         };
     }
     let sources: Vec<harness::Source> = (0..k)
-        .map(|i| harness::Source::new(&layout, i as u64, blocks))
+        .map(|i| harness::Source::new(&layout, i as u64, blocks, opts.huge_pages))
         .collect();
     let actual = sources
         .iter()
@@ -327,9 +337,15 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
             }
         }
     } else {
-        report.reference_note =
-            Some("single-threaded copy_from_slice of the same size, median".into());
-        Some(reference::memcpy(actual, iters))
+        report.reference_note = Some(format!(
+            "single-threaded copy_from_slice of the same size, median{}",
+            if opts.huge_pages {
+                ", both buffers on transparent huge pages like the sender's payload"
+            } else {
+                ""
+            }
+        ));
+        Some(reference::memcpy(actual, iters, opts.huge_pages))
     };
     let reference_gbps = reference.map(|r| r.bytes as f64 / r.seconds / 1e9);
     Ok(BenchPoint {

@@ -5,6 +5,7 @@
 //! which the report carries as text. Spawned processes are killed on drop and every wait on
 //! them is bounded.
 
+use crate::buffer::Buffer;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -112,11 +113,15 @@ pub(crate) fn parse_iperf3(json: &[u8]) -> Result<RefPoint, String> {
     Err("iperf3 JSON lacks end.sum_received/sum_sent bytes and seconds".into())
 }
 
-/// Median time of `iters` plain copies of `bytes` bytes.
-pub(crate) fn memcpy(bytes: u64, iters: u32) -> RefPoint {
+/// Median time of `iters` plain copies of `bytes` bytes between page-aligned buffers (on
+/// transparent huge pages when `huge`), as the transports' benchmarks use.
+pub(crate) fn memcpy(bytes: u64, iters: u32, huge: bool) -> RefPoint {
     let n = bytes as usize;
-    let src: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
-    let mut dst = vec![0u8; n];
+    let mut src = Buffer::zeroed(n, huge);
+    for (i, b) in src.iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let mut dst = Buffer::zeroed(n, huge);
     dst.copy_from_slice(&src); // fault the pages in
     let mut times: Vec<f64> = (0..iters.max(1))
         .map(|_| {

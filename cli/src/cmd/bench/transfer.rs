@@ -33,6 +33,10 @@ pub struct TransferBenchArgs {
     /// process_vm_readv) works, to compare the two.
     #[arg(long)]
     pub shm_ring: bool,
+    /// Put the sender's payload and the memcpy reference's buffers on transparent huge
+    /// pages (the kernel then pins 2 MiB pages for pull mode instead of 4 KiB ones).
+    #[arg(long)]
+    pub huge_pages: bool,
     /// Print JSON (and write it here when a path is given).
     #[arg(long)]
     pub json: bool,
@@ -58,6 +62,7 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
         checksum: !a.no_checksum,
         compression: a.compression.into(),
         shm_ring: a.shm_ring,
+        huge_pages: a.huge_pages,
         ..Default::default()
     }))?;
     let end_to_end = rt.block_on(bench::end_to_end(E2eOptions {
@@ -73,11 +78,12 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
     } else {
         let s = &report.sizes;
         println!(
-            "backend {:?}{}, {} stream(s), checksum {}, compression {}, reference {}",
+            "backend {:?}{}{}, {} stream(s), checksum {}, compression {}, reference {}",
             s.backend,
             s.shm_mode
                 .as_ref()
                 .map_or(String::new(), |m| format!(" ({m} mode)")),
+            if s.huge_pages { ", huge pages" } else { "" },
             s.streams,
             s.checksum,
             s.compression,
