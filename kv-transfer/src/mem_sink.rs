@@ -1,9 +1,8 @@
 //! [`MemorySink`]: an in-memory paged KV cache implementing [`KvSink`], used by tests, the
 //! benchmark and as a reference for the engine's implementation.
 //!
-//! Storage is one page-aligned buffer (see the `buffer` module: transports that copy in the
-//! kernel are fastest when both sides share their alignment); region `(block, layer, kind)`
-//! lives at
+//! Storage is one buffer (from the allocator, or page-aligned: see the `buffer` module);
+//! region `(block, layer, kind)` lives at
 //! `((block * layers + layer) * 2 + kind) * region_bytes`. Reservations map a block to the
 //! request it was reserved for. Counters record every call so tests can prove that nothing
 //! was written (e.g. after a failed authentication).
@@ -41,10 +40,22 @@ impl MemorySink {
     /// A zero-filled cache of `n_blocks` blocks.
     pub fn new(layout: KvLayout, n_blocks: u32) -> Self {
         let len = n_blocks as usize * layout.layers() as usize * 2 * layout.region_bytes();
+        MemorySink::with_storage(layout, n_blocks, Buffer::heap(len))
+    }
+
+    /// Like [`MemorySink::new`], its storage in a page-aligned anonymous mapping (to face a
+    /// sender whose buffers are page-aligned too: kernel copies want both sides to share
+    /// their offset within a cache line).
+    pub fn new_page_aligned(layout: KvLayout, n_blocks: u32) -> Self {
+        let len = n_blocks as usize * layout.layers() as usize * 2 * layout.region_bytes();
+        MemorySink::with_storage(layout, n_blocks, Buffer::mapped(len, false))
+    }
+
+    fn with_storage(layout: KvLayout, n_blocks: u32, data: Buffer) -> Self {
         MemorySink {
             layout,
             n_blocks,
-            data: Buffer::zeroed(len, false),
+            data,
             reserved: HashMap::new(),
             adopt_zero_copy: false,
             adopted: HashMap::new(),

@@ -4,6 +4,7 @@
 //! Invariant: receivers run on their own thread and runtime with their own [`MemorySink`],
 //! return the sink when the sender closes, and never share state with the senders.
 
+use crate::buffer::Buffer;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -272,14 +273,19 @@ pub(crate) struct Source {
 }
 
 impl Source {
-    /// Fills a page-aligned buffer with finite f32 values (a pattern of period 251, so
-    /// compressed encodings have something to round) and slices it into regions; on
-    /// transparent huge pages when `huge`.
+    /// Fills a buffer with finite f32 values (a pattern of period 251, so compressed
+    /// encodings have something to round) and slices it into regions; a page-aligned
+    /// mapping on transparent huge pages when `huge`, else an allocator buffer (as the
+    /// workers' layer buffers are).
     pub(crate) fn new(layout: &KvLayout, request_id: u64, blocks: u32, huge: bool) -> Source {
         let region = layout.region_bytes();
         let n = blocks as usize;
         let total = layout.layers() as usize * 2 * n * region;
-        let mut data = crate::buffer::Buffer::zeroed(total, huge);
+        let mut data = if huge {
+            Buffer::mapped(total, true)
+        } else {
+            Buffer::heap(total)
+        };
         for (i, w) in data.chunks_exact_mut(4).enumerate() {
             w.copy_from_slice(&((i % 251) as f32 * 0.01 - 1.25).to_le_bytes());
         }

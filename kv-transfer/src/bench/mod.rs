@@ -56,8 +56,10 @@ pub struct BenchOptions {
     #[serde(default)]
     pub shm_ring: bool,
     /// Put the sender's payload and both buffers of the memcpy reference on transparent
-    /// huge pages (`madvise(MADV_HUGEPAGE)`): the kernel then pins one 2 MiB page where it
-    /// would pin 512 small ones, which is what limits shm pull mode on large payloads.
+    /// huge pages (`madvise(MADV_HUGEPAGE)`), and the receiver's blocks in a page-aligned
+    /// mapping: the kernel then pins one 2 MiB page where it would pin 512 small ones, which
+    /// is what limits shm pull mode on large payloads. Off: every buffer comes from the
+    /// allocator, as in the workers.
     #[serde(default)]
     pub huge_pages: bool,
 }
@@ -249,7 +251,12 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
     let zero_copy = opts.backend == BackendKind::Local;
     let mut sinks = Vec::with_capacity(k);
     for i in 0..k {
-        let mut sink = MemorySink::new(layout, blocks);
+        // With a page-aligned payload the blocks are page-aligned too (see `buffer`).
+        let mut sink = if opts.huge_pages {
+            MemorySink::new_page_aligned(layout, blocks)
+        } else {
+            MemorySink::new(layout, blocks)
+        };
         if zero_copy {
             sink = sink.with_zero_copy_adoption();
         }

@@ -113,15 +113,22 @@ pub(crate) fn parse_iperf3(json: &[u8]) -> Result<RefPoint, String> {
     Err("iperf3 JSON lacks end.sum_received/sum_sent bytes and seconds".into())
 }
 
-/// Median time of `iters` plain copies of `bytes` bytes between page-aligned buffers (on
-/// transparent huge pages when `huge`), as the transports' benchmarks use.
+/// Median time of `iters` plain copies of `bytes` bytes: between allocator buffers, or with
+/// `huge` between mappings on transparent huge pages (as the sender's payload then is).
 pub(crate) fn memcpy(bytes: u64, iters: u32, huge: bool) -> RefPoint {
     let n = bytes as usize;
-    let mut src = Buffer::zeroed(n, huge);
+    let buf = |n| {
+        if huge {
+            Buffer::mapped(n, true)
+        } else {
+            Buffer::heap(n)
+        }
+    };
+    let mut src = buf(n);
     for (i, b) in src.iter_mut().enumerate() {
         *b = (i % 251) as u8;
     }
-    let mut dst = Buffer::zeroed(n, huge);
+    let mut dst = buf(n);
     dst.copy_from_slice(&src); // fault the pages in
     let mut times: Vec<f64> = (0..iters.max(1))
         .map(|_| {
