@@ -18,6 +18,13 @@ pub(crate) enum Buffer {
     Map(memmap2::MmapMut),
 }
 
+/// Whether transparent huge pages can be had by advice here (`enabled` is `always` or
+/// `madvise`, not `never`, and the kernel has THP at all).
+pub(crate) fn thp_available() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .is_ok_and(|s| !s.contains("[never]"))
+}
+
 impl Buffer {
     /// `len` zero bytes from the allocator, wherever it puts them (as the workers' buffers).
     pub(crate) fn heap(len: usize) -> Buffer {
@@ -32,7 +39,9 @@ impl Buffer {
             if let Ok(m) = memmap2::MmapMut::map_anon(len) {
                 #[cfg(target_os = "linux")]
                 if huge {
-                    let _ = m.advise(memmap2::Advice::HugePage);
+                    if let Err(e) = m.advise(memmap2::Advice::HugePage) {
+                        tracing::warn!(error = %e, "madvise(MADV_HUGEPAGE) refused: small pages");
+                    }
                 }
                 #[cfg(not(target_os = "linux"))]
                 let _ = huge;

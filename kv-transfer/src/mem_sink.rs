@@ -232,3 +232,26 @@ impl KvSink for MemorySink {
         self.last_layer_done_at = Some(Instant::now());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{Dtype, Fingerprint};
+
+    #[test]
+    fn page_aligned_storage_starts_zeroed_and_works_like_the_plain_one() {
+        let layout = KvLayout::new(Fingerprint([3; 32]), 2, 2, 8, 4, Dtype::F32).unwrap();
+        let mut a = MemorySink::new_page_aligned(layout, 4);
+        let mut b = MemorySink::new(layout, 4);
+        assert_eq!(a.raw().as_ptr() as usize % 4096, 0);
+        assert_eq!(a.raw().len(), b.raw().len());
+        assert!(a.raw().iter().all(|&x| x == 0));
+        for s in [&mut a, &mut b] {
+            s.reserve(9, &[2]).unwrap();
+            s.region_mut(1, KvKind::V, 2).unwrap().fill(7);
+        }
+        assert_eq!(a.raw(), b.raw());
+        assert!(a.region(1, KvKind::V, 2).unwrap().iter().all(|&x| x == 7));
+        assert!(a.region(0, KvKind::K, 2).unwrap().iter().all(|&x| x == 0));
+    }
+}

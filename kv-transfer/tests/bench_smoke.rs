@@ -135,11 +135,33 @@ async fn shm_pull_from_huge_page_buffers_lands_intact() {
     })
     .await
     .unwrap();
-    assert!(r.huge_pages);
+    let thp = !std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .unwrap_or_else(|_| "[never]".into())
+        .contains("[never]");
+    assert_eq!(
+        r.huge_pages, thp,
+        "the report says what was had, not what was asked"
+    );
     assert_eq!(r.shm_mode.as_deref(), Some("pull"));
     assert!(r.points.iter().all(|p| p.verified));
     let note = r.reference_note.unwrap_or_default();
     assert!(note.contains("huge pages"), "{note}");
+}
+
+/// The local backend hands the huge-page payload over without copying it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_adopts_huge_page_buffers_without_a_copy() {
+    let r = run(BenchOptions {
+        huge_pages: true,
+        reference: false,
+        ..tiny(BackendKind::Local, 1)
+    })
+    .await
+    .unwrap();
+    assert!(r
+        .points
+        .iter()
+        .all(|p| p.verified && p.zero_copy == Some(true)));
 }
 
 #[tokio::test]

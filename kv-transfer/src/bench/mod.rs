@@ -134,7 +134,8 @@ pub struct BenchReport {
     pub zero_copy_note: Option<String>,
     /// shm: how the connections moved payload (`pull`, `ring`, or `mixed`).
     pub shm_mode: Option<String>,
-    /// The sender's payload (and the memcpy reference) on transparent huge pages.
+    /// The sender's payload (and the memcpy reference) on transparent huge pages: asked for
+    /// and available (THP not `never`).
     #[serde(default)]
     pub huge_pages: bool,
     /// One entry per payload size.
@@ -224,7 +225,7 @@ pub async fn run(opts: BenchOptions) -> Result<BenchReport> {
         reference_note: None,
         zero_copy_note: None,
         shm_mode: None,
-        huge_pages: opts.huge_pages,
+        huge_pages: opts.huge_pages && crate::buffer::thp_available(),
         points: Vec::new(),
     };
     for size in sizes(&opts) {
@@ -346,10 +347,12 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
     } else {
         report.reference_note = Some(format!(
             "single-threaded copy_from_slice of the same size, median{}",
-            if opts.huge_pages {
-                ", both buffers on transparent huge pages like the sender's payload"
-            } else {
-                ""
+            match (opts.huge_pages, report.huge_pages) {
+                (true, true) =>
+                    ", both buffers on transparent huge pages like the sender's payload",
+                (true, false) =>
+                    "; huge pages were asked for but THP is off here: small pages throughout",
+                _ => "",
             }
         ));
         Some(reference::memcpy(actual, iters, opts.huge_pages))
