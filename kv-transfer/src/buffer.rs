@@ -51,6 +51,15 @@ impl Buffer {
         Buffer::heap(len)
     }
 
+    /// A benchmark payload: on transparent huge pages when `huge`, else from the allocator.
+    pub(crate) fn payload(len: usize, huge: bool) -> Buffer {
+        if huge {
+            Buffer::mapped(len, true)
+        } else {
+            Buffer::heap(len)
+        }
+    }
+
     /// The buffer as shared, immutable bytes (no copy).
     pub(crate) fn freeze(self) -> Bytes {
         match self {

@@ -71,12 +71,10 @@ impl Endpoint {
         Ok(e)
     }
 
-    /// The `shm` endpoint of a socket at `path` on the host `host` ([`host_identity`]).
-    pub fn shm(host: &str, path: &Path) -> Endpoint {
-        Endpoint {
-            kind: BackendKind::Shm,
-            address: format!("{host}:{}", path.display()),
-        }
+    /// The `shm` endpoint of a socket at `path` on the host `host` ([`host_identity`]),
+    /// checked as a prefill worker will parse it (`path` absolute, `host` not empty).
+    pub fn shm(host: &str, path: &Path) -> Result<Endpoint> {
+        Endpoint::parse("shm", &format!("{host}:{}", path.display()))
     }
 
     /// Host identity and socket path of an `shm` endpoint.
@@ -154,7 +152,7 @@ pub const SHM_REFUSED_FOR: Duration = Duration::from_secs(60);
 pub struct Route {
     /// The endpoint [`Connector::choose`] picked.
     pub endpoint: Endpoint,
-    /// Tried when `endpoint` is shm and connecting to it fails.
+    /// Tried when connecting to `endpoint` fails; only ever set for an shm `endpoint`.
     pub fallback: Option<Endpoint>,
 }
 
@@ -199,11 +197,6 @@ impl Connector {
         #[cfg(not(unix))]
         let _ = enabled;
         self
-    }
-
-    /// This host's identity, when `shm` is allowed and the identity could be read.
-    pub fn shm_host(&self) -> Option<&str> {
-        self.shm_host.as_deref()
     }
 
     /// The configuration connections are made with.
@@ -275,14 +268,21 @@ impl Connector {
         Ok(Route { endpoint, fallback })
     }
 
-    /// A sender along `route`: [`Connector::checkout`] of its endpoint, else, when that is an
-    /// shm endpoint that cannot be set up, of its fallback (the shm endpoint is then passed
-    /// over for [`SHM_REFUSED_FOR`]). Returns the endpoint actually used (for checkin).
+    /// A sender along `route`: [`Connector::checkout`] of its endpoint, else, when that shm
+    /// endpoint cannot be set up (or already could not), of its fallback (the shm endpoint
+    /// is then passed over for [`SHM_REFUSED_FOR`]). Returns the endpoint actually used (for
+    /// checkin).
     pub async fn connect(&self, route: &Route, fresh: bool) -> Result<(Endpoint, AnySender)> {
+        if let Some(fb) = &route.fallback {
+            // A retry on the same route (the pooled sender was stale) skips what just failed.
+            if self.recently_refused(&route.endpoint) {
+                return Ok((fb.clone(), self.checkout(fb, fresh).await?));
+            }
+        }
         match self.checkout(&route.endpoint, fresh).await {
             Ok(s) => Ok((route.endpoint.clone(), s)),
             Err(e) => match &route.fallback {
-                Some(fb) if route.endpoint.kind == BackendKind::Shm => {
+                Some(fb) => {
                     tracing::warn!(
                         endpoint = %route.endpoint.address,
                         error = %e,

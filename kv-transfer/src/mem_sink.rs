@@ -39,23 +39,26 @@ pub struct MemorySink {
 impl MemorySink {
     /// A zero-filled cache of `n_blocks` blocks.
     pub fn new(layout: KvLayout, n_blocks: u32) -> Self {
-        let len = n_blocks as usize * layout.layers() as usize * 2 * layout.region_bytes();
-        MemorySink::with_storage(layout, n_blocks, Buffer::heap(len))
+        MemorySink::with_storage(layout, n_blocks, Buffer::heap)
     }
 
     /// Like [`MemorySink::new`], its storage in a page-aligned anonymous mapping (to face a
     /// sender whose buffers are page-aligned too: kernel copies want both sides to share
     /// their offset within a cache line).
     pub fn new_page_aligned(layout: KvLayout, n_blocks: u32) -> Self {
-        let len = n_blocks as usize * layout.layers() as usize * 2 * layout.region_bytes();
-        MemorySink::with_storage(layout, n_blocks, Buffer::mapped(len, false))
+        MemorySink::with_storage(layout, n_blocks, |len| Buffer::mapped(len, false))
     }
 
-    fn with_storage(layout: KvLayout, n_blocks: u32, data: Buffer) -> Self {
+    fn with_storage(
+        layout: KvLayout,
+        n_blocks: u32,
+        storage: impl FnOnce(usize) -> Buffer,
+    ) -> Self {
+        let len = n_blocks as usize * layout.layers() as usize * 2 * layout.region_bytes();
         MemorySink {
             layout,
             n_blocks,
-            data,
+            data: storage(len),
             reserved: HashMap::new(),
             adopt_zero_copy: false,
             adopted: HashMap::new(),

@@ -20,7 +20,7 @@ fn tcp() -> Endpoint {
 }
 
 fn shm_on(host: &str) -> Endpoint {
-    Endpoint::shm(host, Path::new("/dev/shm/duet-sock-decode-0.sock"))
+    Endpoint::shm(host, Path::new("/dev/shm/duet-sock-decode-0.sock")).unwrap()
 }
 
 fn connector(shm: bool, hub: Option<LocalHub>) -> Connector {
@@ -161,7 +161,7 @@ async fn a_connector_reaches_serve_inbound_over_shm() {
     let _silent = tokio::net::UnixStream::connect(&path).await.unwrap();
 
     let me = host_identity().unwrap();
-    let offered = vec![tcp(), Endpoint::shm(&me, &path)];
+    let offered = vec![tcp(), Endpoint::shm(&me, &path).unwrap()];
     let c = Connector::new(cfg, None).with_shm(true);
     let ep = c.choose(&offered).unwrap();
     assert_eq!(ep.kind, BackendKind::Shm);
@@ -223,7 +223,7 @@ async fn an_unusable_shm_endpoint_falls_back_to_tcp_and_is_passed_over() {
     });
     let me = host_identity().unwrap();
     let gone = std::env::temp_dir().join(format!("duet-sock-gone-{}.sock", std::process::id()));
-    let offered = vec![Endpoint::shm(&me, &gone), tcp_ep.clone()];
+    let offered = vec![Endpoint::shm(&me, &gone).unwrap(), tcp_ep.clone()];
     let c = Connector::new(cfg, None).with_shm(true);
     let route = c.route(&offered).unwrap();
     assert_eq!(route.endpoint.kind, BackendKind::Shm);
@@ -240,7 +240,7 @@ async fn an_unusable_shm_endpoint_falls_back_to_tcp_and_is_passed_over() {
     // Next requests go straight to tcp for a while.
     assert_eq!(c.choose(&offered).unwrap(), tcp_ep);
     // Offered alone, a passed-over shm endpoint leaves nothing usable.
-    let alone = c.route(&[Endpoint::shm(&me, &gone)]);
+    let alone = c.route(&[Endpoint::shm(&me, &gone).unwrap()]);
     assert!(alone.is_err(), "{alone:?}");
 }
 

@@ -281,11 +281,7 @@ impl Source {
         let region = layout.region_bytes();
         let n = blocks as usize;
         let total = layout.layers() as usize * 2 * n * region;
-        let mut data = if huge {
-            Buffer::mapped(total, true)
-        } else {
-            Buffer::heap(total)
-        };
+        let mut data = Buffer::payload(total, huge);
         for (i, w) in data.chunks_exact_mut(4).enumerate() {
             w.copy_from_slice(&((i % 251) as f32 * 0.01 - 1.25).to_le_bytes());
         }

@@ -117,18 +117,11 @@ pub(crate) fn parse_iperf3(json: &[u8]) -> Result<RefPoint, String> {
 /// `huge` between mappings on transparent huge pages (as the sender's payload then is).
 pub(crate) fn memcpy(bytes: u64, iters: u32, huge: bool) -> RefPoint {
     let n = bytes as usize;
-    let buf = |n| {
-        if huge {
-            Buffer::mapped(n, true)
-        } else {
-            Buffer::heap(n)
-        }
-    };
-    let mut src = buf(n);
+    let mut src = Buffer::payload(n, huge);
     for (i, b) in src.iter_mut().enumerate() {
         *b = (i % 251) as u8;
     }
-    let mut dst = buf(n);
+    let mut dst = Buffer::payload(n, huge);
     dst.copy_from_slice(&src); // fault the pages in
     let mut times: Vec<f64> = (0..iters.max(1))
         .map(|_| {

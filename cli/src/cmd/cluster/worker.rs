@@ -268,9 +268,7 @@ async fn shm_listener(
         let rx = ShmReceiver::bind_in(id, cfg.clone(), opts)
             .await
             .with_context(|| format!("binding the shm KV socket in {}", dir.display()))?;
-        let e = Endpoint::shm(&host, rx.path());
-        // What a prefill worker will parse; refuse to advertise anything it would skip.
-        Endpoint::parse("shm", &e.address)?;
+        let e = Endpoint::shm(&host, rx.path())?;
         anyhow::Ok((rx, e))
     }
     .await;

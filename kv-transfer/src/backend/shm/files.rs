@@ -17,11 +17,11 @@ use super::mapping::valid_name;
 use crate::error::{Error, Result};
 
 /// Prefix of receivers' socket names.
-pub const SOCKET_PREFIX: &str = "duet-sock-";
+pub(crate) const SOCKET_PREFIX: &str = "duet-sock-";
 /// Prefix of the temporary names sockets are bound under.
 const BINDING_PREFIX: &str = ".duet-binding-";
 /// Age after which a ring file or a temporary socket name is certainly abandoned.
-pub const STALE_AFTER: Duration = Duration::from_secs(600);
+pub(crate) const STALE_AFTER: Duration = Duration::from_secs(600);
 /// How long a liveness probe of a socket may take (a live but stopped receiver with a full
 /// backlog never answers; it is then left alone).
 const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
@@ -30,7 +30,7 @@ const MAX_SOCKET_PATH: usize = 107;
 
 /// A fresh socket path in `dir` for a receiver tagged `tag` (the tag is left out when the
 /// path would be too long for a unix socket).
-pub fn socket_path(dir: &Path, tag: &str) -> PathBuf {
+pub(crate) fn socket_path(dir: &Path, tag: &str) -> PathBuf {
     let rnd = rand::random::<u64>();
     let tagged = dir.join(format!("{SOCKET_PREFIX}{tag}-{rnd:016x}.sock"));
     if tagged.as_os_str().len() <= MAX_SOCKET_PATH && !tag.contains('/') {
@@ -42,7 +42,7 @@ pub fn socket_path(dir: &Path, tag: &str) -> PathBuf {
 
 /// Binds a listening socket at `path`, which must not exist: bound under a temporary name in
 /// the same directory, then linked into place (atomically, never replacing a file).
-pub fn bind_atomically(path: &Path) -> Result<UnixListener> {
+pub(crate) fn bind_atomically(path: &Path) -> Result<UnixListener> {
     let dir = path.parent().ok_or_else(|| {
         Error::InvalidArgument(format!("socket path {} has no directory", path.display()))
     })?;

@@ -40,7 +40,7 @@ mod host;
 pub(crate) mod mapping;
 mod pull;
 
-pub use files::{remove_stale, SOCKET_PREFIX, STALE_AFTER};
+pub use files::remove_stale;
 pub use host::host_identity;
 
 use std::path::{Path, PathBuf};
