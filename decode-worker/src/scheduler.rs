@@ -887,6 +887,7 @@ impl Scheduler {
                     Phase::Decode { .. } => true,
                     Phase::Prefill { tokens, done, .. } => done + n == tokens.len(),
                 },
+                prompt: matches!(self.active[i].phase, Phase::Prefill { .. }),
             })
             .collect();
         // What this step reads: every weight once, and each sequence's whole KV so far.

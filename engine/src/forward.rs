@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use crate::attention_gemm;
 use crate::error::{EngineError, Result};
 use crate::kernels;
+use crate::kernels::ggml::DotOrder;
 use crate::kv::cache::Storage;
 use crate::kv::{BlockId, KvCache, KvKind, SeqId};
 use crate::model::Model;
@@ -24,80 +25,111 @@ pub struct SeqChunk<'a> {
     /// Whether to compute the logits of the chunk's last token (the last
     /// chunk of a prefill, every decode step).
     pub logits: bool,
+    /// Whether these tokens are (part of) a prompt rather than a decode step.
+    /// Prompt rows reduce attention in the order llama.cpp uses for a
+    /// multi-token batch, decode rows in its single-token order, whatever the
+    /// chunking or the batch they run in.
+    pub prompt: bool,
 }
 
 impl<'a> SeqChunk<'a> {
+    /// Logits wanted; a prompt chunk when it has several tokens, a decode
+    /// step when it has one.
     pub fn new(seq: SeqId, tokens: &'a [u32]) -> Self {
         Self {
             seq,
             tokens,
             logits: true,
+            prompt: tokens.len() > 1,
+        }
+    }
+
+    /// Part of a prompt; `logits` on its last chunk.
+    pub fn prompt(seq: SeqId, tokens: &'a [u32], logits: bool) -> Self {
+        Self {
+            seq,
+            tokens,
+            logits,
+            prompt: true,
         }
     }
 }
 
 struct Row {
     chunk: usize,
+    prompt: bool,
     pos: usize,
     block: BlockId,
     slot: usize,
 }
 
+/// A KV storage element, and how llama.cpp's attention treats that storage.
 trait KvElem: Copy + Send + Sync {
-    const ROUND_OPERANDS: bool = false;
-    fn dot(q: &[f32], k: &[Self], buf: &mut [f32]) -> f32;
-    fn axpy(o: &mut [f32], w: f32, v: &[Self], buf: &mut [f32]);
+    /// f16 storage follows llama.cpp's f16 KV path: the query and the softmax
+    /// weights are rounded to f16 too before their products, and a
+    /// multi-token batch's `QK^T` goes through tinyBLAS. (With f32 storage
+    /// the permuted query keeps ggml on its per-row dot product.)
+    const F16_PATH: bool;
+    /// `src` as f32: itself, or widened into `buf`.
+    fn as_f32<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32];
 }
 
 impl KvElem for f32 {
+    const F16_PATH: bool = false;
     #[inline]
-    fn dot(q: &[f32], k: &[Self], _: &mut [f32]) -> f32 {
-        kernels::dot(q, k)
-    }
-    #[inline]
-    fn axpy(o: &mut [f32], w: f32, v: &[Self], _: &mut [f32]) {
-        kernels::axpy(o, w, v)
+    fn as_f32<'a>(src: &'a [Self], _: &'a mut [f32]) -> &'a [f32] {
+        src
     }
 }
 
 impl KvElem for f16 {
-    // With f16 storage, attention follows llama.cpp's f16 KV path: the query
-    // and the softmax weights are rounded to f16 too before their products.
-    const ROUND_OPERANDS: bool = true;
+    const F16_PATH: bool = true;
     #[inline]
-    fn dot(q: &[f32], k: &[Self], buf: &mut [f32]) -> f32 {
-        for (d, s) in buf.iter_mut().zip(k) {
+    fn as_f32<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32] {
+        for (d, s) in buf.iter_mut().zip(src) {
             *d = s.to_f32();
         }
-        kernels::dot(q, buf)
-    }
-    #[inline]
-    fn axpy(o: &mut [f32], w: f32, v: &[Self], buf: &mut [f32]) {
-        for (d, s) in buf.iter_mut().zip(v) {
-            *d = s.to_f32();
-        }
-        kernels::axpy(o, w, buf)
+        buf
     }
 }
 
+/// RMSNorm as ggml computes it: squares summed in f64 in order, the mean
+/// and the scale in f32. The result is quantized to 8 bits next, where one
+/// ulp of difference can move a value to the neighbouring grid point, so
+/// matching ggml bit for bit here keeps duet on llama.cpp's trajectory.
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for (xr, or) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
-        let ss = kernels::dot(xr, xr) / w.len() as f32;
-        let scale = 1.0 / (ss + eps).sqrt();
+        let ss = xr.iter().fold(0f64, |s, &v| s + f64::from(v * v));
+        let mean = (ss / w.len() as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
         for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
             *o = v * scale * g;
         }
     }
 }
 
-/// Rotate adjacent pairs (GGUF llama's layout) of every head in `x`.
+/// Rotate adjacent pairs (GGUF llama's layout) of every head in `x`, with
+/// the fused multiply-adds GCC makes of ggml's `x0*cos - x1*sin` and
+/// `x0*sin + x1*cos` (bit-identical to llama.cpp's CPU build).
 fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
     for head in x.chunks_exact_mut(head_dim) {
         for (i, pair) in head.chunks_exact_mut(2).enumerate() {
             let (a, b) = (pair[0], pair[1]);
-            pair[0] = a * cos[i] - b * sin[i];
-            pair[1] = a * sin[i] + b * cos[i];
+            pair[0] = a.mul_add(cos[i], -(b * sin[i]));
+            pair[1] = a.mul_add(sin[i], b * cos[i]);
         }
+    }
+}
+
+/// ggml's RoPE angles: `theta_scale = base^(-2/dims)` in f32, and each
+/// pair's angle the previous one times it, in f32.
+fn rope_angles(pos: usize, theta_base: f32, head_dim: usize, cos: &mut [f32], sin: &mut [f32]) {
+    let scale = theta_base.powf(-2.0 / head_dim as f32);
+    let mut theta = pos as f32;
+    for (c, s) in cos.iter_mut().zip(sin.iter_mut()) {
+        *c = theta.cos();
+        *s = theta.sin();
+        theta *= scale;
     }
 }
 
@@ -167,6 +199,7 @@ impl Model {
                 let pos = starts[i] + j;
                 rows.push(Row {
                     chunk: i,
+                    prompt: ch.prompt,
                     pos,
                     block: tables[i][pos / bs],
                     slot: pos % bs,
@@ -226,12 +259,14 @@ impl Model {
         let mut cos = vec![0f32; n * half];
         let mut sin = vec![0f32; n * half];
         for (r, row) in rows.iter().enumerate() {
-            for i in 0..half {
-                let inv = (c.rope_theta as f64).powf(-2.0 * i as f64 / hd as f64);
-                let a = row.pos as f64 * inv;
-                cos[r * half + i] = a.cos() as f32;
-                sin[r * half + i] = a.sin() as f32;
-            }
+            let span = r * half..(r + 1) * half;
+            rope_angles(
+                row.pos,
+                c.rope_theta,
+                hd,
+                &mut cos[span.clone()],
+                &mut sin[span],
+            );
         }
         let mut xn = vec![0f32; n * d];
         for (l, layer) in self.layers.iter().enumerate() {
@@ -264,7 +299,7 @@ impl Model {
             for (hr, gur) in h.chunks_exact_mut(f).zip(gu.chunks_exact(2 * f)) {
                 let (g, u) = gur.split_at(f);
                 for ((o, &gv), &uv) in hr.iter_mut().zip(g).zip(u) {
-                    *o = gv / (1.0 + (-gv).exp()) * uv;
+                    *o = kernels::ggml::silu(gv) * uv;
                 }
             }
             let down = layer.w_down.forward_with(&h, n, kernel_rows)?;
@@ -373,10 +408,19 @@ impl Model {
             }
             let g = h / group;
             let mut q = qkv[r * stride + h * hd..r * stride + (h + 1) * hd].to_vec();
-            if T::ROUND_OPERANDS {
+            if T::F16_PATH {
                 q.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32());
             }
-            let q = &q[..];
+            // llama.cpp's reduction orders: a multi-token batch's `softmax(QK^T)V`
+            // goes through tinyBLAS, a single token's through ggml's dot products.
+            let pv = match row.prompt {
+                true => DotOrder::Lanes8,
+                false => DotOrder::Lanes32,
+            };
+            let qk = match T::F16_PATH {
+                true => pv,
+                false => DotOrder::Lanes32,
+            };
             let table = &tables[row.chunk];
             let n = row.pos + 1;
             let mut scores = Vec::with_capacity(n);
@@ -386,28 +430,36 @@ impl Model {
                 let base = cache.region_offset(b, layer, KvKind::K) + g * bs * hd;
                 let count = bs.min(n - bi * bs);
                 for k in data[base..base + count * hd].chunks_exact(hd) {
-                    scores.push(T::dot(q, k, &mut kbuf) * scale);
+                    scores.push(qk.dot(&q, T::as_f32(k, &mut kbuf)) * scale);
                 }
             }
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
+            kernels::ggml::softmax(&mut scores);
+            if T::F16_PATH {
+                scores
+                    .iter_mut()
+                    .for_each(|p| *p = f16::from_f32(*p).to_f32());
             }
-            let inv = 1.0 / sum;
+            // Output element `d` is a dot product over positions: position `t`
+            // accumulates into lane `t % lanes`, as in ggml.
+            let lanes = pv.lanes();
+            let mut acc = vec![0f32; lanes * hd];
             for (bi, &b) in table.iter().enumerate().take(n.div_ceil(bs)) {
                 let base = cache.region_offset(b, layer, KvKind::V) + g * bs * hd;
                 let count = bs.min(n - bi * bs);
                 let ps = &scores[bi * bs..bi * bs + count];
-                for (v, &p) in data[base..base + count * hd].chunks_exact(hd).zip(ps) {
-                    let w = match T::ROUND_OPERANDS {
-                        true => f16::from_f32(p * inv).to_f32(),
-                        false => p * inv,
-                    };
-                    T::axpy(o, w, v, &mut kbuf);
+                for (j, (v, &p)) in data[base..base + count * hd]
+                    .chunks_exact(hd)
+                    .zip(ps)
+                    .enumerate()
+                {
+                    let lane = (bi * bs + j) % lanes;
+                    let v = T::as_f32(v, &mut kbuf);
+                    for (a, &x) in acc[lane * hd..(lane + 1) * hd].iter_mut().zip(v) {
+                        *a = p.mul_add(x, *a);
+                    }
                 }
             }
+            pv.reduce_rows(&acc, o);
         });
         out
     }

@@ -8,13 +8,14 @@ use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
 use crate::kernels::q8::{self, Q8Row};
-use crate::kernels::{self, BlockFormat, FUSED_MAX_ROWS, FUSED_MAX_ROWS_QUANTIZED_ONLY, QK};
+use crate::kernels::{self, BlockFormat, FUSED_MAX_ROWS, QK};
 
 /// Which forms of the weights a model keeps in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub enum WeightMode {
-    /// Quantized only: fused kernel for small batches, weights expanded one
-    /// matrix at a time for large ones. Least memory; the decode worker's form.
+    /// Quantized only: the integer kernel for every batch, which computes what
+    /// llama.cpp's CPU backend computes, bit for bit. Least memory; the decode
+    /// worker's form.
     Quantized,
     /// Dense f32 only: GEMM for every batch. The prefill worker's form.
     Dense,
@@ -173,11 +174,12 @@ impl Linear {
     /// whole prompt would have taken.
     pub fn forward_with(&self, x: &[f32], rows: usize, kernel_rows: usize) -> Result<Vec<f32>> {
         debug_assert_eq!(x.len(), rows * self.in_dim);
-        let fused_max = match self.dense {
-            Some(_) => FUSED_MAX_ROWS,
-            None => FUSED_MAX_ROWS_QUANTIZED_ONLY,
+        // Without a dense copy every batch takes the integer kernel: it computes
+        // what llama.cpp's CPU backend computes, bit for bit, at any batch size.
+        let fused = match self.dense {
+            Some(_) => kernel_rows.max(rows) <= FUSED_MAX_ROWS,
+            None => true,
         };
-        let fused = kernel_rows.max(rows) <= fused_max;
         if let Some(q) = &self.quantized {
             if fused && q8::supported(q.format) {
                 let acts: Vec<Q8Row> = x.chunks_exact(self.in_dim).map(Q8Row::quantize).collect();

@@ -3,24 +3,30 @@
 //!
 //! The rule (from the reference's README): tokens must be equal for every
 //! step before the first step whose top-2 logit margin in llama.cpp is below
-//! 0.05. Measured on these 2-core AVX2 machines, llama.cpp itself does not
-//! reach that on all prompts: against its own reference (recorded on another
-//! CPU) its default settings keep the rule on 9 of 10 prompts, and with flash
-//! attention or an f32 KV cache on 5 of 10, because this model amplifies
-//! rounding differences (~0.3 logits after 30 layers). duet computes the
-//! textbook math (checked against a NumPy forward pass to 1e-4 in logits), so
-//! the bar here is llama.cpp's own alternative configurations: the rule on at
-//! least 5 prompts, the first token on every prompt, and identical tokens on
-//! 1 and 2 threads.
+//! 0.05. Every matmul input is quantized to 8 bits, so one ulp of difference
+//! anywhere moves a value to the neighbouring grid point, and on this model
+//! such flips grow to ~0.3 in logits over 30 layers. Only ggml's exact
+//! arithmetic stays on llama.cpp's trajectory: with quantized weights and an
+//! f16 KV cache (llama.cpp's defaults) duet computes llama.cpp's CPU results
+//! bit for bit (checked tensor by tensor against llama.cpp 0.3.36 on this
+//! machine, all 30 layers and the logits), whatever the chunking, threads or
+//! batch. That configuration keeps the rule on 9 of 10 prompts, exactly as
+//! llama.cpp itself does on these AVX2 machines: the reference was recorded
+//! on an AVX-512 CPU, and on v06 both diverge at step 2 (margin 0.20).
+//! The faster forms (dense f32 GEMM for prompts, f32 KV) compute the same
+//! math with other rounding and keep the rule on fewer prompts; they must
+//! still get every first token right.
 
 mod common;
 
-use duet_engine::{generate, GenerationParams, KvCache, KvDtype, Model};
+use duet_engine::{generate, GenerationParams, KvCache, KvDtype, Model, WeightMode};
 
 const NEAR_TIE: f64 = 0.05;
-/// Prompts that must keep the rule (llama.cpp with flash attention or an f32
-/// KV cache: 5 of 10 on these machines).
-const MIN_PROMPTS_KEEPING_RULE: usize = 5;
+/// Prompts keeping the rule with llama.cpp's arithmetic: all but v06, which
+/// llama.cpp itself breaks on these machines (see the module docs).
+const EXACT_MIN_KEPT: usize = 9;
+/// The hybrid form (dense GEMM for prompts, f32 KV) measured 7 of 10.
+const HYBRID_MIN_KEPT: usize = 5;
 
 struct Case {
     id: String,
@@ -60,7 +66,7 @@ struct Outcome {
     tokens: Vec<Vec<u32>>,
 }
 
-fn run(model: &Model, chunk: usize) -> Outcome {
+fn run(model: &Model, dtype: KvDtype, chunk: usize) -> Outcome {
     let mut o = Outcome {
         kept: 0,
         report: Vec::new(),
@@ -69,7 +75,7 @@ fn run(model: &Model, chunk: usize) -> Outcome {
     for c in cases() {
         let steps = c.checked.max(1);
         let mut cache = KvCache::new(
-            model.kv_layout(16, KvDtype::F32),
+            model.kv_layout(16, dtype),
             (c.prompt.len() + steps).div_ceil(16) + 1,
         );
         let params = GenerationParams {
@@ -99,11 +105,11 @@ fn run(model: &Model, chunk: usize) -> Outcome {
     o
 }
 
-fn check(o: &Outcome) {
+fn check(o: &Outcome, min_kept: usize) {
     println!("{}", o.report.join("\n"));
     assert!(
-        o.kept >= MIN_PROMPTS_KEEPING_RULE,
-        "rule kept on {} prompts, need {MIN_PROMPTS_KEEPING_RULE}:\n{}",
+        o.kept >= min_kept,
+        "rule kept on {} prompts, need {min_kept}:\n{}",
         o.kept,
         o.report.join("\n")
     );
@@ -111,19 +117,29 @@ fn check(o: &Outcome) {
 
 #[test]
 fn greedy_follows_llama_cpp_whole_and_chunked_on_one_and_two_threads() {
-    let one = common::model(1);
-    let two = common::model(2);
-    for chunk in [0, 1, 7, 64] {
-        let a = run(one, chunk);
-        check(&a);
-        if chunk == 0 || chunk == 7 {
-            let b = run(two, chunk);
-            check(&b);
-            assert_eq!(
-                a.tokens, b.tokens,
-                "1 and 2 threads must give the same tokens (chunk {chunk})"
-            );
-        }
+    let one = common::model_with(1, WeightMode::Quantized);
+    let two = common::model_with(2, WeightMode::Quantized);
+    let whole = run(one, KvDtype::F16, 0);
+    check(&whole, EXACT_MIN_KEPT);
+    for chunk in [1, 7, 64] {
+        let a = run(one, KvDtype::F16, chunk);
+        assert_eq!(
+            a.tokens, whole.tokens,
+            "prefill in chunks of {chunk} must give the tokens of the whole prompt"
+        );
+    }
+    let b = run(two, KvDtype::F16, 7);
+    assert_eq!(
+        b.tokens, whole.tokens,
+        "1 and 2 threads must give the same tokens"
+    );
+}
+
+#[test]
+fn greedy_with_dense_prompts_and_f32_kv_gets_every_first_token() {
+    let m = common::model(2);
+    for chunk in [0, 64] {
+        check(&run(m, KvDtype::F32, chunk), HYBRID_MIN_KEPT);
     }
 }
 

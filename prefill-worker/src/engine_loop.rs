@@ -609,11 +609,11 @@ impl Engine {
             .iter()
             .map(|&(i, start, n)| {
                 let r = &self.running[i];
-                SeqChunk {
-                    seq: r.job.request_id,
-                    tokens: &r.job.prompt[start..start + n],
-                    logits: start + n == r.job.prompt.len(),
-                }
+                SeqChunk::prompt(
+                    r.job.request_id,
+                    &r.job.prompt[start..start + n],
+                    start + n == r.job.prompt.len(),
+                )
             })
             .collect();
         // What the per-layer hook needs: for each chunk, its sender and block index range.

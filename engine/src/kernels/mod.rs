@@ -12,6 +12,7 @@ use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+pub mod ggml;
 pub mod q8;
 
 /// Elements per quantization block for every format we handle natively.
@@ -20,11 +21,6 @@ pub const QK: usize = 32;
 /// Activation rows up to which the fused kernel is used when a dense f32
 /// copy of the weights exists; above it the dense GEMM wins.
 pub const FUSED_MAX_ROWS: usize = 8;
-
-/// Without a dense copy, the fused kernel serves every decode-sized batch:
-/// expanding the weights to f32 per call costs more than it saves until the
-/// batch is prompt-sized.
-pub const FUSED_MAX_ROWS_QUANTIZED_ONLY: usize = 64;
 
 /// Weight block formats with native kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -220,50 +216,18 @@ fn hsum(a: &[f32; QK]) -> f32 {
 }
 
 /// Round activations to the grid llama.cpp's CPU path multiplies quantized
-/// weights with: per 32 values, `q = round(x / d)` with `d = max|x| / 127`
-/// stored as f16 (its Q8_0 / Q8_1 activation blocks). Doing the same keeps
-/// duet's logits within rounding of llama.cpp's, so greedy decoding agrees.
+/// weights with: per 32 values, `q = round_half_even(x * 127 / max|x|)`
+/// times `d = max|x| / 127` stored as f16 (its Q8_0 / Q8_1 activation
+/// blocks), so the dense GEMM sees the values the integer kernel sees.
 pub fn round_to_q8_grid(x: &mut [f32]) {
     for blk in x.chunks_exact_mut(QK) {
         let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let d16 = f16::from_f32(d).to_f32();
         for v in blk.iter_mut() {
-            *v = (*v * id).round() * d16;
+            *v = (*v * id).round_ties_even() * d16;
         }
-    }
-}
-
-/// Dot product of two f32 slices of equal length, vectorised.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let ca = a.chunks_exact(16);
-    let cb = b.chunks_exact(16);
-    let (ta, tb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..16 {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
-        }
-    }
-    // Tree reduction: independent adds instead of one 16-long chain.
-    let mut s8 = [0f32; 8];
-    for l in 0..8 {
-        s8[l] = acc[l] + acc[l + 8];
-    }
-    let mut s = ((s8[0] + s8[4]) + (s8[1] + s8[5])) + ((s8[2] + s8[6]) + (s8[3] + s8[7]));
-    for (x, y) in ta.iter().zip(tb) {
-        s = x.mul_add(*y, s);
-    }
-    s
-}
-
-/// `acc += w * x` elementwise.
-#[inline]
-pub fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
-    for (a, v) in acc.iter_mut().zip(x) {
-        *a = w.mul_add(*v, *a);
     }
 }
 

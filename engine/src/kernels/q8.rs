@@ -1,7 +1,9 @@
 //! Integer dot products of quantized weights with 8-bit activations, the
 //! way llama.cpp's CPU backend computes them: activations are quantized per
-//! 32 values (`d = max|x| / 127`, `q = round(x / d)`, `s = d * sum(q)`, with
-//! `d` and `s` rounded to f16), and a block's dot product is
+//! 32 values (`d = max|x| / 127`, `q = round_half_even(x * 127 / max|x|)`,
+//! `s = d * sum(q)`, with `d` and `s` rounded to f16: the exact operations of
+//! ggml's AVX2 `quantize_row_q8_1`, since one value rounded the other way
+//! moves a matmul's output by ~1e-3), and a block's dot product is
 //! `d_w * d_x * sum(q_w * q_x) (+ m_w * s_x for Q4_1)`.
 //!
 //! The integer sums are exact, so the result does not depend on how rows are
@@ -30,10 +32,10 @@ impl Q8Row {
         for blk in x.chunks_exact(QK) {
             let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
             let mut sum = 0i32;
             for &v in blk {
-                let q = (v * id).round() as i32;
+                let q = (v * id).round_ties_even() as i32;
                 sum += q;
                 r.q.push(q as i8);
             }

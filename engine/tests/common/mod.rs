@@ -18,7 +18,7 @@ pub fn model_path() -> PathBuf {
     root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-fn load(threads: usize) -> Model {
+fn load(threads: usize, weight_mode: WeightMode) -> Model {
     let p = model_path();
     assert!(
         p.exists(),
@@ -29,19 +29,27 @@ fn load(threads: usize) -> Model {
         &p,
         LoadOptions {
             threads,
-            weight_mode: WeightMode::Hybrid,
+            weight_mode,
         },
     )
     .unwrap_or_else(|e| panic!("loading {}: {e}", p.display()))
 }
 
+/// The model with hybrid weights (`duet run`'s default).
 pub fn model(threads: usize) -> &'static Model {
-    static ONE: OnceLock<Model> = OnceLock::new();
-    static TWO: OnceLock<Model> = OnceLock::new();
-    match threads {
-        1 => ONE.get_or_init(|| load(1)),
-        _ => TWO.get_or_init(|| load(2)),
-    }
+    model_with(threads, WeightMode::Hybrid)
+}
+
+/// The model on 1 or 2 threads with the given weight form, loaded once per test binary.
+pub fn model_with(threads: usize, mode: WeightMode) -> &'static Model {
+    static MODELS: [[OnceLock<Model>; 2]; 3] = [const { [const { OnceLock::new() }; 2] }; 3];
+    let m = match mode {
+        WeightMode::Quantized => 0,
+        WeightMode::Dense => 1,
+        WeightMode::Hybrid => 2,
+    };
+    let t = usize::from(threads > 1);
+    MODELS[m][t].get_or_init(|| load(t + 1, mode))
 }
 
 pub fn reference(name: &str) -> Vec<serde_json::Value> {
