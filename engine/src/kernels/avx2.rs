@@ -115,3 +115,60 @@ unsafe fn q8_0(w: &[u8], nb: usize, xs: &[&Q8Row], out: &mut [f32]) {
         out[r] = hsum(acc[r]);
     }
 }
+
+/// `ggml_vec_dot_f32`'s four 8-lane accumulators over the first
+/// `n & !31` elements, reduced as `GGML_F32x8_REDUCE`. Callers check
+/// [`available`] first.
+pub fn dot_lanes32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len()) & !31;
+    debug_assert!(available());
+    // SAFETY: `available()` confirmed AVX2/FMA; every load reads 8 floats at
+    // `i + 8j + 8 <= n`, within both slices.
+    unsafe { lanes32(a.as_ptr(), b.as_ptr(), n) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn lanes32(a: *const f32, b: *const f32, n: usize) -> f32 {
+    let mut s = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i < n {
+        for (j, sj) in s.iter_mut().enumerate() {
+            // SAFETY: i + 8j + 8 <= n (the caller's bound).
+            let (x, y) = unsafe {
+                (
+                    _mm256_loadu_ps(a.add(i + 8 * j)),
+                    _mm256_loadu_ps(b.add(i + 8 * j)),
+                )
+            };
+            *sj = _mm256_fmadd_ps(x, y, *sj);
+        }
+        i += 32;
+    }
+    let s0 = _mm256_add_ps(_mm256_add_ps(s[0], s[2]), _mm256_add_ps(s[1], s[3]));
+    let t0 = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+    let t1 = _mm_hadd_ps(t0, t0);
+    _mm_cvtss_f32(_mm_hadd_ps(t1, t1))
+}
+
+/// tinyBLAS's one 8-lane accumulator over the first `n & !7` elements, then
+/// its `hsum`. Callers check [`available`] first.
+pub fn dot_lanes8(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len()) & !7;
+    debug_assert!(available());
+    // SAFETY: `available()` confirmed AVX2/FMA; every load reads 8 floats at
+    // `i + 8 <= n`, within both slices.
+    unsafe { lanes8(a.as_ptr(), b.as_ptr(), n) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn lanes8(a: *const f32, b: *const f32, n: usize) -> f32 {
+    let mut s = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + 8 <= n (the caller's bound).
+        let (x, y) = unsafe { (_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i))) };
+        s = _mm256_fmadd_ps(x, y, s);
+        i += 8;
+    }
+    hsum(s)
+}

@@ -83,27 +83,24 @@ impl DotOrder {
         }
     }
 
-    /// `sum(a[i] * b[i])` in this order (missing lanes count as zero, as
-    /// ggml's zero-padded tails do).
+    /// `sum(a[i] * b[i])` as ggml computes it. `Lanes32` is
+    /// `ggml_vec_dot_f32/f16`: 32 lanes over the first `n & !31` elements,
+    /// the rest added one by one in f64. `Lanes8` is tinyBLAS, which ggml
+    /// uses only when `n` is a multiple of 8 (otherwise it falls back to
+    /// `ggml_vec_dot`, and so does this).
     #[inline]
     pub fn dot(self, a: &[f32], b: &[f32]) -> f32 {
-        fn lanes<const L: usize>(a: &[f32], b: &[f32]) -> [f32; L] {
-            let mut acc = [0f32; L];
-            let (ca, cb) = (a.chunks_exact(L), b.chunks_exact(L));
-            let (ta, tb) = (ca.remainder(), cb.remainder());
-            for (x, y) in ca.zip(cb) {
-                for l in 0..L {
-                    acc[l] = x[l].mul_add(y[l], acc[l]);
-                }
-            }
-            for (l, (x, y)) in ta.iter().zip(tb).enumerate() {
-                acc[l] = x.mul_add(*y, acc[l]);
-            }
-            acc
-        }
+        let n = a.len().min(b.len());
         match self {
-            DotOrder::Lanes32 => reduce32(&lanes::<32>(a, b)),
-            DotOrder::Lanes8 => hsum8(&lanes::<8>(a, b)),
+            DotOrder::Lanes8 if n.is_multiple_of(8) => lanes8(a, b),
+            _ => {
+                let np = n & !31;
+                let mut sum = f64::from(lanes32(&a[..np], &b[..np]));
+                for (x, y) in a[np..n].iter().zip(&b[np..n]) {
+                    sum += f64::from(x * y);
+                }
+                sum as f32
+            }
         }
     }
 
@@ -141,6 +138,34 @@ impl DotOrder {
             }
         }
     }
+}
+
+fn lanes32(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2::available() {
+        return super::avx2::dot_lanes32(a, b);
+    }
+    let mut acc = [0f32; 32];
+    for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
+        for l in 0..32 {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    reduce32(&acc)
+}
+
+fn lanes8(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2::available() {
+        return super::avx2::dot_lanes8(a, b);
+    }
+    let mut acc = [0f32; 8];
+    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    hsum8(&acc)
 }
 
 /// ggml's softmax of `x` in place: exp with [`expf`], sums of 8 in `hsum`
