@@ -887,7 +887,11 @@ impl Scheduler {
                     Phase::Decode { .. } => true,
                     Phase::Prefill { tokens, done, .. } => done + n == tokens.len(),
                 },
-                prompt: matches!(self.active[i].phase, Phase::Prefill { .. }),
+                // Replayed generated tokens were decode steps: they keep the decode order.
+                prompt: matches!(
+                    &self.active[i].phase,
+                    Phase::Prefill { done, exact_from, .. } if done < exact_from
+                ),
             })
             .collect();
         // What this step reads: every weight once, and each sequence's whole KV so far.

@@ -44,13 +44,15 @@ impl<'a> SeqChunk<'a> {
         }
     }
 
-    /// Part of a prompt; `logits` on its last chunk.
-    pub fn prompt(seq: SeqId, tokens: &'a [u32], logits: bool) -> Self {
+    /// Part of a prompt of `prompt_len` tokens; `logits` on its last chunk.
+    /// A one-token prompt is one row, as a decode step is, so it takes the
+    /// decode order (llama.cpp's batch of one token does).
+    pub fn prompt(seq: SeqId, tokens: &'a [u32], logits: bool, prompt_len: usize) -> Self {
         Self {
             seq,
             tokens,
             logits,
-            prompt: true,
+            prompt: prompt_len > 1,
         }
     }
 }

@@ -305,7 +305,7 @@ fn run(
     let mut logits = Vec::new();
     for (i, part) in prompt.chunks(chunk).enumerate() {
         let last = (i + 1) * chunk >= prompt.len();
-        let mut out = model.forward(cache, &[SeqChunk::prompt(seq, part, last)])?;
+        let mut out = model.forward(cache, &[SeqChunk::prompt(seq, part, last, prompt.len())])?;
         if last {
             logits = out.pop().unwrap_or_default();
         }

@@ -8,13 +8,14 @@ use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
 use crate::kernels::q8::{self, Q8Row};
-use crate::kernels::{self, BlockFormat, FUSED_MAX_ROWS, QK};
+use crate::kernels::{self, BlockFormat, FUSED_MAX_ROWS, FUSED_MAX_ROWS_QUANTIZED_ONLY, QK};
 
 /// Which forms of the weights a model keeps in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub enum WeightMode {
-    /// Quantized only: the integer kernel for every batch, which computes what
-    /// llama.cpp's CPU backend computes, bit for bit. Least memory; the decode
+    /// Quantized only: for Q4_1/Q8_0 the integer kernel at every batch size,
+    /// which computes what llama.cpp's CPU backend computes, bit for bit (other
+    /// formats expand to f32 for large batches). Least memory; the decode
     /// worker's form.
     Quantized,
     /// Dense f32 only: GEMM for every batch. The prefill worker's form.
@@ -174,11 +175,14 @@ impl Linear {
     /// whole prompt would have taken.
     pub fn forward_with(&self, x: &[f32], rows: usize, kernel_rows: usize) -> Result<Vec<f32>> {
         debug_assert_eq!(x.len(), rows * self.in_dim);
-        // Without a dense copy every batch takes the integer kernel: it computes
-        // what llama.cpp's CPU backend computes, bit for bit, at any batch size.
-        let fused = match self.dense {
-            Some(_) => kernel_rows.max(rows) <= FUSED_MAX_ROWS,
-            None => true,
+        // Without a dense copy, Q4_1/Q8_0 take the integer kernel at every batch
+        // size: it computes what llama.cpp's CPU backend computes, bit for bit.
+        // Other formats expand to f32 for prompt-sized batches.
+        let rows_max = kernel_rows.max(rows);
+        let fused = match (&self.dense, &self.quantized) {
+            (Some(_), _) => rows_max <= FUSED_MAX_ROWS,
+            (None, Some(q)) => q8::supported(q.format) || rows_max <= FUSED_MAX_ROWS_QUANTIZED_ONLY,
+            (None, None) => false,
         };
         if let Some(q) = &self.quantized {
             if fused && q8::supported(q.format) {

@@ -74,7 +74,7 @@ fn check(model: &Model, chunk: usize) {
             for (j, part) in parts.iter().enumerate() {
                 let last = j + 1 == parts.len();
                 let c = match i {
-                    0 => SeqChunk::prompt(1, part, last),
+                    0 => SeqChunk::prompt(1, part, last, step.fed.len()),
                     _ => SeqChunk::new(1, part),
                 };
                 logits = model.forward(&mut cache, &[c]).expect("forward").remove(0);

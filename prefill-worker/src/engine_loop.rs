@@ -613,6 +613,7 @@ impl Engine {
                     r.job.request_id,
                     &r.job.prompt[start..start + n],
                     start + n == r.job.prompt.len(),
+                    r.job.prompt.len(),
                 )
             })
             .collect();

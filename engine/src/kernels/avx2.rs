@@ -1,4 +1,4 @@
-//! AVX2 kernels for [`super::q8`]. This module is the engine's one use of
+//! AVX2 kernels for [`super::q8`] and [`super::ggml`]. This module is the engine's one use of
 //! `unsafe`: the intrinsics are `unsafe` because they need CPU features,
 //! which [`available`] checks at run time before any of them is called.
 
@@ -117,17 +117,18 @@ unsafe fn q8_0(w: &[u8], nb: usize, xs: &[&Q8Row], out: &mut [f32]) {
 }
 
 /// `ggml_vec_dot_f32`'s four 8-lane accumulators over the first
-/// `n & !31` elements, reduced as `GGML_F32x8_REDUCE`. Callers check
-/// [`available`] first.
-pub fn dot_lanes32(a: &[f32], b: &[f32]) -> f32 {
+/// `n & !31` elements, reduced as `GGML_F32x8_REDUCE`. `None` without AVX2.
+pub fn dot_lanes32(a: &[f32], b: &[f32]) -> Option<f32> {
+    if !available() {
+        return None;
+    }
     let n = a.len().min(b.len()) & !31;
-    debug_assert!(available());
-    // SAFETY: `available()` confirmed AVX2/FMA; every load reads 8 floats at
+    // SAFETY: `available()` confirmed AVX2/FMA/F16C; every load reads 8 floats at
     // `i + 8j + 8 <= n`, within both slices.
-    unsafe { lanes32(a.as_ptr(), b.as_ptr(), n) }
+    Some(unsafe { lanes32(a.as_ptr(), b.as_ptr(), n) })
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn lanes32(a: *const f32, b: *const f32, n: usize) -> f32 {
     let mut s = [_mm256_setzero_ps(); 4];
     let mut i = 0;
@@ -151,16 +152,18 @@ unsafe fn lanes32(a: *const f32, b: *const f32, n: usize) -> f32 {
 }
 
 /// tinyBLAS's one 8-lane accumulator over the first `n & !7` elements, then
-/// its `hsum`. Callers check [`available`] first.
-pub fn dot_lanes8(a: &[f32], b: &[f32]) -> f32 {
+/// its `hsum`; `None` without AVX2.
+pub fn dot_lanes8(a: &[f32], b: &[f32]) -> Option<f32> {
+    if !available() {
+        return None;
+    }
     let n = a.len().min(b.len()) & !7;
-    debug_assert!(available());
-    // SAFETY: `available()` confirmed AVX2/FMA; every load reads 8 floats at
+    // SAFETY: `available()` confirmed AVX2/FMA/F16C; every load reads 8 floats at
     // `i + 8 <= n`, within both slices.
-    unsafe { lanes8(a.as_ptr(), b.as_ptr(), n) }
+    Some(unsafe { lanes8(a.as_ptr(), b.as_ptr(), n) })
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn lanes8(a: *const f32, b: *const f32, n: usize) -> f32 {
     let mut s = _mm256_setzero_ps();
     let mut i = 0;

@@ -8,8 +8,9 @@
 //! point, moving that matmul's output by ~1e-3. On this model such flips
 //! compound over 30 layers into logit differences of ~0.3, which is enough to
 //! swap near-tied tokens. Reproducing ggml's operations exactly keeps duet on
-//! llama.cpp's trajectory; everything here is safe scalar code whose
-//! operation order mirrors the SIMD lanes.
+//! llama.cpp's trajectory. The code is safe scalar Rust whose operation order
+//! mirrors the SIMD lanes; the two dot products run as AVX2 intrinsics in
+//! [`super::avx2`] where available (same order), with scalar fallbacks.
 
 /// ggml's `ggml_v_expf` for one lane (max error 1.45 ulp; flushes to 0
 /// below about -104 and to infinity above 88.4).
@@ -142,8 +143,8 @@ impl DotOrder {
 
 fn lanes32(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if super::avx2::available() {
-        return super::avx2::dot_lanes32(a, b);
+    if let Some(v) = super::avx2::dot_lanes32(a, b) {
+        return v;
     }
     let mut acc = [0f32; 32];
     for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
@@ -156,8 +157,8 @@ fn lanes32(a: &[f32], b: &[f32]) -> f32 {
 
 fn lanes8(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if super::avx2::available() {
-        return super::avx2::dot_lanes8(a, b);
+    if let Some(v) = super::avx2::dot_lanes8(a, b) {
+        return v;
     }
     let mut acc = [0f32; 8];
     for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {

@@ -22,6 +22,11 @@ pub const QK: usize = 32;
 /// copy of the weights exists; above it the dense GEMM wins.
 pub const FUSED_MAX_ROWS: usize = 8;
 
+/// Without a dense copy, formats the integer kernel does not cover (F16, F32,
+/// Q4_0) use the f32 tile kernel up to this many rows and expand the weights
+/// to f32 + GEMM above it.
+pub const FUSED_MAX_ROWS_QUANTIZED_ONLY: usize = 64;
+
 /// Weight block formats with native kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockFormat {
