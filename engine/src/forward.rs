@@ -99,6 +99,23 @@ impl KvElem for f16 {
 /// and the scale in f32. The result is quantized to 8 bits next, where one
 /// ulp of difference can move a value to the neighbouring grid point, so
 /// matching ggml bit for bit here keeps duet on llama.cpp's trajectory.
+/// `row += p * V[base..]` for each `(base, p)`, in order.
+#[inline(always)]
+fn accumulate<T: KvElem>(
+    row: &mut [f32],
+    terms: impl Iterator<Item = (usize, f32)>,
+    data: &[T],
+    buf: &mut [f32],
+) {
+    let hd = row.len();
+    for (base, p) in terms {
+        let v = T::as_f32(&data[base..base + hd], buf);
+        for (a, &x) in row.iter_mut().zip(v) {
+            *a = p.mul_add(x, *a);
+        }
+    }
+}
+
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for (xr, or) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
         let ss = xr.iter().fold(0f64, |s, &v| s + f64::from(v * v));
@@ -445,20 +462,21 @@ impl Model {
             // accumulates into lane `t % lanes`, as in ggml.
             let lanes = pv.lanes();
             let mut acc = vec![0f32; lanes * hd];
-            for (bi, &b) in table.iter().enumerate().take(n.div_ceil(bs)) {
-                let base = cache.region_offset(b, layer, KvKind::V) + g * bs * hd;
-                let count = bs.min(n - bi * bs);
-                let ps = &scores[bi * bs..bi * bs + count];
-                for (j, (v, &p)) in data[base..base + count * hd]
-                    .chunks_exact(hd)
-                    .zip(ps)
-                    .enumerate()
-                {
-                    let lane = (bi * bs + j) % lanes;
-                    let v = T::as_f32(v, &mut kbuf);
-                    for (a, &x) in acc[lane * hd..(lane + 1) * hd].iter_mut().zip(v) {
-                        *a = p.mul_add(x, *a);
+            // Lane by lane, so each lane's row stays in registers while its positions
+            // (`lane`, `lane + lanes`, ...) accumulate, in ggml's order.
+            for (lane, row) in acc.chunks_exact_mut(hd).enumerate().take(n) {
+                let terms = (lane..n).step_by(lanes).map(|t| {
+                    let base = cache.region_offset(table[t / bs], layer, KvKind::V)
+                        + (g * bs + t % bs) * hd;
+                    (base, scores[t])
+                });
+                match <&mut [f32; 64]>::try_from(&mut *row) {
+                    Ok(r64) => {
+                        let mut r = *r64;
+                        accumulate(&mut r, terms, data, &mut kbuf);
+                        *r64 = r;
                     }
+                    Err(_) => accumulate(row, terms, data, &mut kbuf),
                 }
             }
             pv.reduce_rows(&acc, o);
