@@ -95,10 +95,6 @@ impl KvElem for f16 {
     }
 }
 
-/// RMSNorm as ggml computes it: squares summed in f64 in order, the mean
-/// and the scale in f32. The result is quantized to 8 bits next, where one
-/// ulp of difference can move a value to the neighbouring grid point, so
-/// matching ggml bit for bit here keeps duet on llama.cpp's trajectory.
 /// `row += p * V[base..]` for each `(base, p)`, in order.
 #[inline(always)]
 fn accumulate<T: KvElem>(
@@ -116,6 +112,10 @@ fn accumulate<T: KvElem>(
     }
 }
 
+/// RMSNorm as ggml computes it: squares summed in f64 in order, the mean
+/// and the scale in f32. The result is quantized to 8 bits next, where one
+/// ulp of difference can move a value to the neighbouring grid point, so
+/// matching ggml bit for bit here keeps duet on llama.cpp's trajectory.
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for (xr, or) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
         let ss = xr.iter().fold(0f64, |s, &v| s + f64::from(v * v));
@@ -462,22 +462,15 @@ impl Model {
             // accumulates into lane `t % lanes`, as in ggml.
             let lanes = pv.lanes();
             let mut acc = vec![0f32; lanes * hd];
-            // Lane by lane, so each lane's row stays in registers while its positions
-            // (`lane`, `lane + lanes`, ...) accumulate, in ggml's order.
+            // Lane by lane: each lane's row accumulates its positions (`lane`,
+            // `lane + lanes`, ...) in ggml's order.
             for (lane, row) in acc.chunks_exact_mut(hd).enumerate().take(n) {
                 let terms = (lane..n).step_by(lanes).map(|t| {
                     let base = cache.region_offset(table[t / bs], layer, KvKind::V)
                         + (g * bs + t % bs) * hd;
                     (base, scores[t])
                 });
-                match <&mut [f32; 64]>::try_from(&mut *row) {
-                    Ok(r64) => {
-                        let mut r = *r64;
-                        accumulate(&mut r, terms, data, &mut kbuf);
-                        *r64 = r;
-                    }
-                    Err(_) => accumulate(row, terms, data, &mut kbuf),
-                }
+                accumulate(row, terms, data, &mut kbuf);
             }
             pv.reduce_rows(&acc, o);
         });

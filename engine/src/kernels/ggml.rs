@@ -12,6 +12,8 @@
 //! mirrors the SIMD lanes; the two dot products run as AVX2 intrinsics in
 //! [`super::avx2`] where available (same order), with scalar fallbacks.
 
+use std::ops::Add;
+
 /// ggml's `ggml_v_expf` for one lane (max error 1.45 ulp; flushes to 0
 /// below about -104 and to infinity above 88.4).
 pub fn expf(x: f32) -> f32 {
@@ -50,21 +52,31 @@ pub fn silu(x: f32) -> f32 {
 }
 
 /// Horizontal sum of 8 lanes in the order of ggml's and tinyBLAS's `hsum`.
+/// Generic so that [`DotOrder::reduce_rows`] sums 8 columns at once ([`F8`]).
 #[inline]
-pub fn hsum8(x: &[f32; 8]) -> f32 {
+pub fn hsum8<T: Copy + Add<Output = T>>(x: &[T; 8]) -> T {
     ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]))
 }
 
 /// Reduction of `ggml_vec_dot_f32/f16`'s four 8-lane accumulators
 /// (`GGML_F32x8_REDUCE`): lane `i` of accumulator `a` is `acc[a * 8 + i]`.
 #[inline]
-pub fn reduce32(acc: &[f32; 32]) -> f32 {
-    let mut t = [0f32; 8];
-    for (i, v) in t.iter_mut().enumerate() {
-        *v = (acc[i] + acc[16 + i]) + (acc[8 + i] + acc[24 + i]);
-    }
+pub fn reduce32<T: Copy + Add<Output = T>>(acc: &[T; 32]) -> T {
+    let t: [T; 8] = std::array::from_fn(|i| (acc[i] + acc[16 + i]) + (acc[8 + i] + acc[24 + i]));
     let t0 = [t[0] + t[4], t[1] + t[5], t[2] + t[6], t[3] + t[7]];
     (t0[0] + t0[1]) + (t0[2] + t0[3])
+}
+
+/// Eight independent f32 sums, added lane-wise (one AVX add).
+#[derive(Debug, Clone, Copy)]
+pub struct F8([f32; 8]);
+
+impl Add for F8 {
+    type Output = F8;
+    #[inline]
+    fn add(self, o: F8) -> F8 {
+        F8(std::array::from_fn(|i| self.0[i] + o.0[i]))
+    }
 }
 
 /// Which of ggml's dot products a row's attention follows.
@@ -106,37 +118,24 @@ impl DotOrder {
     }
 
     /// Reduce `lanes()` rows of `acc` (row `l` at `acc[l * n..(l + 1) * n]`)
-    /// into `out[d]`, element by element, in this order.
+    /// into `out[d]`: column `d` summed as [`reduce32`] or [`hsum8`] sum lanes,
+    /// 8 columns at a time.
     pub fn reduce_rows(self, acc: &[f32], out: &mut [f32]) {
         let n = out.len();
-        let row = |l: usize| &acc[l * n..(l + 1) * n];
-        match self {
-            DotOrder::Lanes32 => {
-                // t[i] = (s0 + s2) + (s1 + s3) at lane i, then the 8 lanes as ggml's hadd.
-                let mut t = vec![0f32; 8 * n];
-                for (i, ti) in t.chunks_exact_mut(n).enumerate() {
-                    let (s0, s1, s2, s3) = (row(i), row(8 + i), row(16 + i), row(24 + i));
-                    for d in 0..n {
-                        ti[d] = (s0[d] + s2[d]) + (s1[d] + s3[d]);
-                    }
-                }
-                let t = |i: usize| &t[i * n..(i + 1) * n];
-                for (d, o) in out.iter_mut().enumerate() {
-                    let t0 = [
-                        t(0)[d] + t(4)[d],
-                        t(1)[d] + t(5)[d],
-                        t(2)[d] + t(6)[d],
-                        t(3)[d] + t(7)[d],
-                    ];
-                    *o = (t0[0] + t0[1]) + (t0[2] + t0[3]);
-                }
+        fn reduce<T: Copy + Add<Output = T>>(order: DotOrder, lane: impl Fn(usize) -> T) -> T {
+            match order {
+                DotOrder::Lanes32 => reduce32(&std::array::from_fn(lane)),
+                DotOrder::Lanes8 => hsum8(&std::array::from_fn(lane)),
             }
-            DotOrder::Lanes8 => {
-                for (d, o) in out.iter_mut().enumerate() {
-                    *o = ((row(0)[d] + row(4)[d]) + (row(2)[d] + row(6)[d]))
-                        + ((row(1)[d] + row(5)[d]) + (row(3)[d] + row(7)[d]));
-                }
-            }
+        }
+        let mut d = 0;
+        for o in out.chunks_exact_mut(8) {
+            let at = |l: usize| F8(std::array::from_fn(|i| acc[l * n + d + i]));
+            o.copy_from_slice(&reduce(self, at).0);
+            d += 8;
+        }
+        for (j, o) in out[d..].iter_mut().enumerate() {
+            *o = reduce(self, |l| acc[l * n + d + j]);
         }
     }
 }
@@ -146,13 +145,7 @@ fn lanes32(a: &[f32], b: &[f32]) -> f32 {
     if let Some(v) = super::avx2::dot_lanes32(a, b) {
         return v;
     }
-    let mut acc = [0f32; 32];
-    for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
-        for l in 0..32 {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
-        }
-    }
-    reduce32(&acc)
+    reduce32(&lane_sums(a, b))
 }
 
 fn lanes8(a: &[f32], b: &[f32]) -> f32 {
@@ -160,13 +153,18 @@ fn lanes8(a: &[f32], b: &[f32]) -> f32 {
     if let Some(v) = super::avx2::dot_lanes8(a, b) {
         return v;
     }
-    let mut acc = [0f32; 8];
-    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for l in 0..8 {
+    hsum8(&lane_sums(a, b))
+}
+
+/// Scalar lane accumulators: element `i` of each whole chunk of `L` goes to lane `i % L`.
+fn lane_sums<const L: usize>(a: &[f32], b: &[f32]) -> [f32; L] {
+    let mut acc = [0f32; L];
+    for (x, y) in a.chunks_exact(L).zip(b.chunks_exact(L)) {
+        for l in 0..L {
             acc[l] = x[l].mul_add(y[l], acc[l]);
         }
     }
-    hsum8(&acc)
+    acc
 }
 
 /// ggml's softmax of `x` in place: exp with [`expf`], sums of 8 in `hsum`

@@ -227,8 +227,7 @@ fn hsum(a: &[f32; QK]) -> f32 {
 pub fn round_to_q8_grid(x: &mut [f32]) {
     for blk in x.chunks_exact_mut(QK) {
         let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let (d, id) = q8::scales(amax);
         let d16 = f16::from_f32(d).to_f32();
         for v in blk.iter_mut() {
             *v = (*v * id).round_ties_even() * d16;

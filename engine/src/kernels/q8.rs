@@ -21,6 +21,15 @@ pub struct Q8Row {
     pub q: Vec<i8>,
 }
 
+/// ggml's 8-bit scale of a 32-value block with largest magnitude `amax`:
+/// `(d, id)` with `d = amax / 127` (stored as f16) and the multiplier
+/// `id = 127 / amax` (not `1 / d`, which rounds differently).
+#[inline]
+pub fn scales(amax: f32) -> (f32, f32) {
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    (amax / 127.0, id)
+}
+
 impl Q8Row {
     pub fn quantize(x: &[f32]) -> Self {
         let n = x.len() / QK;
@@ -31,8 +40,7 @@ impl Q8Row {
         };
         for blk in x.chunks_exact(QK) {
             let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let (d, id) = scales(amax);
             let mut sum = 0i32;
             for &v in blk {
                 let q = (v * id).round_ties_even() as i32;
