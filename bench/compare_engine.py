@@ -114,6 +114,7 @@ def table_for(threads, duet, llama):
     # Context worth knowing when reading the numbers.
     if duet:
         extra = [f"weights {duet['weights']}" if "weights" in duet else None]
+        extra.append(f"KV {duet['kv_dtype']}" if "kv_dtype" in duet else None)
         extra.append(f"decode steps {sorted({e['steps'] for e in duet.get('decode', [])})}")
         notes.append("duet: " + ", ".join(x for x in extra if x))
     if llama:

@@ -15,6 +15,7 @@ use crate::kernels;
 use crate::kernels::ggml::DotOrder;
 use crate::kv::cache::Storage;
 use crate::kv::{BlockId, KvCache, KvKind, SeqId};
+use crate::linear::KernelRows;
 use crate::model::Model;
 
 /// A run of new tokens for one sequence.
@@ -66,7 +67,7 @@ struct Row {
 }
 
 /// A KV storage element, and how llama.cpp's attention treats that storage.
-trait KvElem: Copy + Send + Sync {
+trait KvElem: kernels::KvLanes + Send + Sync {
     /// f16 storage follows llama.cpp's f16 KV path: the query and the softmax
     /// weights are rounded to f16 too before their products, and a
     /// multi-token batch's `QK^T` goes through tinyBLAS. (With f32 storage
@@ -231,15 +232,19 @@ impl Model {
         // prompt would (by the rows up to the longest chunk's end), so the KV and the logits
         // do not depend on how the prompt was cut.
         let continues = batch.iter().all(|c| c.tokens.len() >= 2) && starts.iter().any(|&s| s > 0);
-        let kernel_rows = match continues {
-            true => batch
-                .iter()
-                .zip(&starts)
-                .map(|(c, s)| s + c.tokens.len())
-                .max()
-                .unwrap_or(0)
-                .max(rows.len()),
-            false => rows.len(),
+        let decode = batch.iter().all(|c| c.tokens.len() == 1 && !c.prompt);
+        let kernel_rows = match (decode, continues) {
+            (true, _) => KernelRows::Decode,
+            (false, true) => KernelRows::As(
+                batch
+                    .iter()
+                    .zip(&starts)
+                    .map(|(c, s)| s + c.tokens.len())
+                    .max()
+                    .unwrap_or(0)
+                    .max(rows.len()),
+            ),
+            (false, false) => KernelRows::As(rows.len()),
         };
         let logits = self.pool.install(|| {
             self.run_layers(cache, batch, &rows, &tokens, &tables, kernel_rows, on_layer)
@@ -263,7 +268,7 @@ impl Model {
         rows: &[Row],
         tokens: &[u32],
         tables: &[Vec<BlockId>],
-        kernel_rows: usize,
+        kernel_rows: KernelRows,
         on_layer: &mut (dyn FnMut(usize, &KvCache) + Send),
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
@@ -345,7 +350,11 @@ impl Model {
         }
         let mut seln = vec![0f32; sel.len()];
         rms_norm(&sel, &self.out_norm, c.rms_eps, &mut seln);
-        let logits = self.output.forward(&seln, want.len())?;
+        let head_rows = match kernel_rows {
+            KernelRows::Decode => KernelRows::Decode,
+            KernelRows::As(_) => KernelRows::As(want.len()),
+        };
+        let logits = self.output.forward_with(&seln, want.len(), head_rows)?;
         for (&(i, _), lg) in want.iter().zip(logits.chunks_exact(c.vocab_size)) {
             out[i] = lg.to_vec();
         }
@@ -448,8 +457,12 @@ impl Model {
             for (bi, &b) in table.iter().enumerate().take(n.div_ceil(bs)) {
                 let base = cache.region_offset(b, layer, KvKind::K) + g * bs * hd;
                 let count = bs.min(n - bi * bs);
-                for k in data[base..base + count * hd].chunks_exact(hd) {
-                    scores.push(qk.dot(&q, T::as_f32(k, &mut kbuf)) * scale);
+                let k = &data[base..base + count * hd];
+                let lanes32 = qk == DotOrder::Lanes32;
+                if !kernels::attention_scores(lanes32, &q, k, scale, &mut scores) {
+                    for k in k.chunks_exact(hd) {
+                        scores.push(qk.dot(&q, T::as_f32(k, &mut kbuf)) * scale);
+                    }
                 }
             }
             kernels::ggml::softmax(&mut scores);
@@ -462,6 +475,14 @@ impl Model {
             // accumulates into lane `t % lanes`, as in ggml.
             let lanes = pv.lanes();
             let mut acc = vec![0f32; lanes * hd];
+            let v_bases: Vec<usize> = table[..n.div_ceil(bs)]
+                .iter()
+                .map(|&b| cache.region_offset(b, layer, KvKind::V) + g * bs * hd)
+                .collect();
+            if kernels::attention_pv(lanes, &scores, data, &v_bases, bs, &mut acc) {
+                pv.reduce_rows(&acc, o);
+                return;
+            }
             // Lane by lane: each lane's row accumulates its positions (`lane`,
             // `lane + lanes`, ...) in ggml's order.
             for (lane, row) in acc.chunks_exact_mut(hd).enumerate().take(n) {

@@ -7,7 +7,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
-use crate::kernels::q8::{self, Q8Row};
+use crate::kernels::q8::{self, Q8Batch, TILE};
 use crate::kernels::{self, BlockFormat, FUSED_MAX_ROWS, FUSED_MAX_ROWS_QUANTIZED_ONLY, QK};
 
 /// Which forms of the weights a model keeps in memory.
@@ -20,8 +20,9 @@ pub enum WeightMode {
     Quantized,
     /// Dense f32 only: GEMM for every batch. The prefill worker's form.
     Dense,
-    /// Both: quantized for small batches, dense for large ones. Fastest for a
-    /// process that does both phases, at the cost of the f32 copy.
+    /// Both: the integer kernel for decode steps (any batch) and short prompt
+    /// chunks, dense GEMM for long prompts. Fastest for a process that does
+    /// both phases, at the cost of the f32 copy.
     #[default]
     Hybrid,
 }
@@ -113,6 +114,19 @@ impl QWeight {
     }
 }
 
+/// How the rows of one forward pick a layer's kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelRows {
+    /// As a forward over this many rows (at least the rows given) would: the
+    /// rows of a prompt's later chunk take the kernel a forward over the
+    /// whole prompt takes, so the KV does not depend on the chunking.
+    As(usize),
+    /// Decode steps, one row per sequence: with Q4_1/Q8_0 weights every row
+    /// takes the integer kernel, as it does alone, so a sequence's logits do
+    /// not depend on the batch it decodes in.
+    Decode,
+}
+
 pub struct Linear {
     quantized: Option<QWeight>,
     /// Round activations to llama.cpp's 8-bit grid before multiplying.
@@ -167,29 +181,31 @@ impl Linear {
 
     /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
     pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
-        self.forward_with(x, rows, rows)
+        self.forward_with(x, rows, KernelRows::As(rows))
     }
 
-    /// [`Self::forward`], with the kernel chosen as for a batch of `kernel_rows` rows (at
-    /// least `rows`): the rows of a prompt's later chunk take the kernel a forward over the
-    /// whole prompt would have taken.
-    pub fn forward_with(&self, x: &[f32], rows: usize, kernel_rows: usize) -> Result<Vec<f32>> {
+    /// [`Self::forward`], with the kernel chosen by `kernel` (see [`KernelRows`]).
+    pub fn forward_with(&self, x: &[f32], rows: usize, kernel: KernelRows) -> Result<Vec<f32>> {
         debug_assert_eq!(x.len(), rows * self.in_dim);
         // Without a dense copy, Q4_1/Q8_0 take the integer kernel at every batch
         // size: it computes what llama.cpp's CPU backend computes, bit for bit.
-        // Other formats expand to f32 for prompt-sized batches.
-        let rows_max = kernel_rows.max(rows);
+        // Other formats expand to f32 for prompt-sized batches. With a dense
+        // copy, decode steps keep the integer kernel at any batch size too
+        // (it is as fast as the GEMM there, and batch-invariant).
+        let (rows_max, decode) = match kernel {
+            KernelRows::As(k) => (k.max(rows), false),
+            KernelRows::Decode => (rows, true),
+        };
         let fused = match (&self.dense, &self.quantized) {
+            (Some(_), Some(q)) if decode && q8::supported(q.format) => true,
             (Some(_), _) => rows_max <= FUSED_MAX_ROWS,
             (None, Some(q)) => q8::supported(q.format) || rows_max <= FUSED_MAX_ROWS_QUANTIZED_ONLY,
             (None, None) => false,
         };
         if let Some(q) = &self.quantized {
             if fused && q8::supported(q.format) {
-                let acts: Vec<Q8Row> = x.chunks_exact(self.in_dim).map(Q8Row::quantize).collect();
-                let refs: Vec<&Q8Row> = acts.iter().collect();
-                return Ok(self
-                    .per_output_row(rows, |w, out| q8::dot_rows(q.format, q.row(w), &refs, out)));
+                let acts = Q8Batch::quantize(x, self.in_dim);
+                return Ok(self.q8_matmul(q, &acts));
             }
         }
         let rounded;
@@ -219,6 +235,44 @@ impl Linear {
         }
     }
 
+    /// `x W^T` with the integer kernel. Each task owns a run of output
+    /// features; it meets every activation tile with those features' weight
+    /// rows, so the tile stays in L1 while the run's rows come from L2. A
+    /// task's results are row-major within the task, so the final layout is
+    /// one contiguous copy per (task, row).
+    fn q8_matmul(&self, q: &QWeight, acts: &Q8Batch) -> Vec<f32> {
+        const OUT_PER_TASK: usize = 64;
+        let rows = acts.rows;
+        let mut t = vec![0f32; self.out_dim * rows];
+        t.par_chunks_mut(OUT_PER_TASK * rows)
+            .enumerate()
+            .for_each(|(task, chunk)| {
+                let o0 = task * OUT_PER_TASK;
+                let n_out = chunk.len() / rows;
+                let mut out = [0f32; TILE];
+                for (ti, tile) in acts.tiles.iter().enumerate() {
+                    let r0 = ti * TILE;
+                    for i in 0..n_out {
+                        q8::dot_tile(q.format, q.row(o0 + i), tile, &mut out);
+                        for (r, &v) in out[..tile.rows].iter().enumerate() {
+                            chunk[(r0 + r) * n_out + i] = v;
+                        }
+                    }
+                }
+            });
+        if rows == 1 {
+            return t;
+        }
+        let mut y = vec![0f32; rows * self.out_dim];
+        for (task, chunk) in t.chunks(OUT_PER_TASK * rows).enumerate() {
+            let (o0, n_out) = (task * OUT_PER_TASK, chunk.len() / rows);
+            for (r, src) in chunk.chunks_exact(n_out).enumerate() {
+                y[r * self.out_dim + o0..r * self.out_dim + o0 + n_out].copy_from_slice(src);
+            }
+        }
+        y
+    }
+
     /// Runs `dot(w, out)` for every output feature `w` in parallel, where
     /// `out` receives that feature's value for each of the `rows`.
     fn per_output_row(&self, rows: usize, dot: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
@@ -233,17 +287,28 @@ impl Linear {
                     dot(o0 + i, out);
                 }
             });
-        if rows == 1 {
-            return t;
-        }
-        let mut y = vec![0f32; rows * self.out_dim];
-        for o in 0..self.out_dim {
-            for r in 0..rows {
-                y[r * self.out_dim + o] = t[o * rows + r];
+        transpose(t, rows, self.out_dim)
+    }
+}
+
+/// `[out_dim][rows]` (one run per output feature) to row-major `[rows][out_dim]`.
+fn transpose(t: Vec<f32>, rows: usize, out_dim: usize) -> Vec<f32> {
+    if rows == 1 {
+        return t;
+    }
+    // 64 x 64 tiles: both sides stay in L1.
+    const T: usize = 64;
+    let mut y = vec![0f32; rows * out_dim];
+    for o0 in (0..out_dim).step_by(T) {
+        for r0 in (0..rows).step_by(T) {
+            for o in o0..(o0 + T).min(out_dim) {
+                for r in r0..(r0 + T).min(rows) {
+                    y[r * out_dim + o] = t[o * rows + r];
+                }
             }
         }
-        y
     }
+    y
 }
 
 fn gemm(x: &[f32], rows: usize, w: &Tensor, in_dim: usize, out_dim: usize) -> Result<Vec<f32>> {

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 use half::f16;
 
-use super::q8::Q8Row;
+use super::q8::{Q8Tile, TILE};
 use super::{BlockFormat, QK};
 
 pub fn available() -> bool {
@@ -21,25 +21,44 @@ pub fn available() -> bool {
     })
 }
 
-/// Up to 4 rows. Callers check [`available`] first.
-pub fn dot_rows(fmt: BlockFormat, wrow: &[u8], xs: &[&Q8Row], out: &mut [f32]) {
-    debug_assert!(available() && xs.len() <= 4 && out.len() >= xs.len());
+/// The tile kernels of [`super::q8::dot_tile`]; `false` (nothing written)
+/// without AVX2 or for a format they do not cover.
+pub fn dot_tile(fmt: BlockFormat, wrow: &[u8], t: &Q8Tile, out: &mut [f32]) -> bool {
+    if !available() || !matches!(fmt, BlockFormat::Q4_1 | BlockFormat::Q8_0) {
+        return false;
+    }
     let nb = wrow.len() / fmt.block_bytes();
-    for x in xs {
-        assert!(x.q.len() >= nb * QK && x.d.len() >= nb && x.s.len() >= nb);
+    assert!(
+        (1..=TILE).contains(&t.rows)
+            && t.blocks >= nb
+            && t.q.len() >= nb * t.rows * QK
+            && t.d.len() >= nb * TILE
+            && t.s.len() >= nb * TILE
+            && out.len() >= t.rows,
+        "tile does not cover the weight row"
+    );
+    macro_rules! run {
+        ($kernel:ident) => {
+            match t.rows {
+                // SAFETY (every arm): `available()` confirmed AVX2/FMA/F16C;
+                // the assert above bounds every read to the slices' lengths
+                // (blocks `i < nb` of the weight row, `R = t.rows` rows).
+                1 => unsafe { $kernel::<1>(wrow, nb, t, out) },
+                2 => unsafe { $kernel::<2>(wrow, nb, t, out) },
+                3 => unsafe { $kernel::<3>(wrow, nb, t, out) },
+                4 => unsafe { $kernel::<4>(wrow, nb, t, out) },
+                5 => unsafe { $kernel::<5>(wrow, nb, t, out) },
+                6 => unsafe { $kernel::<6>(wrow, nb, t, out) },
+                7 => unsafe { $kernel::<7>(wrow, nb, t, out) },
+                _ => unsafe { $kernel::<8>(wrow, nb, t, out) },
+            }
+        };
     }
     match fmt {
-        // SAFETY: `available()` confirmed AVX2/FMA/F16C; the assert above
-        // and `nb` bound every read to the slices' lengths.
-        BlockFormat::Q4_1 => unsafe { q4_1(wrow, nb, xs, out) },
-        // SAFETY: as above.
-        BlockFormat::Q8_0 => unsafe { q8_0(wrow, nb, xs, out) },
-        _ => {
-            for (x, o) in xs.iter().zip(out.iter_mut()) {
-                *o = super::q8::dot_scalar(fmt, wrow, x);
-            }
-        }
+        BlockFormat::Q4_1 => run!(q4_1),
+        _ => run!(q8_0),
     }
+    true
 }
 
 #[inline]
@@ -53,65 +72,132 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// f16 at byte `i` of `p` as f32.
+///
+/// # Safety
+/// `p.add(i)` and `p.add(i + 1)` must be readable.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+unsafe fn f16_at(p: *const u8, i: usize) -> f32 {
+    // SAFETY: the caller guarantees both bytes are readable.
+    let b = unsafe { [*p.add(i), *p.add(i + 1)] };
+    f16::from_le_bytes(b).to_f32()
 }
 
+/// Blocks whose scales [`scales`] computes ahead of the integer products.
+const SPAN: usize = 8;
+
+/// `scale[k * 8 + r] = d_w * d_x[r]` for the blocks `i0..i0 + n` of a weight
+/// row of `BB`-byte blocks at `wp`, and with `M` (Q4_1's minimum)
+/// `summs += m_w * s_x` per block in order, as ggml's scalar `summs` lanes.
+/// Written to memory so that the products loop broadcasts each scale with a
+/// load (no vector ALU op; the ALU ports are what limits it).
+///
+/// # Safety
+/// Blocks `i0..i0 + n` of the row must be readable and the tile must hold
+/// them (`t.d`, `t.s`: 8 values per block); `n <= SPAN`.
+#[inline(always)]
+unsafe fn scales<const BB: usize, const M: bool>(
+    wp: *const u8,
+    i0: usize,
+    n: usize,
+    t: &Q8Tile,
+    summs: &mut __m256,
+    scale: &mut [f32; SPAN * TILE],
+) {
+    let (dp, sp) = (t.d.as_ptr(), t.s.as_ptr());
+    for k in 0..n {
+        let i = i0 + k;
+        // SAFETY: the caller's bounds.
+        unsafe {
+            let blk = wp.add(i * BB);
+            let dx = _mm256_loadu_ps(dp.add(i * TILE));
+            let dw = _mm256_set1_ps(f16_at(blk, 0));
+            _mm256_storeu_ps(scale.as_mut_ptr().add(k * TILE), _mm256_mul_ps(dw, dx));
+            if M {
+                let mw = _mm256_set1_ps(f16_at(blk, 2));
+                let sx = _mm256_loadu_ps(sp.add(i * TILE));
+                *summs = _mm256_add_ps(*summs, _mm256_mul_ps(mw, sx));
+            }
+        }
+    }
+}
+
+/// One Q4_1 weight row against `R` activation rows: per block, the
+/// weight's nibbles are unpacked once and each row keeps its own 8-lane
+/// accumulator (ggml's `ggml_vec_dot_q4_1_q8_1` chain, so every output is
+/// bit-identical to it).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1(w: &[u8], nb: usize, xs: &[&Q8Row], out: &mut [f32]) {
+unsafe fn q4_1<const R: usize>(w: &[u8], nb: usize, t: &Q8Tile, out: &mut [f32]) {
     const BB: usize = 20;
-    let n = xs.len();
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut summs = [0f32; 4];
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut summs = _mm256_setzero_ps();
+    let mut scale = [0f32; SPAN * TILE];
     let low = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
-    for i in 0..nb {
-        let blk = &w[i * BB..(i + 1) * BB];
-        let dw = f16_at(blk, 0);
-        let mw = f16_at(blk, 2);
-        // SAFETY: `blk` has 20 bytes; bytes 4..20 are the 16 packed nibbles.
-        let packed = unsafe { _mm_loadu_si128(blk.as_ptr().add(4) as *const __m128i) };
-        let qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
-        for r in 0..n {
-            let x = xs[r];
-            // SAFETY: x.q holds at least nb * 32 values (checked by the caller).
-            let qx = unsafe { _mm256_loadu_si256(x.q.as_ptr().add(i * QK) as *const __m256i) };
-            let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones);
-            let scale = _mm256_set1_ps(dw * x.d[i]);
-            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(prod), acc[r]);
-            summs[r] += mw * x.s[i];
+    let (wp, qp) = (w.as_ptr(), t.q.as_ptr());
+    for i0 in (0..nb).step_by(SPAN) {
+        let n = SPAN.min(nb - i0);
+        // SAFETY: blocks `i0..i0 + n <= nb` are within the row (20 bytes:
+        // d, m, 16 packed nibbles); d and s hold 8 values per block; the
+        // tile's q holds `R` blocks of 32 at `i * R * 32`.
+        unsafe {
+            scales::<BB, true>(wp, i0, n, t, &mut summs, &mut scale);
+            for k in 0..n {
+                let blk = wp.add((i0 + k) * BB);
+                let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                let qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+                let qx = qp.add((i0 + k) * R * QK);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let x = _mm256_loadu_si256(qx.add(r * QK) as *const __m256i);
+                    let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, x), ones);
+                    let sc = _mm256_broadcast_ss(&scale[k * TILE + r]);
+                    *a = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(prod), *a);
+                }
+            }
         }
     }
-    for r in 0..n {
-        out[r] = hsum(acc[r]) + summs[r];
+    let mut sm = [0f32; 8];
+    // SAFETY: `sm` has room for 8 floats.
+    unsafe { _mm256_storeu_ps(sm.as_mut_ptr(), summs) };
+    for r in 0..R {
+        out[r] = hsum(acc[r]) + sm[r];
     }
 }
 
+/// One Q8_0 weight row against `R` activation rows (ggml's
+/// `ggml_vec_dot_q8_0_q8_0` chain per row, signs moved onto the activations).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0(w: &[u8], nb: usize, xs: &[&Q8Row], out: &mut [f32]) {
+unsafe fn q8_0<const R: usize>(w: &[u8], nb: usize, t: &Q8Tile, out: &mut [f32]) {
     const BB: usize = 34;
-    let n = xs.len();
-    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut unused = _mm256_setzero_ps();
+    let mut scale = [0f32; SPAN * TILE];
     let ones = _mm256_set1_epi16(1);
-    for i in 0..nb {
-        let blk = &w[i * BB..(i + 1) * BB];
-        let dw = f16_at(blk, 0);
-        // SAFETY: `blk` has 34 bytes; bytes 2..34 are the 32 signed weights.
-        let qw = unsafe { _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i) };
-        let aw = _mm256_sign_epi8(qw, qw);
-        for r in 0..n {
-            let x = xs[r];
-            // SAFETY: x.q holds at least nb * 32 values (checked by the caller).
-            let qx = unsafe { _mm256_loadu_si256(x.q.as_ptr().add(i * QK) as *const __m256i) };
-            let sx = _mm256_sign_epi8(qx, qw);
-            let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
-            let scale = _mm256_set1_ps(dw * x.d[i]);
-            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(prod), acc[r]);
+    let (wp, qp) = (w.as_ptr(), t.q.as_ptr());
+    for i0 in (0..nb).step_by(SPAN) {
+        let n = SPAN.min(nb - i0);
+        // SAFETY: blocks `i0..i0 + n <= nb` are within the row (34 bytes: d,
+        // 32 signed weights); d holds 8 values per block; the tile's q holds
+        // `R` blocks of 32 at `i * R * 32`.
+        unsafe {
+            scales::<BB, false>(wp, i0, n, t, &mut unused, &mut scale);
+            for k in 0..n {
+                let blk = wp.add((i0 + k) * BB);
+                let qw = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                let aw = _mm256_sign_epi8(qw, qw);
+                let qx = qp.add((i0 + k) * R * QK);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let x = _mm256_loadu_si256(qx.add(r * QK) as *const __m256i);
+                    let sx = _mm256_sign_epi8(x, qw);
+                    let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
+                    let sc = _mm256_broadcast_ss(&scale[k * TILE + r]);
+                    *a = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(prod), *a);
+                }
+            }
         }
     }
-    for r in 0..n {
+    for r in 0..R {
         out[r] = hsum(acc[r]);
     }
 }
@@ -174,4 +260,161 @@ unsafe fn lanes8(a: *const f32, b: *const f32, n: usize) -> f32 {
         i += 8;
     }
     hsum(s)
+}
+
+/// KV element types the attention kernels read: 8 of them widened to f32.
+pub trait KvLoad: Copy {
+    /// # Safety
+    /// 8 elements must be readable at `p`, and AVX2/F16C available.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl KvLoad for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+impl KvLoad for f16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> __m256 {
+        // SAFETY: the caller's contract (8 halves are 16 bytes).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+}
+
+/// `out.push(dot(q, row) * scale)` for each row of `k` (rows of `q.len()`
+/// elements), in the order of [`dot_lanes32`] (`lanes32`) or [`dot_lanes8`],
+/// with `q` held in registers. `false` (nothing pushed) without AVX2 or for
+/// a head size other than 64 or 128.
+pub fn scores<T: KvLoad>(
+    lanes32: bool,
+    q: &[f32],
+    k: &[T],
+    scale: f32,
+    out: &mut Vec<f32>,
+) -> bool {
+    if !available() {
+        return false;
+    }
+    let rows = k.len() / q.len().max(1);
+    out.reserve(rows);
+    // SAFETY (both arms): `available()` confirmed AVX2/FMA/F16C; `q` has
+    // `8 * N` elements and `k` at least `rows * 8 * N`.
+    match q.len() {
+        64 => unsafe { scores_n::<T, 8>(lanes32, q.as_ptr(), k.as_ptr(), rows, scale, out) },
+        128 => unsafe { scores_n::<T, 16>(lanes32, q.as_ptr(), k.as_ptr(), rows, scale, out) },
+        _ => return false,
+    }
+    true
+}
+
+/// Head size `8 * N` (`N` a multiple of 4).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_n<T: KvLoad, const N: usize>(
+    lanes32: bool,
+    q: *const f32,
+    k: *const T,
+    rows: usize,
+    scale: f32,
+    out: &mut Vec<f32>,
+) {
+    // SAFETY: `q` holds 8 * N floats.
+    let qv: [__m256; N] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(q.add(8 * i)) });
+    let base = out.len();
+    out.resize(base + rows, 0.0);
+    let dst = &mut out[base..];
+    // One loop per order, so that `q` and the accumulators stay in registers.
+    if lanes32 {
+        for (j, d) in dst.iter_mut().enumerate() {
+            // SAFETY: row `j < rows` has 8 * N elements within `k`.
+            let kp = unsafe { k.add(j * 8 * N) };
+            let mut s = [_mm256_setzero_ps(); 4];
+            for i in 0..N {
+                // SAFETY: element 8i + 8 <= 8N of the row.
+                let kv = unsafe { T::load8(kp.add(8 * i)) };
+                s[i % 4] = _mm256_fmadd_ps(qv[i], kv, s[i % 4]);
+            }
+            let s0 = _mm256_add_ps(_mm256_add_ps(s[0], s[2]), _mm256_add_ps(s[1], s[3]));
+            let t0 = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+            let t1 = _mm_hadd_ps(t0, t0);
+            *d = _mm_cvtss_f32(_mm_hadd_ps(t1, t1)) * scale;
+        }
+    } else {
+        for (j, d) in dst.iter_mut().enumerate() {
+            // SAFETY: as above.
+            let kp = unsafe { k.add(j * 8 * N) };
+            let mut s = _mm256_setzero_ps();
+            for (i, qi) in qv.iter().enumerate() {
+                // SAFETY: as above.
+                let kv = unsafe { T::load8(kp.add(8 * i)) };
+                s = _mm256_fmadd_ps(*qi, kv, s);
+            }
+            *d = hsum(s) * scale;
+        }
+    }
+}
+
+/// Attention's `PV` in ggml's order: for each lane `l < lanes`, row `l` of
+/// `acc` (rows of `hd`) becomes `sum p[t] * V_t` over `t = l, l + lanes, ...
+/// < p.len()`, accumulated in increasing `t` with fused multiply-adds. `V_t`
+/// is the row at `v[bases[t / bs] + (t % bs) * hd..]`. The lane's row stays
+/// in registers. `false` (nothing written) without AVX2, for a head size
+/// other than 64 or 128, or a block size that is not a power of two.
+pub fn pv<T: KvLoad>(
+    lanes: usize,
+    p: &[f32],
+    v: &[T],
+    bases: &[usize],
+    bs: usize,
+    acc: &mut [f32],
+) -> bool {
+    let hd = acc.len() / lanes.max(1);
+    if !available() || !bs.is_power_of_two() || !matches!(hd, 64 | 128) {
+        return false;
+    }
+    assert!(
+        p.len() <= bases.len() * bs && bases.iter().all(|&b| b + bs * hd <= v.len()),
+        "positions outside the KV rows"
+    );
+    // SAFETY (both arms): `available()` confirmed AVX2/FMA/F16C; the assert
+    // bounds every row `t < p.len()` to `v`, and `acc` has `lanes` rows.
+    match hd {
+        64 => unsafe { pv_n::<T, 8>(lanes, p, v.as_ptr(), bases, bs, acc) },
+        _ => unsafe { pv_n::<T, 16>(lanes, p, v.as_ptr(), bases, bs, acc) },
+    }
+    true
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pv_n<T: KvLoad, const N: usize>(
+    lanes: usize,
+    p: &[f32],
+    v: *const T,
+    bases: &[usize],
+    bs: usize,
+    acc: &mut [f32],
+) {
+    let shift = bs.trailing_zeros();
+    let n = p.len();
+    for (lane, row) in acc.chunks_exact_mut(8 * N).enumerate().take(n.min(lanes)) {
+        let mut a = [_mm256_setzero_ps(); N];
+        let mut t = lane;
+        while t < n {
+            let pt = _mm256_set1_ps(p[t]);
+            // SAFETY: `t < n`, so its row is within `v` (the caller's assert).
+            let vp = unsafe { v.add(bases[t >> shift] + (t & (bs - 1)) * 8 * N) };
+            for (i, ai) in a.iter_mut().enumerate() {
+                // SAFETY: element 8i + 8 <= 8N of the row.
+                *ai = _mm256_fmadd_ps(pt, unsafe { T::load8(vp.add(8 * i)) }, *ai);
+            }
+            t += lanes;
+        }
+        for (i, ai) in a.iter().enumerate() {
+            // SAFETY: `row` has 8 * N floats.
+            unsafe { _mm256_storeu_ps(row.as_mut_ptr().add(8 * i), *ai) };
+        }
+    }
 }

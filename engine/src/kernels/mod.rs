@@ -15,11 +15,62 @@ mod avx2;
 pub mod ggml;
 pub mod q8;
 
+/// KV element types with vector attention kernels (f32, f16).
+#[cfg(target_arch = "x86_64")]
+pub use avx2::KvLoad as KvLanes;
+
+/// KV element types with vector attention kernels (none on this target).
+#[cfg(not(target_arch = "x86_64"))]
+pub trait KvLanes: Copy {}
+#[cfg(not(target_arch = "x86_64"))]
+impl KvLanes for f32 {}
+#[cfg(not(target_arch = "x86_64"))]
+impl KvLanes for f16 {}
+
+/// Attention scores `dot(q, row) * scale` of the rows of `k`, pushed to
+/// `out`, in ggml's decode (`lanes32`) or prompt order; `false` when no vector
+/// kernel covers the head size here (the caller computes them row by row).
+pub fn attention_scores<T: KvLanes>(
+    lanes32: bool,
+    q: &[f32],
+    k: &[T],
+    scale: f32,
+    out: &mut Vec<f32>,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return avx2::scores(lanes32, q, k, scale, out);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (lanes32, q, k, scale, out);
+        false
+    }
+}
+
+/// Attention's `PV` per lane, in ggml's order (see [`avx2::pv`]); `false`
+/// when no vector kernel covers it here.
+pub fn attention_pv<T: KvLanes>(
+    lanes: usize,
+    p: &[f32],
+    v: &[T],
+    bases: &[usize],
+    bs: usize,
+    acc: &mut [f32],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return avx2::pv(lanes, p, v, bases, bs, acc);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (lanes, p, v, bases, bs, acc);
+        false
+    }
+}
+
 /// Elements per quantization block for every format we handle natively.
 pub const QK: usize = 32;
 
-/// Activation rows up to which the fused kernel is used when a dense f32
-/// copy of the weights exists; above it the dense GEMM wins.
+/// Prompt rows up to which the fused kernel is used when a dense f32 copy of
+/// the weights exists; above it the dense GEMM. (Decode steps take the
+/// integer kernel at any batch size: see `linear::KernelRows::Decode`.)
 pub const FUSED_MAX_ROWS: usize = 8;
 
 /// Without a dense copy, formats the integer kernel does not cover (F16, F32,
@@ -282,6 +333,65 @@ mod tests {
             assert_eq!(one[0], all[r], "row {r} differs between tile sizes");
             let naive: f32 = w.iter().zip(&xs[r]).map(|(a, b)| a * b).sum();
             assert!((naive - one[0]).abs() < 1e-3, "{naive} vs {}", one[0]);
+        }
+    }
+
+    /// The vector attention kernels give the element-wise definitions' bits:
+    /// scores as `DotOrder::dot`, PV as fused multiply-adds per lane in
+    /// position order, for both orders, f32 and f16 rows, head sizes 64 and 128.
+    #[test]
+    fn attention_kernels_equal_the_elementwise_orders() {
+        use ggml::DotOrder;
+        fn check<T: KvLanes>(hd: usize, conv: impl Fn(f32) -> T, back: impl Fn(T) -> f32) {
+            let (bs, n): (usize, usize) = (16, 45);
+            let blocks = n.div_ceil(bs);
+            // Blocks deliberately out of order in the pool, as a block table has them.
+            let order = [2usize, 0, 1];
+            let pool: Vec<T> = (0..blocks * bs * hd)
+                .map(|i| conv(((i * 7919 % 1013) as f32 - 506.0) * 1.3e-3))
+                .collect();
+            let bases: Vec<usize> = order.iter().map(|&b| b * bs * hd).collect();
+            let q: Vec<f32> = (0..hd)
+                .map(|i| ((i * 31 % 17) as f32 - 8.0) * 0.07)
+                .collect();
+            let row = |t: usize| -> Vec<f32> {
+                let at = bases[t / bs] + (t % bs) * hd;
+                pool[at..at + hd].iter().map(|&v| back(v)).collect()
+            };
+            for order_ in [DotOrder::Lanes32, DotOrder::Lanes8] {
+                let lanes32 = order_ == DotOrder::Lanes32;
+                let mut fast = Vec::new();
+                for (bi, &b) in bases.iter().enumerate() {
+                    let count = bs.min(n - bi * bs);
+                    let vector =
+                        attention_scores(lanes32, &q, &pool[b..b + count * hd], 0.125, &mut fast);
+                    #[cfg(target_arch = "x86_64")]
+                    assert_eq!(vector, avx2::available(), "AVX2 machines take the kernel");
+                    if !vector {
+                        return; // no vector kernel on this machine: nothing to compare
+                    }
+                }
+                let slow: Vec<f32> = (0..n).map(|t| order_.dot(&q, &row(t)) * 0.125).collect();
+                assert_eq!(fast, slow, "scores, {order_:?}, hd {hd}");
+
+                let lanes = order_.lanes();
+                let p: Vec<f32> = (0..n).map(|t| 1.0 / (t as f32 + 3.0)).collect();
+                let mut acc = vec![0f32; lanes * hd];
+                assert!(attention_pv(lanes, &p, &pool, &bases, bs, &mut acc));
+                let mut want = vec![0f32; lanes * hd];
+                for t in 0..n {
+                    let v = row(t);
+                    let r = &mut want[(t % lanes) * hd..(t % lanes + 1) * hd];
+                    for (a, x) in r.iter_mut().zip(&v) {
+                        *a = p[t].mul_add(*x, *a);
+                    }
+                }
+                assert_eq!(acc, want, "pv, {lanes} lanes, hd {hd}");
+            }
+        }
+        for hd in [64, 128] {
+            check(hd, |v| v, |v| v);
+            check(hd, f16::from_f32, f16::to_f32);
         }
     }
 }

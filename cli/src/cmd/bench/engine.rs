@@ -28,6 +28,10 @@ pub struct EngineBenchArgs {
     /// Timed decode steps per batch size.
     #[arg(long, default_value_t = 16)]
     pub steps: usize,
+    /// KV cache element type (`f16` with `--weights quantized` is llama.cpp's
+    /// arithmetic, bit for bit).
+    #[arg(long, env = "DUET_KV_DTYPE", default_value = "f32")]
+    pub kv_dtype: KvDtype,
     /// Size of the KV pool whose resident memory is reported.
     #[arg(long, default_value_t = 1 << 30)]
     pub kv_pool_bytes: usize,
@@ -57,6 +61,7 @@ struct Report {
     engine: &'static str,
     threads: usize,
     weights: String,
+    kv_dtype: String,
     prefill: Vec<Prefill>,
     decode: Vec<Decode>,
     rss_after_load_bytes: u64,
@@ -95,7 +100,7 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
     for &n in &a.prefill {
         let mut runs = Vec::new();
         for i in 0..4 {
-            let mut cache = KvCache::new(model.kv_layout(16, KvDtype::F32), n.div_ceil(16));
+            let mut cache = KvCache::new(model.kv_layout(16, a.kv_dtype), n.div_ceil(16));
             cache.add_sequence(0)?;
             let t = Instant::now();
             model.forward(&mut cache, &[SeqChunk::new(0, &tokens(n, 0))])?;
@@ -113,14 +118,14 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
     }
     let mut decode = Vec::new();
     for &b in &a.batch {
-        decode.push(bench_decode(&model, b, a.context, a.steps)?);
+        decode.push(bench_decode(&model, a.kv_dtype, b, a.context, a.steps)?);
     }
-    let layout = model.kv_layout(16, KvDtype::F32);
+    let layout = model.kv_layout(16, a.kv_dtype);
     let c = &model.config;
     let sized = KvCacheConfig::from_budget(
         a.kv_pool_bytes,
         16,
-        KvDtype::F32,
+        a.kv_dtype,
         (c.n_layers, c.n_kv_heads, c.head_dim),
     );
     let mut pool = KvCache::new(layout, sized.num_blocks);
@@ -129,6 +134,7 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
         engine: "duet",
         threads: a.model.threads,
         weights: format!("{:?}", a.model.weights),
+        kv_dtype: format!("{:?}", a.kv_dtype).to_lowercase(),
         prefill,
         decode,
         rss_after_load_bytes: rss_after_load,
@@ -151,12 +157,13 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
 
 fn bench_decode(
     model: &Model,
+    kv_dtype: KvDtype,
     batch: usize,
     context: usize,
     steps: usize,
 ) -> anyhow::Result<Decode> {
     let blocks = batch * (context + steps + 1).div_ceil(16);
-    let mut cache = KvCache::new(model.kv_layout(16, KvDtype::F32), blocks);
+    let mut cache = KvCache::new(model.kv_layout(16, kv_dtype), blocks);
     // Distinct contexts per sequence, prefilled a few sequences per forward.
     let prompts: Vec<Vec<u32>> = (0..batch).map(|i| tokens(context, i + 1)).collect();
     let mut next = vec![0u32; batch];
