@@ -249,15 +249,11 @@ impl Linear {
             .for_each(|(task, chunk)| {
                 let o0 = task * OUT_PER_TASK;
                 let n_out = chunk.len() / rows;
-                let mut out = [0f32; TILE];
+                let rb = q.row_bytes();
+                let w = &q.data[o0 * rb..(o0 + n_out) * rb];
                 for (ti, tile) in acts.tiles.iter().enumerate() {
-                    let r0 = ti * TILE;
-                    for i in 0..n_out {
-                        q8::dot_tile(q.format, q.row(o0 + i), tile, &mut out);
-                        for (r, &v) in out[..tile.rows].iter().enumerate() {
-                            chunk[(r0 + r) * n_out + i] = v;
-                        }
-                    }
+                    let out = &mut chunk[ti * TILE * n_out..];
+                    q8::dot_tile_rows(q.format, w, rb, tile, out, n_out);
                 }
             });
         if rows == 1 {

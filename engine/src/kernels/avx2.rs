@@ -21,36 +21,49 @@ pub fn available() -> bool {
     })
 }
 
-/// The tile kernels of [`super::q8::dot_tile`]; `false` (nothing written)
-/// without AVX2 or for a format they do not cover.
-pub fn dot_tile(fmt: BlockFormat, wrow: &[u8], t: &Q8Tile, out: &mut [f32]) -> bool {
-    if !available() || !matches!(fmt, BlockFormat::Q4_1 | BlockFormat::Q8_0) {
+/// The tile kernels of [`super::q8::dot_tile_rows`]: weight rows
+/// `w[j * row_bytes..][..row_bytes]` against the tile, `out[r * stride + j]`.
+/// One check and one dispatch for all rows (per row they cost as much as a
+/// batch-1 row's products). `false` (nothing written) without AVX2 or for a
+/// format they do not cover.
+pub fn dot_tile_rows(
+    fmt: BlockFormat,
+    w: &[u8],
+    row_bytes: usize,
+    t: &Q8Tile,
+    out: &mut [f32],
+    stride: usize,
+) -> bool {
+    if !available() || !matches!(fmt, BlockFormat::Q4_1 | BlockFormat::Q8_0) || row_bytes == 0 {
         return false;
     }
-    let nb = wrow.len() / fmt.block_bytes();
+    let nb = row_bytes / fmt.block_bytes();
+    let n = w.len() / row_bytes;
     assert!(
         (1..=TILE).contains(&t.rows)
+            && row_bytes.is_multiple_of(fmt.block_bytes())
             && t.blocks >= nb
             && t.q.len() >= nb * t.rows * QK
             && t.d.len() >= nb * TILE
             && t.s.len() >= nb * TILE
-            && out.len() >= t.rows,
-        "tile does not cover the weight row"
+            && (n == 0 || out.len() >= (t.rows - 1) * stride + n),
+        "tile does not cover the weight rows"
     );
     macro_rules! run {
         ($kernel:ident) => {
             match t.rows {
                 // SAFETY (every arm): `available()` confirmed AVX2/FMA/F16C;
                 // the assert above bounds every read to the slices' lengths
-                // (blocks `i < nb` of the weight row, `R = t.rows` rows).
-                1 => unsafe { $kernel::<1>(wrow, nb, t, out) },
-                2 => unsafe { $kernel::<2>(wrow, nb, t, out) },
-                3 => unsafe { $kernel::<3>(wrow, nb, t, out) },
-                4 => unsafe { $kernel::<4>(wrow, nb, t, out) },
-                5 => unsafe { $kernel::<5>(wrow, nb, t, out) },
-                6 => unsafe { $kernel::<6>(wrow, nb, t, out) },
-                7 => unsafe { $kernel::<7>(wrow, nb, t, out) },
-                _ => unsafe { $kernel::<8>(wrow, nb, t, out) },
+                // (blocks `i < nb` of each weight row, `R = t.rows` rows) and
+                // every write to `out`.
+                1 => unsafe { each_row::<1>($kernel::<1>, w, row_bytes, nb, t, out, stride) },
+                2 => unsafe { each_row::<2>($kernel::<2>, w, row_bytes, nb, t, out, stride) },
+                3 => unsafe { each_row::<3>($kernel::<3>, w, row_bytes, nb, t, out, stride) },
+                4 => unsafe { each_row::<4>($kernel::<4>, w, row_bytes, nb, t, out, stride) },
+                5 => unsafe { each_row::<5>($kernel::<5>, w, row_bytes, nb, t, out, stride) },
+                6 => unsafe { each_row::<6>($kernel::<6>, w, row_bytes, nb, t, out, stride) },
+                7 => unsafe { each_row::<7>($kernel::<7>, w, row_bytes, nb, t, out, stride) },
+                _ => unsafe { each_row::<8>($kernel::<8>, w, row_bytes, nb, t, out, stride) },
             }
         };
     }
@@ -59,6 +72,29 @@ pub fn dot_tile(fmt: BlockFormat, wrow: &[u8], t: &Q8Tile, out: &mut [f32]) -> b
         _ => run!(q8_0),
     }
     true
+}
+
+/// A tile kernel over every weight row of `w`.
+type TileKernel = unsafe fn(&[u8], usize, &Q8Tile, &mut [f32]);
+
+#[inline(always)]
+unsafe fn each_row<const R: usize>(
+    kernel: TileKernel,
+    w: &[u8],
+    row_bytes: usize,
+    nb: usize,
+    t: &Q8Tile,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let mut buf = [0f32; TILE];
+    for (j, row) in w.chunks_exact(row_bytes).enumerate() {
+        // SAFETY: the caller's checks cover `row` (nb blocks) and the tile.
+        unsafe { kernel(row, nb, t, &mut buf) };
+        for (r, &v) in buf[..R].iter().enumerate() {
+            out[r * stride + j] = v;
+        }
+    }
 }
 
 #[inline]

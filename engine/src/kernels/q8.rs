@@ -104,14 +104,24 @@ pub fn supported(fmt: BlockFormat) -> bool {
     matches!(fmt, BlockFormat::Q4_1 | BlockFormat::Q8_0)
 }
 
-/// `out[r] = dot(weight row, row r of the tile)` for the tile's rows.
-pub fn dot_tile(fmt: BlockFormat, wrow: &[u8], t: &Q8Tile, out: &mut [f32]) {
+/// `out[r * stride + j] = dot(weight row j, row r of the tile)` for the
+/// weight rows `w[j * row_bytes..][..row_bytes]` and the tile's rows.
+pub fn dot_tile_rows(
+    fmt: BlockFormat,
+    w: &[u8],
+    row_bytes: usize,
+    t: &Q8Tile,
+    out: &mut [f32],
+    stride: usize,
+) {
     #[cfg(target_arch = "x86_64")]
-    if super::avx2::dot_tile(fmt, wrow, t, out) {
+    if super::avx2::dot_tile_rows(fmt, w, row_bytes, t, out, stride) {
         return;
     }
-    for (r, o) in out.iter_mut().enumerate().take(t.rows) {
-        *o = dot_scalar(fmt, wrow, t, r);
+    for (j, row) in w.chunks_exact(row_bytes).enumerate() {
+        for r in 0..t.rows {
+            out[r * stride + j] = dot_scalar(fmt, row, t, r);
+        }
     }
 }
 
@@ -190,7 +200,7 @@ mod tests {
             let mut all = Vec::new();
             for t in &batch.tiles {
                 let mut out = vec![0f32; t.rows];
-                dot_tile(fmt, &w, t, &mut out);
+                dot_tile_rows(fmt, &w, w.len(), t, &mut out, 1);
                 for (r, &o) in out.iter().enumerate() {
                     assert_eq!(o, dot_scalar(fmt, &w, t, r), "{fmt:?} row {r}");
                 }
@@ -200,7 +210,7 @@ mod tests {
             for (r, row) in x.chunks_exact(cols).enumerate() {
                 let one = Q8Batch::quantize(row, cols);
                 let mut o = [0f32];
-                dot_tile(fmt, &w, &one.tiles[0], &mut o);
+                dot_tile_rows(fmt, &w, w.len(), &one.tiles[0], &mut o, 1);
                 assert_eq!(o[0], all[r], "{fmt:?} row {r} alone");
             }
             // And the value is the dot product of the dequantized operands.
