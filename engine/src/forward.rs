@@ -458,8 +458,7 @@ impl Model {
                 let base = cache.region_offset(b, layer, KvKind::K) + g * bs * hd;
                 let count = bs.min(n - bi * bs);
                 let k = &data[base..base + count * hd];
-                let lanes32 = qk == DotOrder::Lanes32;
-                if !kernels::attention_scores(lanes32, &q, k, scale, &mut scores) {
+                if !kernels::attention_scores(qk, &q, k, scale, &mut scores) {
                     for k in k.chunks_exact(hd) {
                         scores.push(qk.dot(&q, T::as_f32(k, &mut kbuf)) * scale);
                     }
@@ -479,19 +478,15 @@ impl Model {
                 .iter()
                 .map(|&b| cache.region_offset(b, layer, KvKind::V) + g * bs * hd)
                 .collect();
-            if kernels::attention_pv(lanes, &scores, data, &v_bases, bs, &mut acc) {
-                pv.reduce_rows(&acc, o);
-                return;
-            }
-            // Lane by lane: each lane's row accumulates its positions (`lane`,
-            // `lane + lanes`, ...) in ggml's order.
-            for (lane, row) in acc.chunks_exact_mut(hd).enumerate().take(n) {
-                let terms = (lane..n).step_by(lanes).map(|t| {
-                    let base = cache.region_offset(table[t / bs], layer, KvKind::V)
-                        + (g * bs + t % bs) * hd;
-                    (base, scores[t])
-                });
-                accumulate(row, terms, data, &mut kbuf);
+            if !kernels::attention_pv(lanes, &scores, data, &v_bases, bs, &mut acc) {
+                // Lane by lane: each lane's row accumulates its positions (`lane`,
+                // `lane + lanes`, ...) in ggml's order.
+                for (lane, row) in acc.chunks_exact_mut(hd).enumerate().take(n) {
+                    let terms = (lane..n)
+                        .step_by(lanes)
+                        .map(|t| (v_bases[t / bs] + (t % bs) * hd, scores[t]));
+                    accumulate(row, terms, data, &mut kbuf);
+                }
             }
             pv.reduce_rows(&acc, o);
         });

@@ -50,26 +50,26 @@ pub fn dot_tile_rows(
         "tile does not cover the weight rows"
     );
     macro_rules! run {
-        ($kernel:ident) => {
+        ($q41:literal) => {
             match t.rows {
                 // SAFETY (every arm): `available()` confirmed AVX2/FMA/F16C;
                 // the assert above bounds every read to the slices' lengths
                 // (blocks `i < nb` of each weight row, `R = t.rows` rows) and
                 // every write to `out`.
-                1 => unsafe { each_row::<1>($kernel::<1>, w, row_bytes, nb, t, out, stride) },
-                2 => unsafe { each_row::<2>($kernel::<2>, w, row_bytes, nb, t, out, stride) },
-                3 => unsafe { each_row::<3>($kernel::<3>, w, row_bytes, nb, t, out, stride) },
-                4 => unsafe { each_row::<4>($kernel::<4>, w, row_bytes, nb, t, out, stride) },
-                5 => unsafe { each_row::<5>($kernel::<5>, w, row_bytes, nb, t, out, stride) },
-                6 => unsafe { each_row::<6>($kernel::<6>, w, row_bytes, nb, t, out, stride) },
-                7 => unsafe { each_row::<7>($kernel::<7>, w, row_bytes, nb, t, out, stride) },
-                _ => unsafe { each_row::<8>($kernel::<8>, w, row_bytes, nb, t, out, stride) },
+                1 => unsafe { each_row::<1>(tile::<1, $q41>, w, row_bytes, nb, t, out, stride) },
+                2 => unsafe { each_row::<2>(tile::<2, $q41>, w, row_bytes, nb, t, out, stride) },
+                3 => unsafe { each_row::<3>(tile::<3, $q41>, w, row_bytes, nb, t, out, stride) },
+                4 => unsafe { each_row::<4>(tile::<4, $q41>, w, row_bytes, nb, t, out, stride) },
+                5 => unsafe { each_row::<5>(tile::<5, $q41>, w, row_bytes, nb, t, out, stride) },
+                6 => unsafe { each_row::<6>(tile::<6, $q41>, w, row_bytes, nb, t, out, stride) },
+                7 => unsafe { each_row::<7>(tile::<7, $q41>, w, row_bytes, nb, t, out, stride) },
+                _ => unsafe { each_row::<8>(tile::<8, $q41>, w, row_bytes, nb, t, out, stride) },
             }
         };
     }
     match fmt {
-        BlockFormat::Q4_1 => run!(q4_1),
-        _ => run!(q8_0),
+        BlockFormat::Q4_1 => run!(true),
+        _ => run!(false),
     }
     true
 }
@@ -159,13 +159,15 @@ unsafe fn scales<const BB: usize, const M: bool>(
     }
 }
 
-/// One Q4_1 weight row against `R` activation rows: per block, the
-/// weight's nibbles are unpacked once and each row keeps its own 8-lane
-/// accumulator (ggml's `ggml_vec_dot_q4_1_q8_1` chain, so every output is
-/// bit-identical to it).
+/// One weight row against `R` activation rows, Q4_1 (`Q41`, 20-byte blocks)
+/// or Q8_0 (34-byte blocks): per block the weight is unpacked once (Q4_1's
+/// nibbles; Q8_0's magnitudes, its signs moved onto the activations) and
+/// each row keeps its own 8-lane accumulator: the chain of ggml's
+/// `ggml_vec_dot_q4_1_q8_1` / `ggml_vec_dot_q8_0_q8_0`, so every output is
+/// bit-identical to it.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1<const R: usize>(w: &[u8], nb: usize, t: &Q8Tile, out: &mut [f32]) {
-    const BB: usize = 20;
+unsafe fn tile<const R: usize, const Q41: bool>(w: &[u8], nb: usize, t: &Q8Tile, out: &mut [f32]) {
+    let bb = if Q41 { 20 } else { 34 };
     let mut acc = [_mm256_setzero_ps(); R];
     let mut summs = _mm256_setzero_ps();
     let mut scale = [0f32; SPAN * TILE];
@@ -174,19 +176,34 @@ unsafe fn q4_1<const R: usize>(w: &[u8], nb: usize, t: &Q8Tile, out: &mut [f32])
     let (wp, qp) = (w.as_ptr(), t.q.as_ptr());
     for i0 in (0..nb).step_by(SPAN) {
         let n = SPAN.min(nb - i0);
-        // SAFETY: blocks `i0..i0 + n <= nb` are within the row (20 bytes:
-        // d, m, 16 packed nibbles); d and s hold 8 values per block; the
-        // tile's q holds `R` blocks of 32 at `i * R * 32`.
+        // SAFETY: blocks `i0..i0 + n <= nb` are within the row (Q4_1: d, m,
+        // 16 packed nibbles; Q8_0: d, 32 signed weights); d and s hold 8
+        // values per block; the tile's q holds `R` blocks of 32 at `i * R * 32`.
         unsafe {
-            scales::<BB, true>(wp, i0, n, t, &mut summs, &mut scale);
+            if Q41 {
+                scales::<20, true>(wp, i0, n, t, &mut summs, &mut scale);
+            } else {
+                scales::<34, false>(wp, i0, n, t, &mut summs, &mut scale);
+            }
             for k in 0..n {
-                let blk = wp.add((i0 + k) * BB);
-                let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
-                let qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+                let blk = wp.add((i0 + k) * bb);
+                // `u`: the unsigned weight operand; `signs`: Q8_0's weights,
+                // whose signs go onto the activations.
+                let (u, signs) = if Q41 {
+                    let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                    let qw = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+                    (_mm256_and_si256(qw, low), low)
+                } else {
+                    let qw = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                    (_mm256_sign_epi8(qw, qw), qw)
+                };
                 let qx = qp.add((i0 + k) * R * QK);
                 for (r, a) in acc.iter_mut().enumerate() {
-                    let x = _mm256_loadu_si256(qx.add(r * QK) as *const __m256i);
-                    let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, x), ones);
+                    let mut x = _mm256_loadu_si256(qx.add(r * QK) as *const __m256i);
+                    if !Q41 {
+                        x = _mm256_sign_epi8(x, signs);
+                    }
+                    let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
                     let sc = _mm256_broadcast_ss(&scale[k * TILE + r]);
                     *a = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(prod), *a);
                 }
@@ -197,44 +214,10 @@ unsafe fn q4_1<const R: usize>(w: &[u8], nb: usize, t: &Q8Tile, out: &mut [f32])
     // SAFETY: `sm` has room for 8 floats.
     unsafe { _mm256_storeu_ps(sm.as_mut_ptr(), summs) };
     for r in 0..R {
-        out[r] = hsum(acc[r]) + sm[r];
-    }
-}
-
-/// One Q8_0 weight row against `R` activation rows (ggml's
-/// `ggml_vec_dot_q8_0_q8_0` chain per row, signs moved onto the activations).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0<const R: usize>(w: &[u8], nb: usize, t: &Q8Tile, out: &mut [f32]) {
-    const BB: usize = 34;
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut unused = _mm256_setzero_ps();
-    let mut scale = [0f32; SPAN * TILE];
-    let ones = _mm256_set1_epi16(1);
-    let (wp, qp) = (w.as_ptr(), t.q.as_ptr());
-    for i0 in (0..nb).step_by(SPAN) {
-        let n = SPAN.min(nb - i0);
-        // SAFETY: blocks `i0..i0 + n <= nb` are within the row (34 bytes: d,
-        // 32 signed weights); d holds 8 values per block; the tile's q holds
-        // `R` blocks of 32 at `i * R * 32`.
-        unsafe {
-            scales::<BB, false>(wp, i0, n, t, &mut unused, &mut scale);
-            for k in 0..n {
-                let blk = wp.add((i0 + k) * BB);
-                let qw = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                let aw = _mm256_sign_epi8(qw, qw);
-                let qx = qp.add((i0 + k) * R * QK);
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let x = _mm256_loadu_si256(qx.add(r * QK) as *const __m256i);
-                    let sx = _mm256_sign_epi8(x, qw);
-                    let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
-                    let sc = _mm256_broadcast_ss(&scale[k * TILE + r]);
-                    *a = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(prod), *a);
-                }
-            }
-        }
-    }
-    for r in 0..R {
-        out[r] = hsum(acc[r]);
+        out[r] = match Q41 {
+            true => hsum(acc[r]) + sm[r],
+            false => hsum(acc[r]),
+        };
     }
 }
 
@@ -336,7 +319,6 @@ pub fn scores<T: KvLoad>(
         return false;
     }
     let rows = k.len() / q.len().max(1);
-    out.reserve(rows);
     // SAFETY (both arms): `available()` confirmed AVX2/FMA/F16C; `q` has
     // `8 * N` elements and `k` at least `rows * 8 * N`.
     match q.len() {

@@ -27,21 +27,21 @@ impl KvLanes for f32 {}
 #[cfg(not(target_arch = "x86_64"))]
 impl KvLanes for f16 {}
 
-/// Attention scores `dot(q, row) * scale` of the rows of `k`, pushed to
-/// `out`, in ggml's decode (`lanes32`) or prompt order; `false` when no vector
-/// kernel covers the head size here (the caller computes them row by row).
+/// Attention scores `order.dot(q, row) * scale` of the rows of `k`, pushed
+/// to `out`; `false` when no vector kernel covers the head size here (the
+/// caller computes them row by row).
 pub fn attention_scores<T: KvLanes>(
-    lanes32: bool,
+    order: ggml::DotOrder,
     q: &[f32],
     k: &[T],
     scale: f32,
     out: &mut Vec<f32>,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return avx2::scores(lanes32, q, k, scale, out);
+    return avx2::scores(order == ggml::DotOrder::Lanes32, q, k, scale, out);
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (lanes32, q, k, scale, out);
+        let _ = (order, q, k, scale, out);
         false
     }
 }
@@ -359,12 +359,11 @@ mod tests {
                 pool[at..at + hd].iter().map(|&v| back(v)).collect()
             };
             for order_ in [DotOrder::Lanes32, DotOrder::Lanes8] {
-                let lanes32 = order_ == DotOrder::Lanes32;
                 let mut fast = Vec::new();
                 for (bi, &b) in bases.iter().enumerate() {
                     let count = bs.min(n - bi * bs);
                     let vector =
-                        attention_scores(lanes32, &q, &pool[b..b + count * hd], 0.125, &mut fast);
+                        attention_scores(order_, &q, &pool[b..b + count * hd], 0.125, &mut fast);
                     #[cfg(target_arch = "x86_64")]
                     assert_eq!(vector, avx2::available(), "AVX2 machines take the kernel");
                     if !vector {
