@@ -196,6 +196,9 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
                 shutdown.clone(),
             ));
         }
+        // `listening` below means ready: the router's first listing holds every worker.
+        let workers = a.decode_workers + a.prefill_workers;
+        wait_registered(registry.as_ref(), &cluster, workers, &mut tasks, &shutdown).await?;
         let listener = TcpListener::bind(a.listen)
             .await
             .with_context(|| format!("binding {}", a.listen))?;
@@ -231,6 +234,38 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         ));
         wait_all(tasks, shutdown).await
     })
+}
+
+/// Waits until the `want` workers this process started are in the registry (or shutdown).
+/// Workers register from their own tasks; a request the router took before a prefill worker
+/// registered would be prefilled on its decode worker instead.
+async fn wait_registered(
+    registry: &dyn Registry,
+    cluster: &str,
+    want: usize,
+    tasks: &mut tokio::task::JoinSet<anyhow::Result<()>>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    const LIMIT: Duration = Duration::from_secs(60);
+    let prefix = duet_discovery::workers_prefix(cluster);
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        if registry.list(&prefix).await?.kvs.len() >= want {
+            return Ok(());
+        }
+        // A worker that ended before registering: its error is the process's.
+        if let Some(r) = tasks.try_join_next() {
+            r??;
+            anyhow::bail!("a worker stopped before registering");
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tokio::time::sleep_until(deadline) => {
+                anyhow::bail!("the workers did not register within {LIMIT:?}")
+            }
+            _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+        }
+    }
 }
 
 async fn wait_all(
