@@ -9,6 +9,7 @@
 //! - [`Generation`]: sampling and stop conditions of one sequence.
 
 mod attention_gemm;
+mod bpe;
 pub mod chat;
 pub mod config;
 pub mod error;

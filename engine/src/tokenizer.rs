@@ -17,6 +17,7 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 
+use crate::bpe::ByteLevelBpe;
 use crate::error::{EngineError, Result};
 
 pub struct Tokenizer {
@@ -24,6 +25,8 @@ pub struct Tokenizer {
     with_special: tokenizers::Tokenizer,
     /// Treats special-token text as ordinary text.
     plain: tokenizers::Tokenizer,
+    /// The same pipeline encoded directly, when the vocabulary allows it (see `bpe`).
+    fast: Option<ByteLevelBpe>,
     token_bytes: Vec<Vec<u8>>,
     /// Control tokens (`<|im_start|>`...): not part of the visible text.
     control: Vec<bool>,
@@ -82,6 +85,10 @@ impl Tokenizer {
         }
         let mut plain = tk.clone();
         plain.set_encode_special_tokens(true);
+        let flag = |key: &str| matches!(c.metadata.get(key), Some(Value::Bool(true)));
+        let exact_pipeline = pre == "smollm"
+            && !flag("tokenizer.ggml.byte_fallback")
+            && !flag("tokenizer.ggml.ignore_merges");
 
         let tokens: Vec<String> = match c.metadata.get("tokenizer.ggml.tokens") {
             Some(Value::Array(a)) => a
@@ -119,6 +126,11 @@ impl Tokenizer {
             })
             .collect();
 
+        let fast = if exact_pipeline {
+            Self::fast_encoder(c, &tokens, &types)
+        } else {
+            None
+        };
         let control = (0..tokens.len())
             .map(|i| types.get(i) == Some(&3))
             .collect();
@@ -144,6 +156,7 @@ impl Tokenizer {
         Ok(Self {
             with_special: tk,
             plain,
+            fast,
             token_bytes,
             control,
             eos,
@@ -153,9 +166,70 @@ impl Tokenizer {
         })
     }
 
+    /// The direct encoder for this vocabulary, with the special tokens the library splits
+    /// out (candle marks token types 2..=5 and the bos/eos/pad/sep/unk ids special).
+    fn fast_encoder(c: &Content, tokens: &[String], types: &[u32]) -> Option<ByteLevelBpe> {
+        let merges: Vec<String> = match c.metadata.get("tokenizer.ggml.merges") {
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| v.to_string().ok().cloned())
+                .collect::<Option<_>>()?,
+            _ => return None,
+        };
+        let mut special: Vec<&str> = tokens
+            .iter()
+            .zip(types)
+            .filter(|(_, t)| (2..=5).contains(*t))
+            .map(|(s, _)| s.as_str())
+            .collect();
+        for key in [
+            "tokenizer.ggml.bos_token_id",
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.pad_token_id",
+            "tokenizer.ggml.sep_token_id",
+            "tokenizer.ggml.unk_token_id",
+        ] {
+            if let Some(t) = meta_u32(c, key).and_then(|i| tokens.get(i as usize)) {
+                special.push(t.as_str());
+            }
+        }
+        special.sort_unstable();
+        special.dedup();
+        // The library drops empty added tokens; an empty pattern would match everywhere.
+        if special.iter().any(|t| t.is_empty()) {
+            return None;
+        }
+        let unk = meta_u32(c, "tokenizer.ggml.unk_token_id")
+            .and_then(|i| tokens.get(i as usize))
+            .map(String::as_str);
+        ByteLevelBpe::build(tokens, &merges, &special, unk)
+    }
+
     /// Token ids of `text`. With `parse_special`, special-token text becomes
     /// the special token (chat prompts); without, it is ordinary text.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
+        let Some(fast) = &self.fast else {
+            return self.encode_with_library(text, parse_special);
+        };
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
+        if self.add_bos {
+            ids.extend(self.bos);
+        }
+        match fast.encode(text, parse_special, &mut ids) {
+            Ok(()) => Ok(ids),
+            // The regex gave up (backtracking limit): the library decides, as before.
+            Err(_) => self.encode_with_library(text, parse_special),
+        }
+    }
+
+    /// Whether `encode` runs the direct encoder (else the `tokenizers` pipeline).
+    pub fn has_direct_encoder(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    /// Token ids of `text` through the `tokenizers` crate's pipeline: what `encode` returns
+    /// for every input (its reference in tests, and its fallback).
+    pub fn encode_with_library(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
         let tk = if parse_special {
             &self.with_special
         } else {

@@ -3,6 +3,7 @@
 mod common;
 
 use duet_engine::Detokenizer;
+use proptest::prelude::*;
 
 #[test]
 fn every_reference_string_tokenizes_like_llama_cpp_and_round_trips() {
@@ -83,5 +84,99 @@ fn chat_template_renders_like_llama_cpp() {
         );
         let ids = m.tokenizer.encode(&rendered, true).expect("encode");
         assert_eq!(ids, common::ids(&line["prompt_ids"]), "{}", line["id"]);
+    }
+}
+
+/// Fragments that exercise every stage of the pipeline: special tokens whole and cut,
+/// contractions, digits of several scripts (each isolated), whitespace runs (the regex's
+/// `\s+(?!\S)` look-ahead), control bytes the vocabulary lacks, combining marks, CJK, emoji
+/// and the words of the cache.
+const FRAGMENTS: &[&str] = &[
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|im_",
+    "|>",
+    "<",
+    "<reponame>",
+    "'s",
+    "'ll",
+    "'re",
+    "'D",
+    "’",
+    "'",
+    "don't",
+    " ",
+    "  ",
+    "   ",
+    "\n",
+    "\n\n",
+    "\t",
+    "\r\n",
+    "\u{a0}",
+    "\u{3000}",
+    "\u{2028}",
+    "0",
+    "42",
+    "12345",
+    "٣",
+    "½",
+    "Ⅻ",
+    "３",
+    "Hello",
+    " world",
+    "the",
+    " The",
+    "router",
+    "café",
+    "e\u{301}",
+    "naïve",
+    "ß",
+    "ǅ",
+    "大语言模型",
+    "日本語",
+    "🚀",
+    "🔥🔥",
+    "👩‍💻",
+    "\u{4}",
+    "\u{7f}",
+    "\u{1}",
+    "!!",
+    "?!",
+    "...",
+    "--",
+    "$",
+    "#include",
+    "x=1;",
+    "()",
+    "{}",
+    "A",
+    "Z",
+    "ﬁ",
+];
+
+fn fragment_text() -> impl Strategy<Value = String> {
+    proptest::collection::vec(
+        prop_oneof![
+            4 => proptest::sample::select(FRAGMENTS).prop_map(str::to_string),
+            1 => any::<char>().prop_map(|c| c.to_string()),
+            1 => "[a-zA-Z0-9 ]{1,12}",
+        ],
+        0..24,
+    )
+    .prop_map(|v| v.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(768))]
+    /// The direct encoder gives the `tokenizers` pipeline's ids for any text, with and
+    /// without special-token parsing.
+    #[test]
+    fn direct_encoder_equals_the_library(text in fragment_text(), special in any::<bool>()) {
+        let tk = &common::model(1).tokenizer;
+        prop_assert!(tk.has_direct_encoder(), "SmolLM2 takes the direct encoder");
+        let want = tk.encode_with_library(&text, special).expect("library");
+        let got = tk.encode(&text, special).expect("direct");
+        prop_assert_eq!(got, want, "{:?} special={}", text, special);
     }
 }

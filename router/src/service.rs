@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use duet_discovery::{ClusterView, Role};
 use duet_engine::{ChatMessage, TextFrontend};
 use duet_proto::v1 as pb;
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -270,10 +270,23 @@ impl pb::generation_server::Generation for GenerationService {
             trace: TraceContext::extract(req.metadata()),
             client: req.remote_addr().map(|a| a.ip()),
         };
-        let rx = self
+        let mut rx = self
             .start(req.into_inner(), origin)
             .map_err(|e| e.status())?;
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        // The response headers go out with the first event, as grpc-go's servers send
+        // them with the first message: one write instead of two, and a request that fails
+        // before its first token ends as a trailers-only response carrying the status.
+        // Waiting here is cancellation-safe: a client that goes away drops this future and
+        // with it the receiver, which the request's task watches.
+        let first = match rx.recv().await {
+            Some(Ok(first)) => first,
+            Some(Err(status)) => return Err(status),
+            None => return Err(Status::internal("the request ended without an event")),
+        };
+        let rest = ReceiverStream::new(rx);
+        Ok(Response::new(Box::pin(
+            futures::stream::once(std::future::ready(Ok(first))).chain(rest),
+        )))
     }
 
     async fn tokenize(

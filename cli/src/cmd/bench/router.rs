@@ -6,6 +6,11 @@
 //! Requests per router-core-second = completed requests / CPU seconds of the router's
 //! threads (read from /proc), so the number holds even when the clients, not the router,
 //! limit the wall-clock rate (also reported).
+//!
+//! The reference measured in the same run is a bare relay (two gRPC streams per request and
+//! nothing else), so each row also reads as a ratio that the machine's noise moves less than
+//! the absolute rate; rounds interleave the targets and each row reports its median round.
+//! Write system calls per request come from /proc's `syscw` count, which noise does not move.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -22,7 +27,7 @@ use duet_discovery::{
 use duet_engine::TextFrontend;
 use duet_proto::v1 as pb;
 use duet_router::{GenerationService, Mode, RouterConfig};
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
@@ -41,9 +46,22 @@ pub struct RouterBenchArgs {
     /// Client connections (HTTP/2) the streams share.
     #[arg(long, default_value_t = 4)]
     pub connections: usize,
-    /// Measured time per placement (after a 1 s warm-up).
-    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    /// Measured time per placement and round.
+    #[arg(long, default_value = "3s", value_parser = parse_duration)]
     pub duration: Duration,
+    /// Load before each measurement (connections warm, queues full).
+    #[arg(long, default_value = "500ms", value_parser = parse_duration)]
+    pub warmup: Duration,
+    /// Rounds over all targets, interleaved; each row reports its median round.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// The prompt every request sends (the router tokenizes it).
+    #[arg(long, default_value = "Hello there, router")]
+    pub prompt: String,
+    /// Send the prompt this many times over, space-separated (longer prompts weigh the
+    /// router's tokenizer).
+    #[arg(long, default_value_t = 1)]
+    pub prompt_repeat: usize,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -136,11 +154,29 @@ impl pb::prefill_server::Prefill for FakePrefill {
     }
 }
 
-/// CPU seconds used so far by this process's threads whose name starts with `prefix`.
-fn threads_cpu_seconds(prefix: &str) -> anyhow::Result<f64> {
+/// What this process's threads whose name starts with `prefix` have used so far.
+#[derive(Debug, Clone, Copy, Default)]
+struct ThreadUsage {
+    cpu_seconds: f64,
+    /// Write system calls (`syscw` of /proc's io file): one per socket flush, so a count
+    /// that the machine's noise does not move.
+    write_syscalls: u64,
+}
+
+impl std::ops::Sub for ThreadUsage {
+    type Output = ThreadUsage;
+    fn sub(self, o: ThreadUsage) -> ThreadUsage {
+        ThreadUsage {
+            cpu_seconds: self.cpu_seconds - o.cpu_seconds,
+            write_syscalls: self.write_syscalls.saturating_sub(o.write_syscalls),
+        }
+    }
+}
+
+fn threads_usage(prefix: &str) -> anyhow::Result<ThreadUsage> {
     // Clock ticks per second of /proc's utime/stime (USER_HZ, 100 on Linux).
     const TICKS: f64 = 100.0;
-    let mut total = 0u64;
+    let (mut ticks, mut writes) = (0u64, 0u64);
     for t in std::fs::read_dir("/proc/self/task").context("reading /proc/self/task")? {
         let dir = t?.path();
         let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
@@ -154,10 +190,19 @@ fn threads_cpu_seconds(prefix: &str) -> anyhow::Result<f64> {
         };
         let f: Vec<&str> = rest.split_whitespace().collect();
         if f.len() > 12 {
-            total += f[11].parse::<u64>().unwrap_or(0) + f[12].parse::<u64>().unwrap_or(0);
+            ticks += f[11].parse::<u64>().unwrap_or(0) + f[12].parse::<u64>().unwrap_or(0);
         }
+        let io = std::fs::read_to_string(dir.join("io")).unwrap_or_default();
+        writes += io
+            .lines()
+            .find_map(|l| l.strip_prefix("syscw:"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
     }
-    Ok(total as f64 / TICKS)
+    Ok(ThreadUsage {
+        cpu_seconds: ticks as f64 / TICKS,
+        write_syscalls: writes,
+    })
 }
 
 async fn serve_fake(
@@ -178,20 +223,172 @@ async fn serve_fake(
     Ok(addr)
 }
 
+/// The reference measured in the same run: a gRPC server that relays each request to the
+/// fake decode worker's stream and its events back, and nothing else (no tokenizer, no
+/// admission, no placement, no task or channel per request). Two gRPC streams per request on
+/// one runtime thread, as with a prompt prefilled on its decode worker: the floor of what
+/// tonic and loopback TCP cost on this machine.
+#[derive(Clone)]
+struct BareRelay {
+    decode: pb::decode_client::DecodeClient<tonic::transport::Channel>,
+}
+
+#[tonic::async_trait]
+impl pb::generation_server::Generation for BareRelay {
+    type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+    async fn generate(
+        &self,
+        r: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let r = r.into_inner();
+        let req = pb::DecodeRequest {
+            prompt: vec![1, 2, 3, 4, 5],
+            max_tokens: r.max_tokens,
+            prefill: Some(pb::decode_request::Prefill::Local(pb::LocalPrefill {
+                replay_tokens: 0,
+            })),
+            ..Default::default()
+        };
+        let events = self.decode.clone().generate(req).await?.into_inner();
+        let id = r.request_id;
+        Ok(Response::new(Box::pin(events.map(move |e| {
+            let event = match e?.event {
+                Some(pb::decode_event::Event::Token(t)) => pb::generate_response::Event::Token(t),
+                Some(pb::decode_event::Event::Done(d)) => {
+                    pb::generate_response::Event::Final(pb::FinalMessage {
+                        finish_reason: d.finish_reason,
+                        text: d.text,
+                        ..Default::default()
+                    })
+                }
+                None => return Err(Status::internal("an empty event")),
+            };
+            Ok(pb::GenerateResponse {
+                request_id: id.clone(),
+                event: Some(event),
+            })
+        }))))
+    }
+
+    async fn tokenize(
+        &self,
+        _: Request<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        Err(Status::unimplemented("the bare relay only relays"))
+    }
+
+    async fn list_models(
+        &self,
+        _: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        Err(Status::unimplemented("the bare relay only relays"))
+    }
+}
+
+/// One measured target: a name and the URL its clients call.
+struct Target {
+    name: &'static str,
+    url: String,
+}
+
+/// One measurement of one target.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    requests: u64,
+    errors: u64,
+    wall_seconds: f64,
+    usage: ThreadUsage,
+}
+
+impl Sample {
+    fn per_core_second(&self) -> f64 {
+        if self.usage.cpu_seconds > 0.0 {
+            self.requests as f64 / self.usage.cpu_seconds
+        } else {
+            0.0
+        }
+    }
+}
+
 #[derive(Debug, serde::Serialize)]
 struct Row {
     placement: &'static str,
+    /// The round whose requests per router-core-second are the median of the rounds.
     requests: u64,
     errors: u64,
     wall_seconds: f64,
     requests_per_second: f64,
     router_cpu_seconds: f64,
     requests_per_router_core_second: f64,
+    /// Every round's requests per router-core-second, in order.
+    rounds: Vec<f64>,
+    /// Median over rounds of (this target / the bare relay of the same round).
+    vs_bare_relay: f64,
+    /// Write system calls of the router's threads per completed request.
+    router_writes_per_request: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// Starts the fake workers on the load runtime, registered in their own in-memory registry.
+async fn fake_workers(
+    cancel: &CancellationToken,
+) -> anyhow::Result<(Arc<dyn Registry>, SocketAddr, Vec<Registration>)> {
+    let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
+    let d = serve_fake(
+        tonic::service::Routes::new(pb::decode_server::DecodeServer::new(FakeDecode)),
+        cancel.clone(),
+    )
+    .await?;
+    let p = serve_fake(
+        tonic::service::Routes::new(pb::prefill_server::PrefillServer::new(FakePrefill)),
+        cancel.clone(),
+    )
+    .await?;
+    let mut regs = Vec::new();
+    for (role, addr) in [(Role::Decode, d), (Role::Prefill, p)] {
+        let mut r = WorkerRecord::new(
+            "bench",
+            role,
+            format!("fake-{}", role.as_str()),
+            format!("http://{addr}"),
+        );
+        r.model = "bench".into();
+        r.fingerprint = "f".into();
+        r.kv_endpoints = vec![KvEndpoint {
+            transport: "tcp".into(),
+            address: "127.0.0.1:9".into(),
+        }];
+        r.capacity = Capacity {
+            kv_blocks_total: 1 << 30,
+            kv_blocks_free: 1 << 30,
+            block_size: 16,
+            ..Capacity::default()
+        };
+        regs.push(
+            Registration::start(
+                registry.clone(),
+                r,
+                RegistrationOptions::default(),
+                cancel.clone(),
+            )
+            .await?,
+        );
+    }
+    Ok((registry, d, regs))
 }
 
 pub fn run(a: RouterBenchArgs) -> anyhow::Result<()> {
-    if a.concurrency == 0 || a.connections == 0 {
-        anyhow::bail!("--concurrency and --connections must be at least 1");
+    if a.concurrency == 0 || a.connections == 0 || a.rounds == 0 {
+        anyhow::bail!("--concurrency, --connections and --rounds must be at least 1");
     }
     let front = Arc::new(
         TextFrontend::load(&a.model).with_context(|| format!("reading {}", a.model.display()))?,
@@ -208,57 +405,41 @@ pub fn run(a: RouterBenchArgs) -> anyhow::Result<()> {
         .build()?;
     let cancel = CancellationToken::new();
     let _stop = cancel.clone().drop_guard();
-    let mut rows = Vec::new();
-    for (placement, local_max) in [
+    let mut targets = Vec::new();
+    let mut keep = Vec::new();
+    let (registry, decode_addr, regs) = load_rt.block_on(fake_workers(&cancel))?;
+    keep.push(regs);
+    let bare = router_rt.block_on(async {
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{decode_addr}"))?
+            .tcp_nodelay(true)
+            .connect()
+            .await?;
+        let relay = BareRelay {
+            decode: pb::decode_client::DecodeClient::new(ch),
+        };
+        let routes =
+            tonic::service::Routes::new(pb::generation_server::GenerationServer::new(relay));
+        anyhow::Ok(format!(
+            "http://{}",
+            serve_fake(routes, cancel.clone()).await?
+        ))
+    })?;
+    targets.push(Target {
+        name: BARE_RELAY,
+        url: bare,
+    });
+    for (name, local_max) in [
         ("local prefill (1 RPC)", usize::MAX),
         ("remote prefill (3 RPCs)", 0),
     ] {
-        let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
-        // Fake workers on the load runtime.
-        let (decode_addr, prefill_addr, regs) = load_rt.block_on(async {
-            let d = serve_fake(
-                tonic::service::Routes::new(pb::decode_server::DecodeServer::new(FakeDecode)),
-                cancel.clone(),
-            )
-            .await?;
-            let p = serve_fake(
-                tonic::service::Routes::new(pb::prefill_server::PrefillServer::new(FakePrefill)),
-                cancel.clone(),
-            )
-            .await?;
-            let mut regs = Vec::new();
-            for (role, addr) in [(Role::Decode, d), (Role::Prefill, p)] {
-                let mut r = WorkerRecord::new(
-                    "bench",
-                    role,
-                    format!("fake-{}", role.as_str()),
-                    format!("http://{addr}"),
-                );
-                r.model = "bench".into();
-                r.fingerprint = "f".into();
-                r.kv_endpoints = vec![KvEndpoint {
-                    transport: "tcp".into(),
-                    address: "127.0.0.1:9".into(),
-                }];
-                r.capacity = Capacity {
-                    kv_blocks_total: 1 << 30,
-                    kv_blocks_free: 1 << 30,
-                    block_size: 16,
-                    ..Capacity::default()
-                };
-                regs.push(
-                    Registration::start(
-                        registry.clone(),
-                        r,
-                        RegistrationOptions::default(),
-                        cancel.clone(),
-                    )
-                    .await?,
-                );
-            }
-            anyhow::Ok((d, p, regs))
-        })?;
-        let _ = (decode_addr, prefill_addr);
+        // Each router has fake workers of its own, so no connection is shared.
+        let registry = if targets.len() == 1 {
+            registry.clone()
+        } else {
+            let (r, _, regs) = load_rt.block_on(fake_workers(&cancel))?;
+            keep.push(regs);
+            r
+        };
         let cfg = RouterConfig {
             mode: Mode::Disaggregated,
             local_prefill_max_tokens: local_max,
@@ -279,36 +460,97 @@ pub fn run(a: RouterBenchArgs) -> anyhow::Result<()> {
             .await?;
             anyhow::Ok(format!("http://{addr}"))
         })?;
-        let row = load_rt.block_on(drive(&url, &a, placement))?;
-        drop(regs);
-        rows.push(row);
+        targets.push(Target { name, url });
     }
+    // Rounds interleave the targets, so that the machine's drift reaches all of them alike.
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); targets.len()];
+    for _ in 0..a.rounds {
+        for (t, out) in targets.iter().zip(samples.iter_mut()) {
+            out.push(load_rt.block_on(drive(&t.url, &a))?);
+        }
+    }
+    let rows: Vec<Row> = targets
+        .iter()
+        .zip(&samples)
+        .map(|(t, s)| row(t.name, s, &samples[0]))
+        .collect();
+    drop(keep);
     if a.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         println!(
-            "{:<26} {:>9} {:>7} {:>10} {:>12} {:>16}",
-            "placement", "requests", "errors", "req/s", "router cpu s", "req/router-core-s"
+            "{:<26} {:>9} {:>7} {:>10} {:>17} {:>9} {:>14}",
+            "placement",
+            "requests",
+            "errors",
+            "req/s",
+            "req/router-core-s",
+            "vs bare",
+            "writes/request"
         );
         for r in &rows {
             println!(
-                "{:<26} {:>9} {:>7} {:>10.0} {:>12.2} {:>16.0}",
+                "{:<26} {:>9} {:>7} {:>10.0} {:>17.0} {:>8.2}x {:>14.2}",
                 r.placement,
                 r.requests,
                 r.errors,
                 r.requests_per_second,
-                r.router_cpu_seconds,
-                r.requests_per_router_core_second
+                r.requests_per_router_core_second,
+                r.vs_bare_relay,
+                r.router_writes_per_request
             );
         }
     }
     Ok(())
 }
 
-async fn drive(url: &str, a: &RouterBenchArgs, placement: &'static str) -> anyhow::Result<Row> {
+const BARE_RELAY: &str = "bare relay (reference)";
+
+/// The median round of `s`, with its ratios to the bare relay's round of the same index.
+fn row(name: &'static str, s: &[Sample], bare: &[Sample]) -> Row {
+    let rounds: Vec<f64> = s.iter().map(Sample::per_core_second).collect();
+    let med = median(rounds.clone());
+    let pick = s
+        .iter()
+        .min_by(|a, b| {
+            (a.per_core_second() - med)
+                .abs()
+                .total_cmp(&(b.per_core_second() - med).abs())
+        })
+        .copied()
+        .unwrap_or(Sample {
+            requests: 0,
+            errors: 0,
+            wall_seconds: 0.0,
+            usage: ThreadUsage::default(),
+        });
+    let ratios = s
+        .iter()
+        .zip(bare)
+        .map(|(x, b)| x.per_core_second() / b.per_core_second().max(f64::MIN_POSITIVE))
+        .collect();
+    let (requests, writes): (u64, u64) = s.iter().fold((0, 0), |(n, w), x| {
+        (n + x.requests, w + x.usage.write_syscalls)
+    });
+    Row {
+        placement: name,
+        requests: pick.requests,
+        errors: s.iter().map(|x| x.errors).sum(),
+        wall_seconds: pick.wall_seconds,
+        requests_per_second: pick.requests as f64 / pick.wall_seconds.max(f64::MIN_POSITIVE),
+        router_cpu_seconds: pick.usage.cpu_seconds,
+        requests_per_router_core_second: pick.per_core_second(),
+        rounds,
+        vs_bare_relay: median(ratios),
+        router_writes_per_request: writes as f64 / requests.max(1) as f64,
+    }
+}
+
+async fn drive(url: &str, a: &RouterBenchArgs) -> anyhow::Result<Sample> {
     let mut clients = Vec::new();
     for _ in 0..a.connections {
         let ch = tonic::transport::Endpoint::from_shared(url.to_string())?
+            .tcp_nodelay(true)
             .connect()
             .await?;
         clients.push(pb::generation_client::GenerationClient::new(ch));
@@ -316,16 +558,16 @@ async fn drive(url: &str, a: &RouterBenchArgs, placement: &'static str) -> anyho
     let done = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let stop = CancellationToken::new();
+    let prompt = vec![a.prompt.as_str(); a.prompt_repeat.max(1)].join(" ");
     let mut tasks = Vec::new();
     for i in 0..a.concurrency {
+        let prompt = prompt.clone();
         let mut c = clients[i % clients.len()].clone();
         let (done, errors, stop) = (done.clone(), errors.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             while !stop.is_cancelled() {
                 let req = pb::GenerateRequest {
-                    prompt: Some(pb::generate_request::Prompt::Text(
-                        "Hello there, router".into(),
-                    )),
+                    prompt: Some(pb::generate_request::Prompt::Text(prompt.clone())),
                     max_tokens: 1,
                     ..Default::default()
                 };
@@ -346,37 +588,28 @@ async fn drive(url: &str, a: &RouterBenchArgs, placement: &'static str) -> anyho
             }
         }));
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let (n0, e0, cpu0, t0) = (
+    tokio::time::sleep(a.warmup).await;
+    let (n0, e0, u0, t0) = (
         done.load(Ordering::Relaxed),
         errors.load(Ordering::Relaxed),
-        threads_cpu_seconds("duet-router")?,
+        threads_usage("duet-router")?,
         Instant::now(),
     );
     tokio::time::sleep(a.duration).await;
-    let (n1, e1, cpu1, wall) = (
+    let (n1, e1, u1, wall) = (
         done.load(Ordering::Relaxed),
         errors.load(Ordering::Relaxed),
-        threads_cpu_seconds("duet-router")?,
+        threads_usage("duet-router")?,
         t0.elapsed().as_secs_f64(),
     );
     stop.cancel();
     for t in tasks {
         let _ = t.await;
     }
-    let requests = n1 - n0;
-    let cpu = cpu1 - cpu0;
-    Ok(Row {
-        placement,
-        requests,
+    Ok(Sample {
+        requests: n1 - n0,
         errors: e1 - e0,
         wall_seconds: wall,
-        requests_per_second: requests as f64 / wall,
-        router_cpu_seconds: cpu,
-        requests_per_router_core_second: if cpu > 0.0 {
-            requests as f64 / cpu
-        } else {
-            0.0
-        },
+        usage: u1 - u0,
     })
 }
