@@ -39,22 +39,10 @@ pub struct Tokenizer {
 
 /// GPT-2's reversible byte <-> printable char mapping, inverted.
 fn unicode_to_byte() -> std::collections::HashMap<char, u8> {
-    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
-        .chain(0xA1..=0xAC)
-        .chain(0xAE..=0xFF)
-        .collect();
-    let mut cs = bs.clone();
-    let mut n = 0;
-    for b in 0..=255u32 {
-        if !bs.contains(&b) {
-            bs.push(b);
-            cs.push(256 + n);
-            n += 1;
-        }
-    }
-    bs.into_iter()
-        .zip(cs)
-        .filter_map(|(b, c)| char::from_u32(c).map(|c| (c, b as u8)))
+    crate::bpe::byte_chars()
+        .iter()
+        .enumerate()
+        .map(|(b, c)| (*c, b as u8))
         .collect()
 }
 

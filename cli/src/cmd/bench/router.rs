@@ -293,7 +293,7 @@ struct Target {
 }
 
 /// One measurement of one target.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct Sample {
     requests: u64,
     errors: u64,
@@ -518,12 +518,7 @@ fn row(name: &'static str, s: &[Sample], bare: &[Sample]) -> Row {
                 .total_cmp(&(b.per_core_second() - med).abs())
         })
         .copied()
-        .unwrap_or(Sample {
-            requests: 0,
-            errors: 0,
-            wall_seconds: 0.0,
-            usage: ThreadUsage::default(),
-        });
+        .unwrap_or_default();
     let ratios = s
         .iter()
         .zip(bare)
