@@ -84,6 +84,17 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
+/// How much of the uncompressed run a lossy encoding must reproduce: tokens equal before the
+/// first difference, summed over the prompts, as a share of all tokens generated.
+///
+/// Lossy compression moves logits by about as much as the rounding this model amplifies
+/// (docs/engine.md), so it flips near-ties, and where those fall differs between machines
+/// (not between runs on one machine). Measured shares (kv-transfer/README.md): f16 0.68 and
+/// int8 0.63 on an AMD EPYC; 0.39 and 0.35 in CI's run of 70fc9e9, whose uncompressed run
+/// itself kept llama.cpp's rule on 6/10 rather than 7/10. Decoding every head with the first
+/// head's int8 scale, a plausible bug, gives 0.10 (and keeps the rule on 0/10).
+const MIN_SHARED_TOKENS: f64 = 0.25;
+
 #[test]
 fn compressed_kv_keeps_greedy_tokens_within_measured_bounds() {
     let cases = support::reference::cases();
@@ -121,31 +132,31 @@ fn compressed_kv_keeps_greedy_tokens_within_measured_bounds() {
         );
         let mut identical = 0;
         let mut kept = 0;
+        let mut shared = 0;
+        let mut total = 0;
         for ((case, got), want) in cases.iter().zip(&r.tokens).zip(&base.tokens) {
             let same = common_prefix(got, want);
             identical += usize::from(got == want);
             kept += usize::from(case.keeps_rule(got));
+            shared += same;
+            total += want.len();
             eprintln!(
                 "{compression} {}: {same}/{} tokens equal to the uncompressed run",
                 case.id,
                 want.len()
             );
         }
+        let share = shared as f64 / total as f64;
         eprintln!(
-            "{compression}: identical on {identical}/{n}, reference rule kept on {kept}/{n} \
+            "{compression}: identical on {identical}/{n}, {shared}/{total} tokens ({share:.2}) \
+             equal before the first difference, reference rule kept on {kept}/{n} \
              (uncompressed {base_kept}/{n})",
             n = cases.len()
         );
         // The first token is the prefill worker's own; every later one reads the decoded KV.
-        // Broken decoding (wrong regions, scales, byte order) loses the reference rule on
-        // nearly every prompt. Lossy compression moves logits by about as much as the
-        // rounding this model amplifies (docs/engine.md), so it may flip a near-tie on a
-        // prompt or two: measured here, f16 keeps the rule on 7/10 like no compression,
-        // int8 on 5/10 (docs: kv-transfer/README.md).
-        const LOSSY_SLACK: usize = 2;
         assert!(
-            kept + LOSSY_SLACK >= base_kept,
-            "{compression}: reference rule kept on {kept}, uncompressed on {base_kept}"
+            share >= MIN_SHARED_TOKENS,
+            "{compression}: only {shared}/{total} tokens equal the uncompressed run's"
         );
     }
 }
