@@ -21,7 +21,8 @@ up: deps model
 
 test: deps model
 	$(CARGO) test --workspace --no-fail-fast
-	$(CARGO) test -p duet-kv-transfer --features rdma --lib --test rdma
+	$(CARGO) test -p duet-kv-transfer --features rdma --lib --test rdma --test endpoint
+	$(CARGO) test -p duet --features rdma --test kv_rdma
 	./scripts/check-deploy.sh
 
 model:
@@ -35,6 +36,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p duet-kv-transfer --all-targets --features nccl -- -D warnings
 	$(CARGO) clippy -p duet-kv-transfer --all-targets --features rdma -- -D warnings
+	$(CARGO) clippy -p duet --all-targets --features rdma -- -D warnings
 	./scripts/audit.sh
 
 fmt:

@@ -12,12 +12,7 @@
 //! (the router retries elsewhere, the blocks are freed).
 
 use bytes::Bytes;
-use duet_kv_transfer::backend::shm::ShmReceiver;
-use duet_kv_transfer::backend::tcp::TcpReceiver;
-use duet_kv_transfer::{
-    AnyReceiver, Inbound, KvKind as WireKind, KvReceiver, KvSink, LocalHub, SinkError,
-    TransferConfig,
-};
+use duet_kv_transfer::{AnyReceiver, Inbound, KvKind as WireKind, KvReceiver, KvSink, SinkError};
 use duet_telemetry::names::{
     KV_TRANSFER_BYTES_TOTAL, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_TRANSFERS_TOTAL,
     KV_TRANSFER_WIRE_BYTES_TOTAL,
@@ -172,21 +167,10 @@ pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: Can
     }
 }
 
-/// Serves KV on `tcp`, on `shm` (same-host prefill workers) and on the in-process `hub`
-/// under `local_name`, into `handle` until `cancel` fires.
-pub async fn serve(
-    tcp: Option<tokio::net::TcpListener>,
-    shm: Option<ShmReceiver>,
-    hub: Option<(LocalHub, String)>,
-    cfg: TransferConfig,
-    handle: DecodeHandle,
-    cancel: CancellationToken,
-) {
-    let inbound = Inbound {
-        tcp: tcp.map(|l| TcpReceiver::new(l, cfg)),
-        shm,
-        local: hub.map(|(h, name)| h.listen(&name)),
-    };
+/// Serves KV on every listener of `inbound` (tcp, shm for same-host prefill workers, the
+/// in-process hub, UCX control connections in an rdma build) into `handle` until `cancel`
+/// fires.
+pub async fn serve(inbound: Inbound, handle: DecodeHandle, cancel: CancellationToken) {
     let c = cancel.clone();
     duet_kv_transfer::serve_inbound(inbound, cancel, move |rx| {
         tokio::spawn(receive_loop(rx, handle.clone(), c.clone()));

@@ -8,10 +8,12 @@
 //!   creates a [`local::pair`] and hands the receiving half to the named listener.
 //! - [`Connector`]: the prefill side's choice among a decode worker's endpoints (made by
 //!   [`select_backend`] from what the offer reveals: a listener of this very process, an
-//!   `shm` socket on this host, tcp) and its pool of idle senders per endpoint. A sender goes back
+//!   `shm` socket on this host, rdma when both sides enable it, tcp) and its pool of idle
+//!   senders per endpoint. A sender goes back
 //!   to the pool only after a transfer finished cleanly; any error drops it, so a pooled
 //!   connection is never in an unknown protocol state.
-//! - [`serve_inbound`]: the decode side's accept loop over TCP, shm and the local hub; each
+//! - [`serve_inbound`]: the decode side's accept loop over TCP, shm, the local hub and (feature
+//!   `rdma`) UCX's control connections; each
 //!   authenticated connection is handed to a callback (which receives transfers until the
 //!   peer closes or stays idle). The loop ends when its cancellation token fires.
 
@@ -25,6 +27,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::backend::local;
+#[cfg(feature = "rdma")]
+use crate::backend::rdma::{RdmaOptions, RdmaReceiver, RdmaSender};
 #[cfg(unix)]
 use crate::backend::shm::{host_identity, ShmReceiver, ShmSender};
 use crate::backend::tcp::{TcpInbound, TcpReceiver, TcpSender};
@@ -39,20 +43,24 @@ use crate::error::{Error, Result};
 pub struct Endpoint {
     /// Backend.
     pub kind: BackendKind,
-    /// `host:port` for tcp, a hub name for local, `<host identity>:<socket path>` for shm.
+    /// `host:port` for tcp and rdma (its control connection), a hub name for local,
+    /// `<host identity>:<socket path>` for shm.
     pub address: String,
 }
 
 impl Endpoint {
-    /// Parses the advertised form (`transport` is `tcp`, `shm`, `local`).
+    /// Parses the advertised form (`transport` is `tcp`, `shm`, `local`, and `rdma` in a build
+    /// with that feature).
     pub fn parse(transport: &str, address: &str) -> Result<Endpoint> {
         let kind = match transport {
             "tcp" => BackendKind::Tcp,
             "local" => BackendKind::Local,
             "shm" if cfg!(unix) => BackendKind::Shm,
+            "rdma" if cfg!(feature = "rdma") => BackendKind::Rdma,
             other => {
                 return Err(Error::InvalidArgument(format!(
-                    "KV transport `{other}` is not served by this build (tcp, shm, local)"
+                    "KV transport `{other}` is not served by this build (tcp, shm, local{})",
+                    if cfg!(feature = "rdma") { ", rdma" } else { "" }
                 )))
             }
         };
@@ -170,6 +178,9 @@ pub struct Connector {
     idle: Mutex<HashMap<Endpoint, Vec<(Instant, AnySender)>>>,
     /// shm endpoints whose set-up failed, and when.
     refused: Mutex<HashMap<Endpoint, Instant>>,
+    /// UCX options when `rdma` may be used.
+    #[cfg(feature = "rdma")]
+    rdma: Option<RdmaOptions>,
 }
 
 /// Stands for "some other host" when an offer names none of ours.
@@ -185,7 +196,24 @@ impl Connector {
             shm_host: None,
             idle: Mutex::new(HashMap::new()),
             refused: Mutex::new(HashMap::new()),
+            #[cfg(feature = "rdma")]
+            rdma: None,
         }
+    }
+
+    /// Allows `rdma` (UCX with `opts`) towards decode workers that offer it; preferred over
+    /// tcp, not over a same-host shm or same-process endpoint.
+    #[cfg(feature = "rdma")]
+    pub fn with_rdma(mut self, opts: Option<RdmaOptions>) -> Connector {
+        self.rdma = opts;
+        self
+    }
+
+    fn rdma_enabled(&self) -> bool {
+        #[cfg(feature = "rdma")]
+        return self.rdma.is_some();
+        #[cfg(not(feature = "rdma"))]
+        false
     }
 
     /// Allows `shm` towards decode workers on this host (when its identity can be read).
@@ -206,7 +234,7 @@ impl Connector {
 
     /// Picks the endpoint to use among those a decode worker advertises, by
     /// [`select_backend`]: a local listener of this very process, else its `shm` socket when
-    /// it is on this host, else tcp.
+    /// it is on this host, else rdma when both sides have it, else tcp.
     pub fn choose(&self, offered: &[Endpoint]) -> Result<Endpoint> {
         let local = self.hub.as_ref().and_then(|hub| {
             offered
@@ -218,16 +246,17 @@ impl Connector {
             .find(|e| e.shm_parts().is_some() && !self.recently_refused(e));
         let shm = shm_endpoint.and_then(|e| e.shm_parts()).map(|(h, _)| h);
         let me = self.shm_host.as_deref().unwrap_or("this host");
-        let info = |host: &str, process_id: u64, tcp: bool, shm: bool| EndpointInfo {
+        let rdma = self.rdma_enabled();
+        let info = |host: &str, process_id: u64, tcp: bool, shm: bool, rdma: bool| EndpointInfo {
             host_id: host.to_string(),
             process_id,
             tcp,
             shm,
             gpu: false,
             nccl: false,
-            rdma: false,
+            rdma,
         };
-        let src = info(me, 1, true, self.shm_host.is_some());
+        let src = info(me, 1, true, self.shm_host.is_some(), rdma);
         let dst = info(
             match (local, shm) {
                 (Some(_), _) => me,
@@ -237,13 +266,14 @@ impl Connector {
             if local.is_some() { 1 } else { 2 },
             offered.iter().any(|e| e.kind == BackendKind::Tcp),
             shm.is_some(),
+            offered.iter().any(|e| e.kind == BackendKind::Rdma),
         );
-        // What this connector can open (nccl and rdma are not pooled here).
+        // What this connector can open (nccl is not pooled here).
         let caps = BackendCaps {
             local: local.is_some(),
             shm: cfg!(unix),
             nccl: false,
-            rdma: false,
+            rdma,
             tcp: true,
         };
         let kind = select_backend(&src, &dst, &caps).map_err(|e| {
@@ -350,6 +380,15 @@ impl Connector {
                     ShmSender::connect(path, &self.cfg, dir).await?,
                 ))
             }
+            #[cfg(feature = "rdma")]
+            BackendKind::Rdma => match &self.rdma {
+                Some(opts) => Ok(AnySender::Rdma(
+                    RdmaSender::connect(ep.address.as_str(), &self.cfg, opts).await?,
+                )),
+                None => Err(Error::InvalidArgument(
+                    "rdma KV endpoint chosen with rdma disabled".into(),
+                )),
+            },
             BackendKind::Local => match &self.hub {
                 Some(hub) => hub.connect(&ep.address, &self.cfg).await,
                 None => Err(Error::InvalidArgument(
@@ -385,6 +424,9 @@ pub struct Inbound {
     pub shm: Option<ShmReceiver>,
     /// Same process.
     pub local: Option<mpsc::Receiver<AnyReceiver>>,
+    /// RDMA through UCX (its control connections).
+    #[cfg(feature = "rdma")]
+    pub rdma: Option<RdmaReceiver>,
 }
 
 /// Accepts inbound KV connections until `cancel` fires, handing each authenticated one to
@@ -401,6 +443,8 @@ pub async fn serve_inbound(
         #[cfg(unix)]
         shm,
         mut local,
+        #[cfg(feature = "rdma")]
+        rdma,
     } = inbound;
     loop {
         tokio::select! {
@@ -445,6 +489,29 @@ pub async fn serve_inbound(
                     Err(e) => accept_failed(e).await,
                 }
                 #[cfg(not(unix))]
+                let _: Result<()> = accepted;
+            }
+            accepted = async {
+                #[cfg(feature = "rdma")]
+                if let Some(r) = &rdma {
+                    return r.accept_stream().await.map(|(sock, _)| (sock, r.setup()));
+                }
+                std::future::pending().await
+            } => {
+                #[cfg(feature = "rdma")]
+                match accepted {
+                    Ok((sock, setup)) => {
+                        let cb = on_receiver.clone();
+                        tokio::spawn(async move {
+                            match setup.run(sock).await {
+                                Ok(inbound) => cb(AnyReceiver::Rdma(inbound)),
+                                Err(e) => handshake_failed("rdma", &e),
+                            }
+                        });
+                    }
+                    Err(e) => accept_failed(e).await,
+                }
+                #[cfg(not(feature = "rdma"))]
                 let _: Result<()> = accepted;
             }
             r = async {

@@ -112,6 +112,46 @@ fn the_connector_picks_local_then_same_host_shm_then_tcp() {
         ),
         ("nothing offered", connector(true, None), vec![], None),
     ];
+    #[cfg(feature = "rdma")]
+    let cases = {
+        use duet_kv_transfer::backend::rdma::RdmaOptions;
+        let rdma = Endpoint::parse("rdma", "10.0.0.7:5001").unwrap();
+        let with_rdma = |shm: bool| connector(shm, None).with_rdma(Some(RdmaOptions::default()));
+        let mut cases = cases;
+        cases.extend([
+            (
+                "another host: rdma over tcp",
+                with_rdma(true),
+                vec![tcp(), rdma.clone()],
+                Some(BackendKind::Rdma),
+            ),
+            (
+                "same host: shm over rdma",
+                with_rdma(true),
+                vec![rdma.clone(), shm_on(&me), tcp()],
+                Some(BackendKind::Shm),
+            ),
+            (
+                "rdma off here: tcp",
+                connector(true, None),
+                vec![rdma.clone(), tcp()],
+                Some(BackendKind::Tcp),
+            ),
+            (
+                "rdma offered, but off here, and nothing else: unreachable",
+                connector(true, None),
+                vec![rdma.clone()],
+                None,
+            ),
+            (
+                "rdma on here, not offered: tcp",
+                with_rdma(false),
+                vec![tcp()],
+                Some(BackendKind::Tcp),
+            ),
+        ]);
+        cases
+    };
     for (case, c, offered, want) in cases {
         let got = c.choose(&offered);
         match want {

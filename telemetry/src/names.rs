@@ -139,7 +139,7 @@ catalogue! {
     Counter KV_TRANSFER_WIRE_BYTES_TOTAL = "duet_kv_transfer_wire_bytes_total",
         "KV payload bytes the transport carried by `direction` and `compression` (below the payload bytes with --kv-compression f16 or int8).";
     Counter KV_TRANSFER_TRANSFERS_TOTAL = "duet_kv_transfer_transfers_total",
-        "Completed transfers (one per prompt chunk) by `direction` and `transport` (tcp, shm, local).";
+        "Completed transfers (one per prompt chunk) by `direction` and `transport` (tcp, shm, local, rdma).";
     Histogram KV_TRANSFER_SECONDS = "duet_kv_transfer_duration_seconds",
         "KV transfer time not hidden behind compute, per request: end of the last forward to the decode worker's acknowledgement of the last layer (sender side).";
     Counter KV_TRANSFER_FAILURES_TOTAL = "duet_kv_transfer_failures_total",

@@ -18,7 +18,7 @@ pub enum BackendKind {
     Shm,
     /// GPU to GPU over NCCL.
     Nccl,
-    /// RDMA (selectable, but no backend is built in this version).
+    /// RDMA through UCX (feature `rdma`).
     Rdma,
     /// TCP.
     Tcp,

@@ -31,7 +31,7 @@ const MAX_IOV: usize = 64;
 /// Most bytes discarded while draining after an error.
 const MAX_DRAIN_BYTES: u64 = 256 << 20;
 
-async fn bounded<T>(
+pub(crate) async fn bounded<T>(
     t: Duration,
     during: &'static str,
     f: impl std::future::Future<Output = std::io::Result<T>>,

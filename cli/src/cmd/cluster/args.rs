@@ -137,6 +137,25 @@ pub struct ShmArgs {
     pub kv_shm: Switch,
 }
 
+/// UCX, for KV over RDMA (build with `--features rdma`).
+#[cfg(feature = "rdma")]
+#[derive(Args, Debug, Clone)]
+pub struct UcxArgs {
+    /// UCX transports, in `UCX_TLS` syntax (`rc,ud`, `tcp`, `shm`, ...); empty lets UCX
+    /// choose (it also reads the `UCX_*` environment variables).
+    #[arg(long, env = "DUET_KV_UCX_TLS", default_value = "")]
+    pub kv_ucx_tls: String,
+}
+
+#[cfg(feature = "rdma")]
+impl UcxArgs {
+    pub fn options(&self) -> duet_kv_transfer::backend::rdma::RdmaOptions {
+        duet_kv_transfer::backend::rdma::RdmaOptions {
+            tls: self.kv_ucx_tls.clone(),
+        }
+    }
+}
+
 /// The directory shm sockets and ring files go in by default: `/dev/shm` (memory-backed)
 /// where it exists, else the temp dir.
 pub fn default_shm_dir() -> std::path::PathBuf {

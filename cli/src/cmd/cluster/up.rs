@@ -16,9 +16,13 @@ use duet_prefill_worker::PrefillConfig;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+#[cfg(feature = "rdma")]
+use super::args::UcxArgs;
 use super::args::{default_shm_dir, parse_duration, KvArgs, RegistryArgs, ShmArgs, Switch};
 use super::router::{model_name, run_router, serve_metrics_on, RouterListeners, RoutingArgs};
 use super::tls_args::TlsArgs;
+#[cfg(feature = "rdma")]
+use super::worker::RdmaSetting;
 use super::worker::{run_decode, run_prefill, ShmSetting, WorkerEnv};
 use crate::cmd::model_args::ModelArgs;
 
@@ -98,6 +102,9 @@ pub struct UpArgs {
     /// memory as between processes of one host (`shm`).
     #[arg(long, env = "DUET_KV_TRANSPORT", value_enum, default_value = "local")]
     pub kv_transport: KvTransport,
+    #[cfg(feature = "rdma")]
+    #[command(flatten)]
+    pub ucx: UcxArgs,
     #[command(flatten)]
     pub tls: TlsArgs,
 }
@@ -108,6 +115,9 @@ pub enum KvTransport {
     Local,
     Tcp,
     Shm,
+    /// Over UCX (RDMA where a device exists; its tcp or shared-memory transports here).
+    #[cfg(feature = "rdma")]
+    Rdma,
 }
 
 fn load(m: &ModelArgs) -> anyhow::Result<Arc<Model>> {
@@ -165,18 +175,30 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
                 required: true,
             }),
             kv_advertise_host: None,
+            #[cfg(feature = "rdma")]
+            kv_rdma: None,
             drain: a.drain,
             tls: server_tls.clone(),
         };
         for i in 0..a.decode_workers {
             let model = load(&a.model)?;
             let grpc = TcpListener::bind("127.0.0.1:0").await?;
-            // Over shm, tcp is not offered: the transfers measured are shm's.
+            // Over shm or rdma, tcp is not offered: the transfers measured are theirs.
             let kv = match a.kv_transport {
-                KvTransport::Shm => None,
-                _ => Some(TcpListener::bind("127.0.0.1:0").await?),
+                KvTransport::Local | KvTransport::Tcp => {
+                    Some(TcpListener::bind("127.0.0.1:0").await?)
+                }
+                _ => None,
             };
-            let e = env(model, grpc);
+            #[cfg_attr(not(feature = "rdma"), allow(unused_mut))]
+            let mut e = env(model, grpc);
+            #[cfg(feature = "rdma")]
+            if a.kv_transport == KvTransport::Rdma {
+                e.kv_rdma = Some(RdmaSetting {
+                    options: a.ucx.options(),
+                    listener: Some(TcpListener::bind("127.0.0.1:0").await?),
+                });
+            }
             tasks.spawn(run_decode(
                 e,
                 format!("decode-{i}"),
@@ -188,7 +210,15 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         for i in 0..a.prefill_workers {
             let model = load(&a.model)?;
             let grpc = TcpListener::bind("127.0.0.1:0").await?;
-            let e = env(model, grpc);
+            #[cfg_attr(not(feature = "rdma"), allow(unused_mut))]
+            let mut e = env(model, grpc);
+            #[cfg(feature = "rdma")]
+            if a.kv_transport == KvTransport::Rdma {
+                e.kv_rdma = Some(RdmaSetting {
+                    options: a.ucx.options(),
+                    listener: None,
+                });
+            }
             tasks.spawn(run_prefill(
                 e,
                 format!("prefill-{i}"),
@@ -348,6 +378,15 @@ pub struct DecodeCmd {
     /// dedicated data network); default: --advertise-host.
     #[arg(long, env = "DUET_KV_ADVERTISE_HOST")]
     pub kv_advertise_host: Option<String>,
+    /// Also receive KV over RDMA (UCX): the control address prefill workers connect to
+    /// (port 0: any free port). Advertised beside tcp; prefill workers with `--kv-rdma on`
+    /// prefer it.
+    #[cfg(feature = "rdma")]
+    #[arg(long, env = "DUET_KV_RDMA_LISTEN")]
+    pub kv_rdma_listen: Option<SocketAddr>,
+    #[cfg(feature = "rdma")]
+    #[command(flatten)]
+    pub ucx: UcxArgs,
     /// Served model name (default: the GGUF file name without extension).
     #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -365,6 +404,14 @@ pub struct PrefillCmd {
     pub prefill: PrefillArgs,
     #[command(flatten)]
     pub shm: ShmArgs,
+    /// Send KV over RDMA (UCX) to decode workers that offer it (after a same-host shm
+    /// endpoint, before tcp).
+    #[cfg(feature = "rdma")]
+    #[arg(long, env = "DUET_KV_RDMA", value_enum, default_value = "on")]
+    pub kv_rdma: Switch,
+    #[cfg(feature = "rdma")]
+    #[command(flatten)]
+    pub ucx: UcxArgs,
     /// Served model name (default: the GGUF file name without extension).
     #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -409,6 +456,8 @@ async fn worker_env(
         hub: None,
         kv_shm: None,
         kv_advertise_host: None,
+        #[cfg(feature = "rdma")]
+        kv_rdma: None,
         drain: p.drain,
     })
 }
@@ -432,6 +481,16 @@ pub fn decode(a: DecodeCmd) -> anyhow::Result<()> {
         let kv = TcpListener::bind(a.kv_listen)
             .await
             .with_context(|| format!("binding {}", a.kv_listen))?;
+        #[cfg(feature = "rdma")]
+        if let Some(addr) = a.kv_rdma_listen {
+            let l = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("--kv-rdma-listen: binding {addr}"))?;
+            env.kv_rdma = Some(RdmaSetting {
+                options: a.ucx.options(),
+                listener: Some(l),
+            });
+        }
         run_decode(env, a.process.id("decode"), cfg, Some(kv), shutdown).await
     })
 }
@@ -450,6 +509,13 @@ pub fn prefill(a: PrefillCmd) -> anyhow::Result<()> {
             env.kv_shm = Some(ShmSetting {
                 dir: default_shm_dir(),
                 required: false,
+            });
+        }
+        #[cfg(feature = "rdma")]
+        if a.kv_rdma == Switch::On {
+            env.kv_rdma = Some(RdmaSetting {
+                options: a.ucx.options(),
+                listener: None,
             });
         }
         run_prefill(env, a.process.id("prefill"), cfg, shutdown).await

@@ -16,7 +16,8 @@ use duet_discovery::{
 };
 use duet_engine::Model;
 use duet_kv_transfer::backend::shm::{host_identity, ShmOptions, ShmReceiver};
-use duet_kv_transfer::{Connector, Endpoint, LocalHub, TransferConfig};
+use duet_kv_transfer::backend::tcp::TcpReceiver;
+use duet_kv_transfer::{Connector, Endpoint, Inbound, LocalHub, TransferConfig};
 use duet_prefill_worker::{service::PrefillService, PrefillConfig, PrefillHandle};
 use duet_proto::v1 as pb;
 use duet_serving::kv_events::KvCacheService;
@@ -39,6 +40,17 @@ pub struct ShmSetting {
     pub required: bool,
 }
 
+/// KV over RDMA through UCX (feature `rdma`).
+#[cfg(feature = "rdma")]
+#[derive(Debug)]
+pub struct RdmaSetting {
+    /// UCX options (its transports).
+    pub options: duet_kv_transfer::backend::rdma::RdmaOptions,
+    /// Decode workers: the control listener prefill workers connect to, advertised as the
+    /// `rdma` endpoint. Prefill workers: `None`.
+    pub listener: Option<TcpListener>,
+}
+
 /// What every worker needs besides its engine.
 pub struct WorkerEnv {
     pub model: Arc<Model>,
@@ -57,6 +69,10 @@ pub struct WorkerEnv {
     /// Same-host shm KV when set: decode workers listen on a unix socket in its directory
     /// (their ring files go there too), prefill workers use shm toward them.
     pub kv_shm: Option<ShmSetting>,
+    /// RDMA KV when set: decode workers also receive over UCX, prefill workers prefer it
+    /// toward decode workers that offer it.
+    #[cfg(feature = "rdma")]
+    pub kv_rdma: Option<RdmaSetting>,
     pub drain: Duration,
     /// TLS on the gRPC server (mutual when it names a client CA).
     pub tls: Option<ServerTls>,
@@ -141,7 +157,7 @@ fn grpc_addr(env: &WorkerEnv) -> std::io::Result<String> {
 
 /// Runs a decode worker until `shutdown` fires.
 pub async fn run_decode(
-    env: WorkerEnv,
+    #[cfg_attr(not(feature = "rdma"), allow(unused_mut))] mut env: WorkerEnv,
     id: String,
     cfg: DecodeConfig,
     kv_tcp: Option<TcpListener>,
@@ -184,6 +200,28 @@ pub async fn run_decode(
             address: e.address.clone(),
         });
     }
+    #[cfg(feature = "rdma")]
+    let rdma = match env.kv_rdma.as_mut().and_then(|r| {
+        let l = r.listener.take()?;
+        Some((l, r.options.clone()))
+    }) {
+        Some((l, options)) => {
+            let port = l.local_addr()?.port();
+            let rx = duet_kv_transfer::backend::rdma::RdmaReceiver::new(l, tcfg.clone(), options)
+                .context("--kv-rdma-listen: UCX does not start")?;
+            endpoints.push(KvEndpoint {
+                transport: "rdma".into(),
+                address: format!(
+                    "{}:{port}",
+                    env.kv_advertise_host
+                        .as_ref()
+                        .unwrap_or(&env.advertise_host)
+                ),
+            });
+            Some(rx)
+        }
+        None => None,
+    };
     let local = env
         .hub
         .as_ref()
@@ -196,14 +234,18 @@ pub async fn run_decode(
     }
     if endpoints.is_empty() {
         anyhow::bail!(
-            "decode worker {id}: no KV endpoint to offer (no tcp listener, shm unavailable)"
+            "decode worker {id}: no KV endpoint to offer (no tcp or rdma listener, shm unavailable)"
         );
     }
+    let inbound = Inbound {
+        tcp: kv_tcp.map(|l| TcpReceiver::new(l, tcfg)),
+        shm: shm.map(|(rx, _)| rx),
+        local: local.map(|(h, name)| h.listen(&name)),
+        #[cfg(feature = "rdma")]
+        rdma,
+    };
     tokio::spawn(kv_inbound::serve(
-        kv_tcp,
-        shm.map(|(rx, _)| rx),
-        local,
-        tcfg,
+        inbound,
         handle.clone(),
         engine_stop.clone(),
     ));
@@ -307,10 +349,18 @@ pub async fn run_prefill(
     let engine_stop = CancellationToken::new();
     let _stop_engine = engine_stop.clone().drop_guard();
     let tcfg = env.kv.transfer_config(&env.model)?;
-    let connector = Arc::new(
-        Connector::new(tcfg, env.hub.as_ref().map(|(h, _)| h.clone()))
-            .with_shm(env.kv_shm.is_some()),
-    );
+    let connector = Connector::new(tcfg, env.hub.as_ref().map(|(h, _)| h.clone()))
+        .with_shm(env.kv_shm.is_some());
+    #[cfg(feature = "rdma")]
+    let connector = {
+        let options = env.kv_rdma.as_ref().map(|r| r.options.clone());
+        if let Some(o) = &options {
+            // Asked for: a missing UCX stops the worker rather than silently using tcp.
+            duet_kv_transfer::backend::rdma::probe(o).context("--kv-rdma: UCX does not start")?;
+        }
+        connector.with_rdma(options)
+    };
+    let connector = Arc::new(connector);
     let handle = PrefillHandle::start(
         env.model.clone(),
         env.kv.cache_config(&env.model),

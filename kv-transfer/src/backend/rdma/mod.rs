@@ -21,9 +21,11 @@ mod ffi;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tokio::net::{TcpListener, ToSocketAddrs};
+use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 
-use crate::backend::tcp::{accept_authenticated, connect_transport, TcpTransport};
+use crate::backend::tcp::{
+    accept_authenticated, accept_transport, bounded, connect_transport, TcpTransport,
+};
 use crate::config::TransferConfig;
 use crate::error::{Error, Result};
 use crate::layout::KvLayout;
@@ -161,8 +163,48 @@ impl RdmaReceiver {
 
     /// Accepts one connection, authenticates it and hands the sender this side's UCX address.
     pub async fn accept(&self) -> Result<RdmaInbound> {
+        let ctl = accept_authenticated(&self.listener, &self.cfg).await?;
+        self.setup().finish(ctl).await
+    }
+
+    /// Waits (up to the idle timeout) for the next control connection, not yet authenticated:
+    /// an accept loop hands it to [`RdmaSetup::run`] in a task of its own, so a slow peer
+    /// never holds up the next accept.
+    pub async fn accept_stream(&self) -> Result<(TcpStream, SocketAddr)> {
+        bounded(
+            self.cfg.timeouts.idle,
+            "waiting for a connection",
+            self.listener.accept(),
+        )
+        .await
+    }
+
+    /// What [`RdmaSetup::run`] needs to finish an accepted connection.
+    pub fn setup(&self) -> RdmaSetup {
+        RdmaSetup {
+            cfg: self.cfg.clone(),
+            opts: self.opts.clone(),
+        }
+    }
+}
+
+/// The handshake of one accepted control connection, detached from the receiver.
+#[derive(Debug, Clone)]
+pub struct RdmaSetup {
+    cfg: TransferConfig,
+    opts: RdmaOptions,
+}
+
+impl RdmaSetup {
+    /// Authenticates the peer, then (only then) opens this side's UCX worker and sends its
+    /// address.
+    pub async fn run(self, stream: TcpStream) -> Result<RdmaInbound> {
+        let ctl = accept_transport(stream, &self.cfg).await?;
+        self.finish(ctl).await
+    }
+
+    async fn finish(self, mut ctl: TcpTransport) -> Result<RdmaInbound> {
         let t = self.cfg.timeouts;
-        let mut ctl = accept_authenticated(&self.listener, &self.cfg).await?;
         let mut ucx = Ucx::open(&self.opts.tls)?;
         let addr = ucx.address()?;
         let mut msg = Vec::with_capacity(4 + addr.len());
