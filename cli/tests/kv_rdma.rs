@@ -14,27 +14,13 @@ use std::time::Duration;
 
 use duet_proto::v1 as pb;
 use support::{
-    assert_pool_empty, client, generate, greedy, http_get, run_reference, scrape_sum, text,
-    Cluster, START,
+    assert_pool_empty, client, generate, greedy, kv_transfers, run_reference, text, Cluster, START,
 };
 
 const PROMPTS: &[&str] = &[
     "The capital of France is",
     "Photosynthesis is the process by which plants",
 ];
-
-/// Transfers counted by one worker's /metrics for `direction` over `transport`.
-fn transfers(metrics: &str, direction: &str, transport: &str) -> f64 {
-    let (_, m) = http_get(metrics);
-    scrape_sum(
-        &m,
-        "duet_kv_transfer_transfers_total",
-        &[
-            &format!("direction=\"{direction}\""),
-            &format!("transport=\"{transport}\""),
-        ],
-    )
-}
 
 /// Every prompt, greedy, prefilled remotely: the tokens of `duet run`.
 async fn run_all(cl: &Cluster, reference: &[Vec<u32>]) {
@@ -74,10 +60,10 @@ fn separate_workers_move_kv_over_ucx() {
         run_all(&cl, &reference).await;
         assert_pool_empty(&decode_addr, Duration::from_secs(5)).await;
     });
-    assert_eq!(transfers(&decode_m, "received", "rdma"), n);
-    assert_eq!(transfers(&decode_m, "received", "tcp"), 0.0);
-    assert_eq!(transfers(&prefill_m, "sent", "rdma"), n);
-    assert_eq!(transfers(&prefill_m, "sent", "tcp"), 0.0);
+    assert_eq!(kv_transfers(&decode_m, "received", "rdma"), n);
+    assert_eq!(kv_transfers(&decode_m, "received", "tcp"), 0.0);
+    assert_eq!(kv_transfers(&prefill_m, "sent", "rdma"), n);
+    assert_eq!(kv_transfers(&prefill_m, "sent", "tcp"), 0.0);
 
     // The same decode worker, from a prefill worker that keeps rdma off: tcp.
     cl.prefill[0].kill9();
@@ -104,7 +90,7 @@ fn separate_workers_move_kv_over_ucx() {
         run_all(&cl, &reference).await;
         assert_pool_empty(&decode_addr, Duration::from_secs(5)).await;
     });
-    assert_eq!(transfers(&tcp_m, "sent", "tcp"), n);
-    assert_eq!(transfers(&tcp_m, "sent", "rdma"), 0.0);
-    assert_eq!(transfers(&decode_m, "received", "tcp"), n);
+    assert_eq!(kv_transfers(&tcp_m, "sent", "tcp"), n);
+    assert_eq!(kv_transfers(&tcp_m, "sent", "rdma"), 0.0);
+    assert_eq!(kv_transfers(&decode_m, "received", "tcp"), n);
 }

@@ -12,9 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use duet_proto::v1 as pb;
-use support::{
-    client, generate, greedy, http_get, run_reference, scrape_sum, text, Cluster, START,
-};
+use support::{client, generate, greedy, kv_transfers, run_reference, text, Cluster, START};
 
 const PROMPTS: &[&str] = &[
     "The capital of France is",
@@ -46,19 +44,6 @@ async fn run_all(cl: &Cluster, reference: &[Vec<u32>], worker: &str) {
     }
 }
 
-/// Transfers received and sent over each transport, from the two workers' /metrics.
-fn transfers(metrics: &str, direction: &str, transport: &str) -> f64 {
-    let (_, m) = http_get(metrics);
-    scrape_sum(
-        &m,
-        "duet_kv_transfer_transfers_total",
-        &[
-            &format!("direction=\"{direction}\""),
-            &format!("transport=\"{transport}\""),
-        ],
-    )
-}
-
 #[test]
 fn separate_workers_on_one_host_move_kv_over_shm() {
     let dir = std::env::temp_dir().join(format!("duet-kv-shm-test-{}", std::process::id()));
@@ -77,10 +62,10 @@ fn separate_workers_on_one_host_move_kv_over_shm() {
 
     rt.block_on(run_all(&cl, &reference, "decode-0"));
     let n = PROMPTS.len() as f64;
-    assert!(transfers(&decode_m, "received", "shm") >= n);
-    assert_eq!(transfers(&decode_m, "received", "tcp"), 0.0);
-    assert!(transfers(&prefill_m, "sent", "shm") >= n);
-    assert_eq!(transfers(&prefill_m, "sent", "tcp"), 0.0);
+    assert!(kv_transfers(&decode_m, "received", "shm") >= n);
+    assert_eq!(kv_transfers(&decode_m, "received", "tcp"), 0.0);
+    assert!(kv_transfers(&prefill_m, "sent", "shm") >= n);
+    assert_eq!(kv_transfers(&prefill_m, "sent", "tcp"), 0.0);
 
     // SIGKILL: nothing removes the socket...
     cl.decode[0].kill9();
@@ -102,7 +87,7 @@ fn separate_workers_on_one_host_move_kv_over_shm() {
         }
     });
     rt.block_on(run_all(&cl, &reference, "decode-1"));
-    assert!(transfers(&next_m, "received", "shm") >= n);
+    assert!(kv_transfers(&next_m, "received", "shm") >= n);
 
     // A graceful stop removes the socket.
     let mut next = next;

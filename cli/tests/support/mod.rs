@@ -662,6 +662,20 @@ pub fn urlencode(s: &str) -> String {
         .collect()
 }
 
+/// KV transfers one worker counted (its /metrics at `metrics_url`) in `direction` (`sent`,
+/// `received`) over `transport` (`tcp`, `shm`, `rdma`, ...).
+pub fn kv_transfers(metrics_url: &str, direction: &str, transport: &str) -> f64 {
+    let (_, m) = http_get(metrics_url);
+    scrape_sum(
+        &m,
+        "duet_kv_transfer_transfers_total",
+        &[
+            &format!("direction=\"{direction}\""),
+            &format!("transport=\"{transport}\""),
+        ],
+    )
+}
+
 /// Sum of the samples of `name` whose labels contain every `label="value"` in `labels`,
 /// from a Prometheus text exposition.
 pub fn scrape_sum(exposition: &str, name: &str, labels: &[&str]) -> f64 {

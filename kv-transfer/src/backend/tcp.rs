@@ -31,7 +31,7 @@ const MAX_IOV: usize = 64;
 /// Most bytes discarded while draining after an error.
 const MAX_DRAIN_BYTES: u64 = 256 << 20;
 
-pub(crate) async fn bounded<T>(
+async fn bounded<T>(
     t: Duration,
     during: &'static str,
     f: impl std::future::Future<Output = std::io::Result<T>>,
@@ -273,9 +273,22 @@ pub(crate) async fn accept_authenticated(
     listener: &TcpListener,
     cfg: &TransferConfig,
 ) -> Result<TcpTransport> {
-    let t = cfg.timeouts.idle;
-    let (stream, _) = bounded(t, "waiting for a connection", listener.accept()).await?;
+    let (stream, _) = accept_idle(listener, cfg).await?;
     accept_transport(stream, cfg).await
+}
+
+/// The next connection on `listener`, waiting up to `cfg.timeouts.idle`; not yet
+/// authenticated.
+pub(crate) async fn accept_idle(
+    listener: &TcpListener,
+    cfg: &TransferConfig,
+) -> Result<(TcpStream, SocketAddr)> {
+    bounded(
+        cfg.timeouts.idle,
+        "waiting for a connection",
+        listener.accept(),
+    )
+    .await
 }
 
 /// Runs the receiver handshake on an accepted stream; the raw transport.
@@ -322,12 +335,7 @@ impl TcpReceiver {
     /// Accepts one TCP connection (waiting up to `timeouts.idle`) without the handshake;
     /// finish it with [`TcpInbound::handshake`], typically in a spawned task.
     pub async fn accept_stream(&self) -> Result<(TcpStream, SocketAddr)> {
-        bounded(
-            self.cfg.timeouts.idle,
-            "waiting for a connection",
-            self.listener.accept(),
-        )
-        .await
+        accept_idle(&self.listener, &self.cfg).await
     }
 
     /// Accepts one connection and runs the handshake on it.

@@ -176,7 +176,10 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             }),
             kv_advertise_host: None,
             #[cfg(feature = "rdma")]
-            kv_rdma: None,
+            kv_rdma: (a.kv_transport == KvTransport::Rdma).then(|| RdmaSetting {
+                options: a.ucx.options(),
+                listener: None,
+            }),
             drain: a.drain,
             tls: server_tls.clone(),
         };
@@ -193,11 +196,8 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             #[cfg_attr(not(feature = "rdma"), allow(unused_mut))]
             let mut e = env(model, grpc);
             #[cfg(feature = "rdma")]
-            if a.kv_transport == KvTransport::Rdma {
-                e.kv_rdma = Some(RdmaSetting {
-                    options: a.ucx.options(),
-                    listener: Some(TcpListener::bind("127.0.0.1:0").await?),
-                });
+            if let Some(r) = e.kv_rdma.as_mut() {
+                r.listener = Some(TcpListener::bind("127.0.0.1:0").await?);
             }
             tasks.spawn(run_decode(
                 e,
@@ -210,15 +210,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         for i in 0..a.prefill_workers {
             let model = load(&a.model)?;
             let grpc = TcpListener::bind("127.0.0.1:0").await?;
-            #[cfg_attr(not(feature = "rdma"), allow(unused_mut))]
-            let mut e = env(model, grpc);
-            #[cfg(feature = "rdma")]
-            if a.kv_transport == KvTransport::Rdma {
-                e.kv_rdma = Some(RdmaSetting {
-                    options: a.ucx.options(),
-                    listener: None,
-                });
-            }
+            let e = env(model, grpc);
             tasks.spawn(run_prefill(
                 e,
                 format!("prefill-{i}"),

@@ -24,7 +24,7 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 
 use crate::backend::tcp::{
-    accept_authenticated, accept_transport, bounded, connect_transport, TcpTransport,
+    accept_authenticated, accept_idle, accept_transport, connect_transport, TcpTransport,
 };
 use crate::config::TransferConfig;
 use crate::error::{Error, Result};
@@ -171,12 +171,7 @@ impl RdmaReceiver {
     /// an accept loop hands it to [`RdmaSetup::run`] in a task of its own, so a slow peer
     /// never holds up the next accept.
     pub async fn accept_stream(&self) -> Result<(TcpStream, SocketAddr)> {
-        bounded(
-            self.cfg.timeouts.idle,
-            "waiting for a connection",
-            self.listener.accept(),
-        )
-        .await
+        accept_idle(&self.listener, &self.cfg).await
     }
 
     /// What [`RdmaSetup::run`] needs to finish an accepted connection.
