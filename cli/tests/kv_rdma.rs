@@ -12,31 +12,12 @@ mod support;
 
 use std::time::Duration;
 
-use duet_proto::v1 as pb;
-use support::{
-    assert_pool_empty, client, generate, greedy, kv_transfers, run_reference, text, Cluster, START,
-};
+use support::{assert_pool_empty, kv_transfers, remote_greedy, run_reference, Cluster, START};
 
 const PROMPTS: &[&str] = &[
     "The capital of France is",
     "Photosynthesis is the process by which plants",
 ];
-
-/// Every prompt, greedy, prefilled remotely: the tokens of `duet run`.
-async fn run_all(cl: &Cluster, reference: &[Vec<u32>]) {
-    let mut c = client(&cl.url).await;
-    for (p, want) in PROMPTS.iter().zip(reference) {
-        let r = generate(&mut c, greedy(text(p), 8)).await.expect(p);
-        assert_eq!(&r.ids, want, "{p}: tokens differ from duet run");
-        let t = r.timings();
-        assert_eq!(
-            pb::PrefillPlacement::try_from(t.placement),
-            Ok(pb::PrefillPlacement::Remote),
-            "{p}: prefilled remotely"
-        );
-        assert!(t.kv_transfer_seconds > 0.0, "{p}: {t:?}");
-    }
-}
 
 #[test]
 fn separate_workers_move_kv_over_ucx() {
@@ -57,7 +38,7 @@ fn separate_workers_move_kv_over_ucx() {
 
     rt.block_on(async {
         cl.wait_workers(1, 1, Duration::from_secs(20)).await;
-        run_all(&cl, &reference).await;
+        remote_greedy(&cl.url, PROMPTS, &reference).await;
         assert_pool_empty(&decode_addr, Duration::from_secs(5)).await;
     });
     assert_eq!(kv_transfers(&decode_m, "received", "rdma"), n);
@@ -87,7 +68,7 @@ fn separate_workers_move_kv_over_ucx() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         cl.wait_workers(1, 1, Duration::from_secs(20)).await;
-        run_all(&cl, &reference).await;
+        remote_greedy(&cl.url, PROMPTS, &reference).await;
         assert_pool_empty(&decode_addr, Duration::from_secs(5)).await;
     });
     assert_eq!(kv_transfers(&tcp_m, "sent", "tcp"), n);

@@ -11,8 +11,7 @@ mod support;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use duet_proto::v1 as pb;
-use support::{client, generate, greedy, kv_transfers, run_reference, text, Cluster, START};
+use support::{kv_transfers, remote_greedy, run_reference, Cluster, START};
 
 const PROMPTS: &[&str] = &[
     "The capital of France is",
@@ -29,18 +28,8 @@ fn announced_socket(p: &support::Proc) -> PathBuf {
 /// Every prompt, greedy: `duet run`'s tokens, prefilled remotely, decoded on `worker`.
 async fn run_all(cl: &Cluster, reference: &[Vec<u32>], worker: &str) {
     cl.wait_workers(1, 1, Duration::from_secs(20)).await;
-    let mut c = client(&cl.url).await;
-    for (p, want) in PROMPTS.iter().zip(reference) {
-        let r = generate(&mut c, greedy(text(p), 8)).await.expect(p);
-        assert_eq!(&r.ids, want, "{p}: tokens differ from duet run");
-        let t = r.timings();
-        assert_eq!(
-            pb::PrefillPlacement::try_from(t.placement),
-            Ok(pb::PrefillPlacement::Remote),
-            "{p}: prefilled remotely"
-        );
+    for t in remote_greedy(&cl.url, PROMPTS, reference).await {
         assert_eq!(t.decode_worker, worker);
-        assert!(t.kv_transfer_seconds > 0.0, "{p}: {t:?}");
     }
 }
 

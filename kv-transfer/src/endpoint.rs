@@ -456,15 +456,9 @@ pub async fn serve_inbound(
                 }
             } => {
                 match accepted {
-                    Ok(((stream, peer), cfg)) => {
-                        let cb = on_receiver.clone();
-                        tokio::spawn(async move {
-                            match TcpInbound::handshake(stream, peer, &cfg).await {
-                                Ok(inbound) => cb(AnyReceiver::Tcp(inbound)),
-                                Err(e) => handshake_failed("tcp", &e),
-                            }
-                        });
-                    }
+                    Ok(((stream, peer), cfg)) => spawn_handshake(&on_receiver, "tcp", async move {
+                        TcpInbound::handshake(stream, peer, &cfg).await.map(AnyReceiver::Tcp)
+                    }),
                     Err(e) => accept_failed(e).await,
                 }
             }
@@ -477,15 +471,9 @@ pub async fn serve_inbound(
             } => {
                 #[cfg(unix)]
                 match accepted {
-                    Ok((sock, setup)) => {
-                        let cb = on_receiver.clone();
-                        tokio::spawn(async move {
-                            match setup.run(sock).await {
-                                Ok(inbound) => cb(AnyReceiver::Shm(inbound)),
-                                Err(e) => handshake_failed("shm", &e),
-                            }
-                        });
-                    }
+                    Ok((sock, setup)) => spawn_handshake(&on_receiver, "shm", async move {
+                        setup.run(sock).await.map(AnyReceiver::Shm)
+                    }),
                     Err(e) => accept_failed(e).await,
                 }
                 #[cfg(not(unix))]
@@ -500,15 +488,9 @@ pub async fn serve_inbound(
             } => {
                 #[cfg(feature = "rdma")]
                 match accepted {
-                    Ok((sock, setup)) => {
-                        let cb = on_receiver.clone();
-                        tokio::spawn(async move {
-                            match setup.run(sock).await {
-                                Ok(inbound) => cb(AnyReceiver::Rdma(inbound)),
-                                Err(e) => handshake_failed("rdma", &e),
-                            }
-                        });
-                    }
+                    Ok((sock, setup)) => spawn_handshake(&on_receiver, "rdma", async move {
+                        setup.run(sock).await.map(AnyReceiver::Rdma)
+                    }),
                     Err(e) => accept_failed(e).await,
                 }
                 #[cfg(not(feature = "rdma"))]
@@ -525,6 +507,24 @@ pub async fn serve_inbound(
             },
         }
     }
+}
+
+/// Runs one accepted connection's handshake in a task of its own (a slow or silent peer never
+/// holds up the accept loop) and hands the authenticated receiver to `on_receiver`.
+fn spawn_handshake<C>(
+    on_receiver: &Arc<C>,
+    transport: &'static str,
+    handshake: impl std::future::Future<Output = Result<AnyReceiver>> + Send + 'static,
+) where
+    C: Fn(AnyReceiver) + Send + Sync + 'static,
+{
+    let cb = on_receiver.clone();
+    tokio::spawn(async move {
+        match handshake.await {
+            Ok(rx) => cb(rx),
+            Err(e) => handshake_failed(transport, &e),
+        }
+    });
 }
 
 /// A peer that connects and leaves without a word (a liveness probe, a worker checking for

@@ -662,6 +662,33 @@ pub fn urlencode(s: &str) -> String {
         .collect()
 }
 
+/// Each of `prompts`, greedy, through the router at `url`: asserts the tokens equal
+/// `reference` (`duet run`'s), that the prompt was prefilled remotely and that its KV took
+/// measurable transfer time; the final timings of each, for the caller's own checks.
+pub async fn remote_greedy(
+    url: &str,
+    prompts: &[&str],
+    reference: &[Vec<u32>],
+) -> Vec<pb::Timings> {
+    let mut c = client(url).await;
+    let mut out = Vec::new();
+    for (p, want) in prompts.iter().zip(reference) {
+        let r = generate(&mut c, greedy(text(p), want.len() as u32))
+            .await
+            .expect(p);
+        assert_eq!(&r.ids, want, "{p}: tokens differ from duet run");
+        let t = r.timings();
+        assert_eq!(
+            pb::PrefillPlacement::try_from(t.placement),
+            Ok(pb::PrefillPlacement::Remote),
+            "{p}: prefilled remotely"
+        );
+        assert!(t.kv_transfer_seconds > 0.0, "{p}: {t:?}");
+        out.push(t);
+    }
+    out
+}
+
 /// KV transfers one worker counted (its /metrics at `metrics_url`) in `direction` (`sent`,
 /// `received`) over `transport` (`tcp`, `shm`, `rdma`, ...).
 pub fn kv_transfers(metrics_url: &str, direction: &str, transport: &str) -> f64 {

@@ -177,17 +177,15 @@ pub async fn run_decode(
     )?;
     let tcfg = env.kv.transfer_config(&env.model)?;
     let grpc_addr = grpc_addr(&env)?;
+    let kv_host = env
+        .kv_advertise_host
+        .clone()
+        .unwrap_or_else(|| env.advertise_host.clone());
     let mut endpoints = Vec::new();
     if let Some(l) = &kv_tcp {
         endpoints.push(KvEndpoint {
             transport: "tcp".into(),
-            address: format!(
-                "{}:{}",
-                env.kv_advertise_host
-                    .as_ref()
-                    .unwrap_or(&env.advertise_host),
-                l.local_addr()?.port()
-            ),
+            address: format!("{kv_host}:{}", l.local_addr()?.port()),
         });
     }
     let shm = match &env.kv_shm {
@@ -201,26 +199,21 @@ pub async fn run_decode(
         });
     }
     #[cfg(feature = "rdma")]
-    let rdma = match env.kv_rdma.as_mut().and_then(|r| {
-        let l = r.listener.take()?;
-        Some((l, r.options.clone()))
-    }) {
-        Some((l, options)) => {
+    let rdma = match env.kv_rdma.take() {
+        Some(RdmaSetting {
+            options,
+            listener: Some(l),
+        }) => {
             let port = l.local_addr()?.port();
             let rx = duet_kv_transfer::backend::rdma::RdmaReceiver::new(l, tcfg.clone(), options)
                 .context("--kv-rdma-listen: UCX does not start")?;
             endpoints.push(KvEndpoint {
                 transport: "rdma".into(),
-                address: format!(
-                    "{}:{port}",
-                    env.kv_advertise_host
-                        .as_ref()
-                        .unwrap_or(&env.advertise_host)
-                ),
+                address: format!("{kv_host}:{port}"),
             });
             Some(rx)
         }
-        None => None,
+        _ => None,
     };
     let local = env
         .hub
