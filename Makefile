@@ -19,10 +19,11 @@ up: deps model
 	@echo
 	./target/release/duet up --model $(MODEL)
 
+# One build of the workspace with the rdma feature on (UCX over tcp and shared memory here):
+# its tests are the default build's plus the rdma ones, and a second build just for them
+# would recompile every crate above kv-transfer.
 test: deps model
-	$(CARGO) test --workspace --no-fail-fast
-	$(CARGO) test -p duet-kv-transfer --features rdma --lib --test rdma --test endpoint
-	$(CARGO) test -p duet --features rdma --test kv_rdma
+	$(CARGO) test --workspace --no-fail-fast --features duet/rdma
 	./scripts/check-deploy.sh
 
 model:
@@ -34,9 +35,7 @@ deps:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy -p duet-kv-transfer --all-targets --features nccl -- -D warnings
-	$(CARGO) clippy -p duet-kv-transfer --all-targets --features rdma -- -D warnings
-	$(CARGO) clippy -p duet --all-targets --features rdma -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --features duet/rdma,duet-kv-transfer/nccl -- -D warnings
 	./scripts/audit.sh
 
 fmt:

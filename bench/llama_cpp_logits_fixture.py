@@ -3,7 +3,9 @@ prompts and greedy decode steps, as the sha256 of the little-endian f32 vector p
 20 (id, logit), so engine/tests/bit_exact.rs can check that duet's exact form (quantized
 weights, f16 KV) computes llama.cpp's CPU arithmetic bit for bit, prefill and decode.
 
-Usage (llama-cpp-python 0.3.36 in .venv/llama, as scripts/bench-engine.sh builds it):
+Usage (llama-cpp-python 0.3.36 in .venv/llama, as scripts/bench-engine.sh builds it, on
+an AVX-512 CPU: GGML_NATIVE then compiles ggml's AVX-512 kernels, the build that recorded
+tests/data/smollm2-q4_1-greedy.jsonl; the script refuses a build without them):
   .venv/llama/bin/python bench/llama_cpp_logits_fixture.py
 llama.cpp runs with its defaults (f16 KV, no flash attention), 2 threads, the whole prompt
 in one batch, then one token per decode call: the same shapes the reference was made with.
@@ -20,6 +22,8 @@ PROMPTS = ['v06-story', 'v04-chat-pd']
 DECODE_STEPS = 3
 
 L.llama_backend_init()
+SYSTEM = L.llama_print_system_info().decode()
+assert 'AVX512 = 1' in SYSTEM, 'llama.cpp was not built with AVX-512: ' + SYSTEM
 model = L.llama_model_load_from_file(MODEL, L.llama_model_default_params())
 n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
 refs = {r['id']: r for r in map(json.loads, open(REFS))}
@@ -43,6 +47,6 @@ for pid in PROMPTS:
         feed = [int(top[0])]
     cases.append({'id': pid, 'steps': steps})
     L.llama_free(ctx)
-json.dump({'llama_cpp_python': L.__version__, 'kv': 'f16', 'flash_attn': False,
+json.dump({'llama_cpp_python': L.__version__, 'ggml_cpu': SYSTEM.strip(), 'kv': 'f16', 'flash_attn': False,
            'threads': 2, 'cases': cases}, open(OUT, 'w'), indent=1)
 print('wrote', OUT)

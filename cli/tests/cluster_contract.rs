@@ -475,7 +475,7 @@ fn list_models_shows_the_model_and_its_workers() {
 }
 
 /// A prompt that fits the model's context but can never fit a decode worker's whole KV pool
-/// (64 MiB holds ~1,450 tokens) fails at once with a code that does not invite a retry,
+/// (64 MiB of f16 KV holds ~2,900 tokens) fails at once with a code that does not invite a retry,
 /// instead of waiting for room that can never appear. Starts its own cluster (the shared
 /// one's pool is large enough for any prompt within its context).
 #[test]
@@ -484,9 +484,9 @@ fn prompt_larger_than_every_kv_pool_fails_fast() {
     let started = Instant::now();
     let r = rt().block_on(async {
         let mut c = support::client(&url).await;
-        generate(&mut c, greedy(tokens(&vec![504; 2000]), 1)).await
+        generate(&mut c, greedy(tokens(&vec![504; 4000]), 1)).await
     });
-    let s = r.expect_err("2,000 prompt tokens cannot fit 64 MiB of f32 KV");
+    let s = r.expect_err("4,000 prompt tokens cannot fit 64 MiB of f16 KV");
     assert!(
         started.elapsed() < Duration::from_secs(10),
         "took {:?}: {s:?}",

@@ -225,11 +225,11 @@ fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
 /// complete when room frees up, and afterwards every block is free.
 #[test]
 fn kv_pool_exhausted_requests_queue_then_resource_exhausted() {
-    // 8 MiB of f32 KV is 11 blocks of 16 tokens (176 tokens): one 120-token prompt with its
+    // 4 MiB of f16 KV is 11 blocks of 16 tokens (176 tokens): one 120-token prompt with its
     // generation leaves no room for a second.
     let (p, url) = support::up(&[
         "--kv-pool",
-        "8MiB",
+        "4MiB",
         "--max-queued",
         "2",
         "--max-queue-wait",

@@ -33,6 +33,10 @@ fn run(compression: &str, cases: &[ReferenceCase]) -> Run {
         "off",
         "--kv-pool",
         "256MiB",
+        // Compression is for f32 caches (f16 on the wire halves them); duet's default f16
+        // cache would make `f16` a no-op.
+        "--kv-dtype",
+        "f32",
     ]);
     let http = p.wait_for("http listening on", START);
     let rt = tokio::runtime::Runtime::new().expect("runtime");

@@ -105,7 +105,8 @@ fn a_shared_system_prompt_is_prefilled_once_with_the_tokens_of_an_uncached_run()
         // the KV it lacked.
         assert_eq!(t.kv_reused_tokens as usize, cached);
         let blocks = ids_b.len().div_ceil(16) - cached / 16;
-        assert_eq!(t.kv_bytes, (blocks * 16 * 30 * 2 * 3 * 64 * 4) as u64);
+        // Blocks x tokens x layers x K and V x KV heads x dims x 2 bytes (f16 cache).
+        assert_eq!(t.kv_bytes, (blocks * 16 * 30 * 2 * 3 * 64 * 2) as u64);
         assert_eq!(second.ids, want_b, "tokens with the cache equal duet run's");
 
         // Conditional disaggregation counts the decode worker's own cached prefix: what is
@@ -152,18 +153,18 @@ fn blocks_evicted_to_host_and_disk_come_back_with_identical_tokens() {
     let dir = std::env::temp_dir().join(format!("duet-kv-tier-test-{}", std::process::id()));
     let prompt = ask("Where is the reading room?");
     let want = run_reference(&prompt, false, 12);
-    // A pool of 11 blocks; 5 in host memory, 22 on disk.
+    // A pool of 11 blocks; 5 in host memory, 22 on disk (f16 KV: 360 KiB a block).
     let (p, url) = up(&[
         "--local-prefill-max-tokens",
         "0",
         "--kv-pool",
-        "8MiB",
-        "--kv-host-pool",
         "4MiB",
+        "--kv-host-pool",
+        "2MiB",
         "--kv-disk-dir",
         dir.to_str().expect("utf-8 path"),
         "--kv-disk-pool",
-        "16MiB",
+        "8MiB",
     ]);
     let metrics = p.wait_for("metrics on", support::START);
     let rt = tokio::runtime::Runtime::new().unwrap();

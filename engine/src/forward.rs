@@ -442,12 +442,12 @@ impl Model {
             // llama.cpp's reduction orders: a multi-token batch's `softmax(QK^T)V`
             // goes through tinyBLAS, a single token's through ggml's dot products.
             let pv = match row.prompt {
-                true => DotOrder::Lanes8,
-                false => DotOrder::Lanes32,
+                true => DotOrder::Lanes16,
+                false => DotOrder::Lanes64,
             };
             let qk = match T::F16_PATH {
                 true => pv,
-                false => DotOrder::Lanes32,
+                false => DotOrder::Lanes64,
             };
             let table = &tables[row.chunk];
             let n = row.pos + 1;

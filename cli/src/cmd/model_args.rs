@@ -17,9 +17,10 @@ pub struct ModelArgs {
     /// Compute threads.
     #[arg(long, env = "DUET_THREADS", default_value_t = 1)]
     pub threads: usize,
-    /// Weight form: `quantized` (least memory), `dense` (f32 GEMM), or
-    /// `hybrid` (quantized for small batches, dense for prompts).
-    #[arg(long, env = "DUET_WEIGHTS", default_value = "hybrid")]
+    /// Weight form: `quantized` (the GGUF's blocks only, llama.cpp's arithmetic: with an
+    /// f16 KV cache its logits bit for bit), `dense` (f32 GEMM), or `hybrid` (quantized for
+    /// decode steps, dense f32 for prompts: faster prefill, 4x the memory, other rounding).
+    #[arg(long, env = "DUET_WEIGHTS", default_value = "quantized")]
     pub weights: WeightMode,
 }
 

@@ -41,7 +41,7 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 0)]
     pub prefill_chunk: usize,
     /// KV cache element type.
-    #[arg(long, env = "DUET_KV_DTYPE", default_value = "f32")]
+    #[arg(long, env = "DUET_KV_DTYPE", default_value = "f16")]
     pub kv_dtype: KvDtype,
     /// Print one JSON object (prompt_ids, ids, text, timings) instead of streaming.
     #[arg(long)]

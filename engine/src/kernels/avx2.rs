@@ -221,21 +221,23 @@ unsafe fn tile<const R: usize, const Q41: bool>(w: &[u8], nb: usize, t: &Q8Tile,
     }
 }
 
-/// `ggml_vec_dot_f32`'s four 8-lane accumulators over the first
-/// `n & !31` elements, reduced as `GGML_F32x8_REDUCE`. `None` without AVX2.
-pub fn dot_lanes32(a: &[f32], b: &[f32]) -> Option<f32> {
+/// `ggml_vec_dot_f32`'s four 16-lane accumulators (eight 8-lane registers:
+/// register `2a + h` holds lanes `8h..8h + 8` of accumulator `a`) over the
+/// first `n & !63` elements, reduced as `GGML_F32x16_REDUCE`. `None` without
+/// AVX2.
+pub fn dot_lanes64(a: &[f32], b: &[f32]) -> Option<f32> {
     if !available() {
         return None;
     }
-    let n = a.len().min(b.len()) & !31;
+    let n = a.len().min(b.len()) & !63;
     // SAFETY: `available()` confirmed AVX2/FMA/F16C; every load reads 8 floats at
     // `i + 8j + 8 <= n`, within both slices.
-    Some(unsafe { lanes32(a.as_ptr(), b.as_ptr(), n) })
+    Some(unsafe { lanes64(a.as_ptr(), b.as_ptr(), n) })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn lanes32(a: *const f32, b: *const f32, n: usize) -> f32 {
-    let mut s = [_mm256_setzero_ps(); 4];
+unsafe fn lanes64(a: *const f32, b: *const f32, n: usize) -> f32 {
+    let mut s = [_mm256_setzero_ps(); 8];
     let mut i = 0;
     while i < n {
         for (j, sj) in s.iter_mut().enumerate() {
@@ -248,37 +250,51 @@ unsafe fn lanes32(a: *const f32, b: *const f32, n: usize) -> f32 {
             };
             *sj = _mm256_fmadd_ps(x, y, *sj);
         }
-        i += 32;
+        i += 64;
     }
-    let s0 = _mm256_add_ps(_mm256_add_ps(s[0], s[2]), _mm256_add_ps(s[1], s[3]));
-    let t0 = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-    let t1 = _mm_hadd_ps(t0, t0);
-    _mm_cvtss_f32(_mm_hadd_ps(t1, t1))
+    reduce64(&s)
 }
 
-/// tinyBLAS's one 8-lane accumulator over the first `n & !7` elements, then
-/// its `hsum`; `None` without AVX2.
-pub fn dot_lanes8(a: &[f32], b: &[f32]) -> Option<f32> {
+/// `GGML_F32x16_REDUCE` of four 16-lane accumulators held as eight 8-lane
+/// registers: `(x0 + x2) + (x1 + x3)` lane-wise, then `_mm512_reduce_add_ps`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn reduce64(s: &[__m256; 8]) -> f32 {
+    let lo = _mm256_add_ps(_mm256_add_ps(s[0], s[4]), _mm256_add_ps(s[2], s[6]));
+    let hi = _mm256_add_ps(_mm256_add_ps(s[1], s[5]), _mm256_add_ps(s[3], s[7]));
+    hsum(_mm256_add_ps(lo, hi))
+}
+
+/// tinyBLAS's one 16-lane accumulator (two 8-lane registers) over the first
+/// `n & !15` elements, then `_mm512_reduce_add_ps`; `None` without AVX2.
+pub fn dot_lanes16(a: &[f32], b: &[f32]) -> Option<f32> {
     if !available() {
         return None;
     }
-    let n = a.len().min(b.len()) & !7;
+    let n = a.len().min(b.len()) & !15;
     // SAFETY: `available()` confirmed AVX2/FMA/F16C; every load reads 8 floats at
-    // `i + 8 <= n`, within both slices.
-    Some(unsafe { lanes8(a.as_ptr(), b.as_ptr(), n) })
+    // `i + 8h + 8 <= n`, within both slices.
+    Some(unsafe { lanes16(a.as_ptr(), b.as_ptr(), n) })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn lanes8(a: *const f32, b: *const f32, n: usize) -> f32 {
-    let mut s = _mm256_setzero_ps();
+unsafe fn lanes16(a: *const f32, b: *const f32, n: usize) -> f32 {
+    let mut s = [_mm256_setzero_ps(); 2];
     let mut i = 0;
     while i < n {
-        // SAFETY: i + 8 <= n (the caller's bound).
-        let (x, y) = unsafe { (_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i))) };
-        s = _mm256_fmadd_ps(x, y, s);
-        i += 8;
+        for (h, sh) in s.iter_mut().enumerate() {
+            // SAFETY: i + 8h + 8 <= n (the caller's bound).
+            let (x, y) = unsafe {
+                (
+                    _mm256_loadu_ps(a.add(i + 8 * h)),
+                    _mm256_loadu_ps(b.add(i + 8 * h)),
+                )
+            };
+            *sh = _mm256_fmadd_ps(x, y, *sh);
+        }
+        i += 16;
     }
-    hsum(s)
+    hsum(_mm256_add_ps(s[0], s[1]))
 }
 
 /// KV element types the attention kernels read: 8 of them widened to f32.
@@ -305,11 +321,11 @@ impl KvLoad for f16 {
 }
 
 /// `out.push(dot(q, row) * scale)` for each row of `k` (rows of `q.len()`
-/// elements), in the order of [`dot_lanes32`] (`lanes32`) or [`dot_lanes8`],
+/// elements), in the order of [`dot_lanes64`] (`lanes64`) or [`dot_lanes16`],
 /// with `q` held in registers. `false` (nothing pushed) without AVX2 or for
 /// a head size other than 64 or 128.
 pub fn scores<T: KvLoad>(
-    lanes32: bool,
+    lanes64: bool,
     q: &[f32],
     k: &[T],
     scale: f32,
@@ -322,17 +338,17 @@ pub fn scores<T: KvLoad>(
     // SAFETY (both arms): `available()` confirmed AVX2/FMA/F16C; `q` has
     // `8 * N` elements and `k` at least `rows * 8 * N`.
     match q.len() {
-        64 => unsafe { scores_n::<T, 8>(lanes32, q.as_ptr(), k.as_ptr(), rows, scale, out) },
-        128 => unsafe { scores_n::<T, 16>(lanes32, q.as_ptr(), k.as_ptr(), rows, scale, out) },
+        64 => unsafe { scores_n::<T, 8>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out) },
+        128 => unsafe { scores_n::<T, 16>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out) },
         _ => return false,
     }
     true
 }
 
-/// Head size `8 * N` (`N` a multiple of 4).
+/// Head size `8 * N` (`N` a multiple of 8).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scores_n<T: KvLoad, const N: usize>(
-    lanes32: bool,
+    lanes64: bool,
     q: *const f32,
     k: *const T,
     rows: usize,
@@ -345,32 +361,29 @@ unsafe fn scores_n<T: KvLoad, const N: usize>(
     out.resize(base + rows, 0.0);
     let dst = &mut out[base..];
     // One loop per order, so that `q` and the accumulators stay in registers.
-    if lanes32 {
+    if lanes64 {
         for (j, d) in dst.iter_mut().enumerate() {
             // SAFETY: row `j < rows` has 8 * N elements within `k`.
             let kp = unsafe { k.add(j * 8 * N) };
-            let mut s = [_mm256_setzero_ps(); 4];
+            let mut s = [_mm256_setzero_ps(); 8];
             for i in 0..N {
                 // SAFETY: element 8i + 8 <= 8N of the row.
                 let kv = unsafe { T::load8(kp.add(8 * i)) };
-                s[i % 4] = _mm256_fmadd_ps(qv[i], kv, s[i % 4]);
+                s[i % 8] = _mm256_fmadd_ps(qv[i], kv, s[i % 8]);
             }
-            let s0 = _mm256_add_ps(_mm256_add_ps(s[0], s[2]), _mm256_add_ps(s[1], s[3]));
-            let t0 = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-            let t1 = _mm_hadd_ps(t0, t0);
-            *d = _mm_cvtss_f32(_mm_hadd_ps(t1, t1)) * scale;
+            *d = reduce64(&s) * scale;
         }
     } else {
         for (j, d) in dst.iter_mut().enumerate() {
             // SAFETY: as above.
             let kp = unsafe { k.add(j * 8 * N) };
-            let mut s = _mm256_setzero_ps();
+            let mut s = [_mm256_setzero_ps(); 2];
             for (i, qi) in qv.iter().enumerate() {
                 // SAFETY: as above.
                 let kv = unsafe { T::load8(kp.add(8 * i)) };
-                s = _mm256_fmadd_ps(*qi, kv, s);
+                s[i % 2] = _mm256_fmadd_ps(*qi, kv, s[i % 2]);
             }
-            *d = hsum(s) * scale;
+            *d = hsum(_mm256_add_ps(s[0], s[1])) * scale;
         }
     }
 }

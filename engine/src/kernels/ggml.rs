@@ -1,7 +1,15 @@
 //! ggml's CPU arithmetic where its rounding differs from the textbook: the
 //! vectorised `expf` behind softmax and SiLU, and the reduction orders of its
-//! two f32/f16 dot products (`ggml_vec_dot_f32/f16`, 4 x 8 lanes; and
-//! llamafile's tinyBLAS, one 8-lane accumulator), as built for AVX2 + FMA.
+//! two f32/f16 dot products (`ggml_vec_dot_f32/f16`, 4 x 16 lanes; and
+//! llamafile's tinyBLAS, one 16-lane accumulator), as built for AVX-512
+//! (`GGML_NATIVE` on an AVX-512 CPU without AVX512-FP16).
+//!
+//! Why AVX-512's: the reference outputs (`tests/data/smollm2-q4_1-greedy.jsonl`)
+//! were recorded by such a build, which reproduces them to the last printed
+//! digit; the AVX2 build of the same llama.cpp rounds its attention sums and
+//! `expf` differently and leaves the reference at step 2 of one prompt. The
+//! orders are emulated here with 8-lane AVX2 registers (a 16-lane register is
+//! two of them), so every x86-64-v3 machine computes the same bits.
 //!
 //! Why bit-exactness: every matmul input is quantized to 8 bits first, and a
 //! value one ulp away from a rounding boundary lands on the neighbouring grid
@@ -14,8 +22,15 @@
 
 use std::ops::Add;
 
-/// ggml's `ggml_v_expf` for one lane (max error 1.45 ulp; flushes to 0
-/// below about -104 and to infinity above 88.4).
+const C1: u32 = 0x3f7f_fff6; // 0x1.ffffecp-1
+const C2: u32 = 0x3eff_fedb; // 0x1.fffdb6p-2
+const C3: u32 = 0x3e2a_af33; // 0x1.555e66p-3
+const C4: u32 = 0x3d2b_9f17; // 0x1.573e2ep-5
+const C5: u32 = 0x3c07_2010; // 0x1.0e4020p-7
+
+/// ggml's AVX-512 `ggml_v_expf` for one lane: the polynomial includes the
+/// leading 1 and the result is scaled by `2^n` with `vscalefps` (one rounding).
+/// Flushes to 0 below about -133 (`|n| > 192` first) and to infinity above 88.7.
 pub fn expf(x: f32) -> f32 {
     let r = f32::from_bits(0x4b40_0000); // 0x1.8p23
     let z = x.mul_add(f32::from_bits(0x3fb8_aa3b), r);
@@ -24,26 +39,28 @@ pub fn expf(x: f32) -> f32 {
         f32::from_bits(0x35bf_be8e),
         (-n).mul_add(f32::from_bits(0x3f31_7200), x),
     );
-    let e = z.to_bits() << 23;
-    let k = f32::from_bits(e.wrapping_add(1f32.to_bits()));
     let u = b * b;
-    let j = f32::from_bits(0x3c07_2010)
-        .mul_add(b, f32::from_bits(0x3d2b_9f17))
-        .mul_add(
-            u,
-            f32::from_bits(0x3e2a_af33).mul_add(b, f32::from_bits(0x3eff_fedb)),
-        )
-        .mul_add(u, f32::from_bits(0x3f7f_fff6) * b);
-    if n.abs() <= 126.0 {
-        return j.mul_add(k, k);
-    }
-    let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
-    let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
-    let s2 = f32::from_bits(e.wrapping_sub(g));
+    let c = f32::from_bits;
+    let j = c(C5)
+        .mul_add(b, c(C4))
+        .mul_add(u, c(C3).mul_add(b, c(C2)))
+        .mul_add(u, c(C1).mul_add(b, 1.0));
     if n.abs() > 192.0 {
-        return s1 * s1;
+        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
     }
-    s2.mul_add(j, s2) * s1
+    scalef(j, n)
+}
+
+/// `j * 2^n` rounded once, as `vscalefps` computes it (`n` integral, `|n| <= 192`).
+#[inline]
+fn scalef(j: f32, n: f32) -> f32 {
+    let e = n as i32;
+    if (-126..=127).contains(&e) {
+        // 2^e is a normal f32: one multiplication, one rounding.
+        return j * f32::from_bits(((e + 127) as u32) << 23);
+    }
+    // Exact in f64, then one rounding to f32 (subnormal or infinite results).
+    (f64::from(j) * f64::from_bits(((e + 1023) as u64) << 52)) as f32
 }
 
 /// ggml's SiLU, `x / (1 + exp(-x))` with its `expf`.
@@ -58,13 +75,21 @@ pub fn hsum8<T: Copy + Add<Output = T>>(x: &[T; 8]) -> T {
     ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]))
 }
 
-/// Reduction of `ggml_vec_dot_f32/f16`'s four 8-lane accumulators
-/// (`GGML_F32x8_REDUCE`): lane `i` of accumulator `a` is `acc[a * 8 + i]`.
+/// Horizontal sum of 16 lanes as GCC's `_mm512_reduce_add_ps`: the upper 8
+/// lanes added to the lower 8, then [`hsum8`].
 #[inline]
-pub fn reduce32<T: Copy + Add<Output = T>>(acc: &[T; 32]) -> T {
-    let t: [T; 8] = std::array::from_fn(|i| (acc[i] + acc[16 + i]) + (acc[8 + i] + acc[24 + i]));
-    let t0 = [t[0] + t[4], t[1] + t[5], t[2] + t[6], t[3] + t[7]];
-    (t0[0] + t0[1]) + (t0[2] + t0[3])
+pub fn hsum16<T: Copy + Add<Output = T>>(x: &[T; 16]) -> T {
+    hsum8(&std::array::from_fn(|i| x[i] + x[8 + i]))
+}
+
+/// Reduction of `ggml_vec_dot_f32/f16`'s four 16-lane accumulators
+/// (`GGML_F32x16_REDUCE`: `(x0 + x2) + (x1 + x3)`, then [`hsum16`]): lane
+/// `i` of accumulator `a` is `acc[a * 16 + i]`.
+#[inline]
+pub fn reduce64<T: Copy + Add<Output = T>>(acc: &[T; 64]) -> T {
+    hsum16(&std::array::from_fn(|i| {
+        (acc[i] + acc[32 + i]) + (acc[16 + i] + acc[48 + i])
+    }))
 }
 
 /// Eight independent f32 sums, added lane-wise (one AVX add).
@@ -82,33 +107,33 @@ impl Add for F8 {
 /// Which of ggml's dot products a row's attention follows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DotOrder {
-    /// `ggml_vec_dot_*`: element `i` goes to lane `i % 32` (a decode step).
-    Lanes32,
-    /// tinyBLAS: element `i` goes to lane `i % 8` (a multi-token batch).
-    Lanes8,
+    /// `ggml_vec_dot_*`: element `i` goes to lane `i % 64` (a decode step).
+    Lanes64,
+    /// tinyBLAS: element `i` goes to lane `i % 16` (a multi-token batch).
+    Lanes16,
 }
 
 impl DotOrder {
     pub fn lanes(self) -> usize {
         match self {
-            DotOrder::Lanes32 => 32,
-            DotOrder::Lanes8 => 8,
+            DotOrder::Lanes64 => 64,
+            DotOrder::Lanes16 => 16,
         }
     }
 
-    /// `sum(a[i] * b[i])` as ggml computes it. `Lanes32` is
-    /// `ggml_vec_dot_f32/f16`: 32 lanes over the first `n & !31` elements,
-    /// the rest added one by one in f64. `Lanes8` is tinyBLAS, which ggml
-    /// uses only when `n` is a multiple of 8 (otherwise it falls back to
+    /// `sum(a[i] * b[i])` as ggml computes it. `Lanes64` is
+    /// `ggml_vec_dot_f32/f16`: 64 lanes over the first `n & !63` elements,
+    /// the rest added one by one in f64. `Lanes16` is tinyBLAS, which ggml
+    /// uses only when `n` is a multiple of 16 (otherwise it falls back to
     /// `ggml_vec_dot`, and so does this).
     #[inline]
     pub fn dot(self, a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
         match self {
-            DotOrder::Lanes8 if n.is_multiple_of(8) => lanes8(a, b),
+            DotOrder::Lanes16 if n.is_multiple_of(16) => lanes16(a, b),
             _ => {
-                let np = n & !31;
-                let mut sum = f64::from(lanes32(&a[..np], &b[..np]));
+                let np = n & !63;
+                let mut sum = f64::from(lanes64(&a[..np], &b[..np]));
                 for (x, y) in a[np..n].iter().zip(&b[np..n]) {
                     sum += f64::from(x * y);
                 }
@@ -118,14 +143,14 @@ impl DotOrder {
     }
 
     /// Reduce `lanes()` rows of `acc` (row `l` at `acc[l * n..(l + 1) * n]`)
-    /// into `out[d]`: column `d` summed as [`reduce32`] or [`hsum8`] sum lanes,
+    /// into `out[d]`: column `d` summed as [`reduce64`] or [`hsum16`] sum lanes,
     /// 8 columns at a time.
     pub fn reduce_rows(self, acc: &[f32], out: &mut [f32]) {
         let n = out.len();
         fn reduce<T: Copy + Add<Output = T>>(order: DotOrder, lane: impl Fn(usize) -> T) -> T {
             match order {
-                DotOrder::Lanes32 => reduce32(&std::array::from_fn(lane)),
-                DotOrder::Lanes8 => hsum8(&std::array::from_fn(lane)),
+                DotOrder::Lanes64 => reduce64(&std::array::from_fn(lane)),
+                DotOrder::Lanes16 => hsum16(&std::array::from_fn(lane)),
             }
         }
         let mut d = 0;
@@ -140,20 +165,20 @@ impl DotOrder {
     }
 }
 
-fn lanes32(a: &[f32], b: &[f32]) -> f32 {
+fn lanes64(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if let Some(v) = super::avx2::dot_lanes32(a, b) {
+    if let Some(v) = super::avx2::dot_lanes64(a, b) {
         return v;
     }
-    reduce32(&lane_sums(a, b))
+    reduce64(&lane_sums(a, b))
 }
 
-fn lanes8(a: &[f32], b: &[f32]) -> f32 {
+fn lanes16(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if let Some(v) = super::avx2::dot_lanes8(a, b) {
+    if let Some(v) = super::avx2::dot_lanes16(a, b) {
         return v;
     }
-    hsum8(&lane_sums(a, b))
+    hsum16(&lane_sums(a, b))
 }
 
 /// Scalar lane accumulators: element `i` of each whole chunk of `L` goes to lane `i % L`.
@@ -167,18 +192,20 @@ fn lane_sums<const L: usize>(a: &[f32], b: &[f32]) -> [f32; L] {
     acc
 }
 
-/// ggml's softmax of `x` in place: exp with [`expf`], sums of 8 in `hsum`
-/// order accumulated in f64, then one f32 scale by `1 / sum`.
+/// ggml's softmax of `x` in place: exp with [`expf`], sums of 16 in
+/// `_mm512_reduce_add_ps` order accumulated in f64, then one f32 scale by
+/// `1 / sum`. (llama.cpp's rows are padded with masked positions, whose
+/// exponentials are 0: a short last group sums as if padded with zeros.)
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f64;
-    for group in x.chunks_mut(8) {
-        let mut lanes = [0f32; 8];
+    for group in x.chunks_mut(16) {
+        let mut lanes = [0f32; 16];
         for (v, l) in group.iter_mut().zip(lanes.iter_mut()) {
             *v = expf(*v - max);
             *l = *v;
         }
-        sum += f64::from(hsum8(&lanes));
+        sum += f64::from(hsum16(&lanes));
     }
     let inv = (1.0 / sum) as f32;
     for v in x.iter_mut() {
@@ -212,11 +239,11 @@ mod tests {
             .zip(&b)
             .map(|(x, y)| f64::from(*x) * f64::from(*y))
             .sum();
-        for order in [DotOrder::Lanes8, DotOrder::Lanes32] {
+        for order in [DotOrder::Lanes16, DotOrder::Lanes64] {
             assert!((f64::from(order.dot(&a, &b)) - exact).abs() < 1e-5);
         }
         // Row reductions give what the element-wise dot gives.
-        for order in [DotOrder::Lanes8, DotOrder::Lanes32] {
+        for order in [DotOrder::Lanes16, DotOrder::Lanes64] {
             let l = order.lanes();
             let mut acc = vec![0f32; l * 3];
             let cols: Vec<Vec<f32>> = (0..3)

@@ -38,7 +38,7 @@ pub fn attention_scores<T: KvLanes>(
     out: &mut Vec<f32>,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return avx2::scores(order == ggml::DotOrder::Lanes32, q, k, scale, out);
+    return avx2::scores(order == ggml::DotOrder::Lanes64, q, k, scale, out);
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (order, q, k, scale, out);
@@ -358,7 +358,7 @@ mod tests {
                 let at = bases[t / bs] + (t % bs) * hd;
                 pool[at..at + hd].iter().map(|&v| back(v)).collect()
             };
-            for order_ in [DotOrder::Lanes32, DotOrder::Lanes8] {
+            for order_ in [DotOrder::Lanes64, DotOrder::Lanes16] {
                 let mut fast = Vec::new();
                 for (bi, &b) in bases.iter().enumerate() {
                     let count = bs.min(n - bi * bs);

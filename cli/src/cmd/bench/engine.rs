@@ -30,7 +30,7 @@ pub struct EngineBenchArgs {
     pub steps: usize,
     /// KV cache element type (`f16` with `--weights quantized` is llama.cpp's
     /// arithmetic, bit for bit).
-    #[arg(long, env = "DUET_KV_DTYPE", default_value = "f32")]
+    #[arg(long, env = "DUET_KV_DTYPE", default_value = "f16")]
     pub kv_dtype: KvDtype,
     /// Size of the KV pool whose resident memory is reported.
     #[arg(long, default_value_t = 1 << 30)]

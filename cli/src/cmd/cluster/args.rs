@@ -64,7 +64,7 @@ pub struct KvArgs {
     #[arg(long, env = "DUET_KV_POOL", default_value = "512MiB", value_parser = parse_bytes)]
     pub kv_pool: u64,
     /// KV element type.
-    #[arg(long, env = "DUET_KV_DTYPE", default_value = "f32")]
+    #[arg(long, env = "DUET_KV_DTYPE", default_value = "f16")]
     pub kv_dtype: KvDtype,
     /// Shared secret every worker of the cluster proves at the KV handshake.
     #[arg(
