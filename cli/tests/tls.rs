@@ -265,6 +265,11 @@ fn tls_on_every_link_and_etcd_authentication() {
     let env = [("DUET_ETCD_PASSWORD", PASSWORD)];
     let worker = |role: &str| {
         let mut args = vec![role, "--kv-pool", "64MiB", "--tls-client-auth", "required"];
+        // A decode worker calls the prefill workers of its remote prompts, whose
+        // certificate names the workers' service name, not the address they advertise.
+        if role == "decode" {
+            args.extend_from_slice(&["--tls-server-name", WORKER_NAME]);
+        }
         args.extend_from_slice(&etcd_flags);
         args.extend(worker_tls_flags.iter().map(String::as_str));
         let p = Proc::start_logged(role, &args, &env);
@@ -306,7 +311,8 @@ fn tls_on_every_link_and_etcd_authentication() {
     let want = support::run_reference(prompt, false, 12);
     rt.block_on(async {
         // Public gRPC door over TLS (no client certificate needed there). A long prompt
-        // takes the disaggregated path: router -> prefill (mTLS) -> decode (mTLS).
+        // takes the disaggregated path: router -> decode -> prefill (mTLS both), KV from
+        // the prefill worker to the decode worker.
         let channel = tls_channel(&url, &pki, None).await.expect("TLS to router");
         let mut c = pb::generation_client::GenerationClient::new(channel);
         let end = std::time::Instant::now() + START;

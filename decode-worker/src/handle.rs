@@ -243,6 +243,15 @@ impl DecodeHandle {
         rx.await.unwrap_or(false)
     }
 
+    /// Frees whatever the request holds without waiting for the answer (for drop guards,
+    /// which cannot wait).
+    pub fn release_now(&self, request_id: u64) {
+        let _ = self.send(Cmd::Release {
+            request_id,
+            reply: None,
+        });
+    }
+
     /// Starts bringing a prompt's blocks up from the host and disk tiers (fire and forget).
     pub fn prefetch(&self, block_hashes: Vec<BlockHash>) {
         let _ = self.send(Cmd::Prefetch { block_hashes });

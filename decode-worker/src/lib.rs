@@ -7,6 +7,7 @@
 //! - [`handle`]: the cloneable async handle (commands over a channel, oneshot replies).
 //! - [`kv_inbound`]: receives KV from prefill workers straight into reserved blocks.
 //! - [`service`]: the internal `duet.v1.Decode` gRPC service.
+//! - [`via_prefill`]: a `ViaPrefill` request's call to the prefill worker the router picked.
 //!
 //! Invariant: KV blocks are only ever held by a live sequence or by a reservation with a
 //! deadline; every path that ends a request (finish, error, cancel, client gone, expiry)
@@ -19,6 +20,7 @@ pub mod kv_inbound;
 mod metrics;
 mod scheduler;
 pub mod service;
+pub mod via_prefill;
 
 pub use config::DecodeConfig;
 pub use error::DecodeError;

@@ -1,16 +1,22 @@
-//! The internal `duet.v1.Decode` gRPC service over a [`DecodeHandle`].
+//! The internal `duet.v1.Decode` gRPC service over a [`DecodeHandle`]; `ViaPrefill`
+//! requests also call their prefill worker ([`crate::via_prefill`]).
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use duet_engine::{EngineError, GenerationParams};
 use duet_proto::v1 as pb;
+use duet_proto::v1::prefill_client::PrefillClient;
+use duet_serving::channels::Channels;
 use duet_serving::convert::{finish_to_proto, sampling_from_proto};
+use duet_serving::status::mark_prefill_failed;
 use duet_serving::trace_context::TraceContext;
 use futures::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::handle::{DecodeHandle, Event, GenerateJob, PrefillSource, Priority};
+use crate::via_prefill::{legacy_endpoint, Pending, ViaCall};
 
 /// `duet.v1.Decode` backed by one engine thread.
 #[derive(Clone)]
@@ -18,15 +24,24 @@ pub struct DecodeService {
     handle: DecodeHandle,
     kv_endpoints: Vec<pb::KvEndpoint>,
     id: String,
+    /// Channels to the prefill workers `ViaPrefill` requests name.
+    prefill_channels: Arc<Channels>,
 }
 
 impl DecodeService {
-    /// `kv_endpoints`: where this worker receives KV (returned with every reservation).
-    pub fn new(handle: DecodeHandle, kv_endpoints: Vec<pb::KvEndpoint>, id: String) -> Self {
+    /// `kv_endpoints`: where this worker receives KV (returned with every reservation);
+    /// `prefill_channels`: how it reaches prefill workers (with the cluster's client TLS).
+    pub fn new(
+        handle: DecodeHandle,
+        kv_endpoints: Vec<pb::KvEndpoint>,
+        id: String,
+        prefill_channels: Arc<Channels>,
+    ) -> Self {
         DecodeService {
             handle,
             kv_endpoints,
             id,
+            prefill_channels,
         }
     }
 
@@ -74,21 +89,8 @@ impl pb::decode_server::Decode for DecodeService {
         req: Request<pb::DecodeRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let trace = TraceContext::extract(req.metadata());
+        let deadline = grpc_timeout(req.metadata());
         let r = req.into_inner();
-        let prefill = match r.prefill {
-            Some(pb::decode_request::Prefill::Remote(p)) => PrefillSource::Remote {
-                first_token: p.first_token,
-            },
-            Some(pb::decode_request::Prefill::Local(l)) => PrefillSource::Local {
-                replay: l.replay_tokens as usize,
-            },
-            None => {
-                return Err(duet_serving::status::engine_status(&EngineError::invalid(
-                    "prefill",
-                    "missing (remote or local)",
-                )))
-            }
-        };
         let params = GenerationParams {
             sampling: sampling_from_proto(r.sampling.as_ref()),
             max_tokens: r.max_tokens as usize,
@@ -104,45 +106,92 @@ impl pb::decode_server::Decode for DecodeService {
             parent_span_id = tracing::field::Empty,
         );
         duet_serving::trace_context::join_caller_trace(&span, trace);
-        let mut rx = self.handle.generate(GenerateJob {
+        let (prefill, via) = match r.prefill {
+            Some(pb::decode_request::Prefill::Remote(p)) => (
+                PrefillSource::Remote {
+                    first_token: p.first_token,
+                },
+                None,
+            ),
+            Some(pb::decode_request::Prefill::Local(l)) => (
+                PrefillSource::Local {
+                    replay: l.replay_tokens as usize,
+                },
+                None,
+            ),
+            Some(pb::decode_request::Prefill::Via(v)) => {
+                // Reserved before the stream's headers go out: a refusal (no room) reaches
+                // the router as the call's status, and it tries another decode worker.
+                let client = self
+                    .prefill_channels
+                    .get(&v.prefill_address)
+                    .map(PrefillClient::new)
+                    .map_err(|e| mark_prefill_failed(Status::unavailable(e.to_string())))?;
+                let ttl = Duration::from_millis(u64::from(v.ttl_ms.max(1)));
+                let reserved = self
+                    .handle
+                    .reserve(r.request_id, r.prompt.len(), ttl, v.block_hashes)
+                    .await
+                    .map_err(|e| e.status())?;
+                let pending = Pending::new(self.handle.clone(), client.clone(), r.request_id);
+                let call = ViaCall {
+                    client,
+                    request: pb::PrefillRequest {
+                        request_id: r.request_id,
+                        prompt: r.prompt.clone(),
+                        sampling: r.sampling,
+                        kv_endpoint: legacy_endpoint(&self.kv_endpoints),
+                        kv_endpoints: self.kv_endpoints.clone(),
+                        dst_blocks: reserved.blocks,
+                        priority: r.priority,
+                        dst_start_tokens: reserved.cached_tokens as u32,
+                    },
+                    trace,
+                    deadline,
+                    timeout: Duration::from_millis(u64::from(v.prefill_timeout_ms.max(1))),
+                };
+                // Replaced by the prefill worker's first token once it answers.
+                let source = PrefillSource::Remote { first_token: 0 };
+                (source, Some((call, pending)))
+            }
+            None => {
+                return Err(duet_serving::status::engine_status(&EngineError::invalid(
+                    "prefill",
+                    "missing (remote, local or via)",
+                )))
+            }
+        };
+        let mut job = GenerateJob {
             request_id: r.request_id,
             prompt: r.prompt,
             params,
             priority: priority(r.priority),
             prefill,
             span,
-        });
+        };
+        let handle = self.handle.clone();
         let stream = async_stream(move |tx| async move {
-            while let Some(ev) = rx.recv().await {
-                let (msg, last) = match ev {
-                    Event::Token { id, text } => (
-                        Ok(pb::DecodeEvent {
-                            event: Some(pb::decode_event::Event::Token(pb::TokenChunk {
-                                id,
-                                text,
-                            })),
-                        }),
-                        false,
-                    ),
-                    Event::Done(d) => (
-                        Ok(pb::DecodeEvent {
-                            event: Some(pb::decode_event::Event::Done(pb::DecodeDone {
-                                finish_reason: finish_to_proto(d.finish) as i32,
-                                completion_tokens: d.completion_tokens,
-                                text: String::new(),
-                                prefill_seconds: d.prefill_seconds,
-                                kv_wait_seconds: d.kv_wait_seconds,
-                                preemptions: d.preemptions,
-                                cached_tokens: d.cached_tokens as u32,
-                            })),
-                        }),
-                        true,
-                    ),
-                    Event::Error(e) => (Err(e.status()), true),
-                };
-                if tx.send(msg).await.is_err() || last {
-                    return;
+            let mut remote = None;
+            if let Some((call, pending)) = via {
+                match call.run().await {
+                    Ok(answer) => {
+                        job.prefill = PrefillSource::Remote {
+                            first_token: answer.first_token,
+                        };
+                        remote = Some(answer);
+                    }
+                    Err(status) => {
+                        // `pending` drops at the end of this scope: reservation released,
+                        // prefill cancelled.
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
                 }
+                let rx = handle.generate(job);
+                pending.disarm();
+                relay(rx, tx, remote).await;
+            } else {
+                relay(handle.generate(job), tx, remote).await;
             }
         });
         Ok(Response::new(stream))
@@ -173,6 +222,61 @@ impl pb::decode_server::Decode for DecodeService {
             tokens_per_second: s.tokens_per_second,
         }))
     }
+}
+
+/// Sends the engine's events for one sequence as `DecodeEvent`s until `Done` or an error;
+/// `remote` (a `ViaPrefill` request's prefill answer) rides in `Done`.
+async fn relay(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    tx: tokio::sync::mpsc::Sender<Result<pb::DecodeEvent, Status>>,
+    mut remote: Option<pb::PrefillResponse>,
+) {
+    while let Some(ev) = rx.recv().await {
+        let (msg, last) = match ev {
+            Event::Token { id, text } => (
+                Ok(pb::DecodeEvent {
+                    event: Some(pb::decode_event::Event::Token(pb::TokenChunk { id, text })),
+                }),
+                false,
+            ),
+            Event::Done(d) => (
+                Ok(pb::DecodeEvent {
+                    event: Some(pb::decode_event::Event::Done(pb::DecodeDone {
+                        finish_reason: finish_to_proto(d.finish) as i32,
+                        completion_tokens: d.completion_tokens,
+                        text: String::new(),
+                        prefill_seconds: d.prefill_seconds,
+                        kv_wait_seconds: d.kv_wait_seconds,
+                        preemptions: d.preemptions,
+                        cached_tokens: d.cached_tokens as u32,
+                        remote_prefill: remote.take(),
+                    })),
+                }),
+                true,
+            ),
+            Event::Error(e) => (Err(e.status()), true),
+        };
+        if tx.send(msg).await.is_err() || last {
+            return;
+        }
+    }
+}
+
+/// The caller's `grpc-timeout` (what is left of its deadline), to pass on to the calls this
+/// request makes.
+fn grpc_timeout(meta: &tonic::metadata::MetadataMap) -> Option<Duration> {
+    let v = meta.get("grpc-timeout")?.to_str().ok()?;
+    let (n, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = n.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 /// A response stream fed by a task: the task ends (and drops what it holds, e.g. the

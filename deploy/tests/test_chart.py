@@ -294,8 +294,8 @@ def test_probes_use_grpc_on_the_grpc_port(rendered: Rendered):
 
 def test_tls_settings(rendered: Rendered):
     """With tls.enabled every duet container gets the mounted material; workers require
-    client certificates (tls.mutual), the router expects tls.serverName in workers'
-    certificates. With an external etcd's tlsSecret/authSecret, every container gets the etcd
+    client certificates (tls.mutual), the router and the decode workers (which call prefill
+    workers) expect tls.serverName in workers' certificates. With an external etcd's tlsSecret/authSecret, every container gets the etcd
     CA, client certificate and user/password from those Secrets."""
     eff = rendered.effective
     ext = eff["etcd"]["external"] if not eff["etcd"]["enabled"] else {}
@@ -308,8 +308,10 @@ def test_tls_settings(rendered: Rendered):
             assert env["DUET_TLS_CA"] == "/etc/duet/tls/ca.crt"
             worker = c["name"] != "router"
             assert (env.get("DUET_TLS_CLIENT_AUTH") == "required") == (worker and eff["tls"]["mutual"])
-            if c["name"] == "router" and eff["tls"]["serverName"]:
+            if c["name"] in ("router", "decode") and eff["tls"]["serverName"]:
                 assert env["DUET_TLS_SERVER_NAME"] == eff["tls"]["serverName"]
+            else:
+                assert "DUET_TLS_SERVER_NAME" not in env, c["name"]
         else:
             assert not any(k.startswith("DUET_TLS_") for k in env), c["name"]
         if ext.get("tlsSecret"):
@@ -434,14 +436,15 @@ def _pods_selected(r: Rendered, selector: dict) -> set[str]:
 def test_network_policies_match_the_pods(rendered: Rendered):
     """Each policy selects exactly its role's pods, names ports those pods have, and admits
     from exactly the pods it should: router -> workers' gRPC, prefill -> decode KV, duet ->
-    etcd client, etcd -> etcd peer; metrics from the configured namespace/pod selector."""
+    etcd client, etcd -> etcd peer, decode -> prefill gRPC (a decode worker calls the prefill
+    worker of its remote prompts); metrics from the configured namespace/pod selector."""
     r = rendered
     if not r.effective["networkPolicy"]["enabled"]:
         pytest.skip("network policies off")
     metrics_ns = r.effective["networkPolicy"]["metrics"]["namespaceSelector"]
     expected_from = {
         ("router", "grpc"): None, ("router", "http"): None,
-        ("prefill", "grpc"): {"router"},
+        ("prefill", "grpc"): {"router", "decode"},
         ("decode", "grpc"): {"router"},
         ("decode", "kv"): {"prefill"},
         ("etcd", "client"): {"router", "prefill", "decode", "etcd"},

@@ -333,35 +333,30 @@ fn worker_err(w: &WorkerRecord, status: Status) -> RouterError {
     }
 }
 
+/// A failure on `decoder`'s stream: the prefill worker's (or its KV link's) when the decode
+/// worker says so, else the decode worker's own.
+fn stream_err(decoder: &WorkerRecord, prefill: Option<&WorkerRecord>, s: Status) -> RouterError {
+    match prefill {
+        Some(p) if duet_serving::status::is_prefill_failure(&s) => {
+            if duet_serving::status::is_kv_link_failure(&s) {
+                RouterError::KvLink {
+                    prefill_id: p.id.clone(),
+                    decode_id: decoder.id.clone(),
+                    status: s,
+                }
+            } else {
+                worker_err(p, s)
+            }
+        }
+        _ => worker_err(decoder, s),
+    }
+}
+
 /// Whether `status` came from a broken connection rather than from the worker's answer. A
 /// status the worker sent has no cause; one tonic made on this side from a transport, h2 or
 /// hyper error keeps that error as its source.
 fn connection_broke(status: &Status) -> bool {
     std::error::Error::source(status).is_some()
-}
-
-/// The KV endpoint for prefill workers that predate `PrefillRequest.kv_endpoints`: the
-/// in-process one when both workers live in the same process, else tcp, else whatever is
-/// offered (newer workers pick among all offered endpoints themselves, shm included).
-fn kv_endpoint_for(offered: &[pb::KvEndpoint], prefill: &WorkerRecord) -> Option<pb::KvEndpoint> {
-    let local_process = prefill
-        .kv_endpoints
-        .iter()
-        .find(|e| e.transport == "local")
-        .map(|e| e.address.clone());
-    if let Some(p) = local_process {
-        if let Some(e) = offered
-            .iter()
-            .find(|e| e.transport == "local" && e.address.split('/').next() == Some(p.as_str()))
-        {
-            return Some(e.clone());
-        }
-    }
-    offered
-        .iter()
-        .find(|e| e.transport == "tcp")
-        .or_else(|| offered.first())
-        .cloned()
 }
 
 /// The bounded metric label of a placement.
@@ -506,75 +501,95 @@ async fn attempt_once(
             decoders.sort_by_key(|d| prefill_for(d).is_empty());
         }
     }
-    // Reserve on the first decode worker that accepts (remote), or just pick the first.
+    // Open the token stream on the first decode worker that accepts. For a remote prefill
+    // the decode worker reserves blocks for the prompt (its headers say it did; a refusal
+    // is the call's status) and then calls the prefill worker picked here itself
+    // (`ViaPrefill`), so the router makes one call per request whatever the placement.
+    let sampling = Some(sampling_to_proto(&job.prep.params.sampling));
+    let decode_request = |prefill: pb::decode_request::Prefill| pb::DecodeRequest {
+        request_id: job.request_id,
+        prompt: prompt.clone(),
+        sampling,
+        max_tokens: max_tokens as u32,
+        stop: job.prep.params.stop.clone(),
+        priority: job.prep.priority as i32,
+        prefill: Some(prefill),
+        ignore_eos: job.prep.params.ignore_eos,
+    };
     let mut chosen = None;
     let mut last_err = None;
     for d in &decoders {
         // Counted before any await, so that concurrent requests spread across workers.
         let tracked = shared.workers.track_decode(&d.id);
-        if placement != pb::PrefillPlacement::Remote {
-            chosen = Some((d.clone(), None, None, tracked));
-            break;
-        }
-        let Some(p) = prefill_for(d).into_iter().next() else {
-            continue;
-        };
-        // Counted before the await too, so that concurrent requests spread across prefill
-        // workers before their records update.
-        let prefill_tracked = shared.workers.track_prefill(
-            &p.id,
-            (prompt_len - prefix.cached_tokens(&p).min(prompt_len)) as u64,
-        );
-        // Announced before the reservation: the prefill worker starts bringing the prompt's
-        // blocks up from its lower tiers while the decode worker reserves.
-        if prefix.matched(&p).lower > 0 {
-            prefetch(
-                &shared.workers,
-                &p.grpc_addr,
-                job.request_id,
-                &prefix.hashes(&p),
+        let (prefill, prefill_pick) = if placement == pb::PrefillPlacement::Remote {
+            let Some(p) = prefill_for(d).into_iter().next() else {
+                continue;
+            };
+            // Counted before the await too, so that concurrent requests spread across
+            // prefill workers before their records update.
+            let prefill_tracked = shared.workers.track_prefill(
+                &p.id,
+                (prompt_len - prefix.cached_tokens(&p).min(prompt_len)) as u64,
             );
-        }
-        let mut client = shared.workers.decode(&d.grpc_addr)?;
-        let req = outgoing(
-            job,
-            pb::ReserveRequest {
-                request_id: job.request_id,
-                prompt_tokens: prompt_len as u32,
+            // Announced before the reservation: the prefill worker starts bringing the
+            // prompt's blocks up from its lower tiers while the decode worker reserves.
+            if prefix.matched(&p).lower > 0 {
+                prefetch(
+                    &shared.workers,
+                    &p.grpc_addr,
+                    job.request_id,
+                    &prefix.hashes(&p),
+                );
+            }
+            let via = pb::ViaPrefill {
+                prefill_worker_id: p.id.clone(),
+                prefill_address: p.grpc_addr.clone(),
                 ttl_ms: shared.cfg.reservation_ttl.as_millis() as u32,
                 block_hashes: prefix.hashes(d).to_vec(),
-            },
-        );
-        let answer = tokio::time::timeout(CONTROL_TIMEOUT, client.reserve(req))
-            .await
-            .unwrap_or_else(|_| Err(no_answer("reserve", CONTROL_TIMEOUT)));
-        match answer {
-            Ok(r) => {
-                chosen = Some((
-                    d.clone(),
-                    Some(r.into_inner()),
-                    Some((p, prefill_tracked)),
-                    tracked,
-                ));
+                prefill_timeout_ms: shared.cfg.prefill_timeout.as_millis() as u32,
+            };
+            (
+                pb::decode_request::Prefill::Via(via),
+                Some((p, prefill_tracked)),
+            )
+        } else {
+            let local = pb::LocalPrefill {
+                replay_tokens: resumed as u32,
+            };
+            (pb::decode_request::Prefill::Local(local), None)
+        };
+        let mut client = shared.workers.decode(&d.grpc_addr)?;
+        let req = outgoing(job, decode_request(prefill));
+        let opened = tokio::select! {
+            r = tokio::time::timeout(CONTROL_TIMEOUT, client.generate(req)) => {
+                r.unwrap_or_else(|_| Err(no_answer("generate", CONTROL_TIMEOUT)))
+            }
+            _ = out.closed() => {
+                release_decode(&shared.workers, &d.grpc_addr, job.request_id).await;
+                return Ok(Outcome::ClientGone);
+            }
+        };
+        match opened {
+            Ok(stream) => {
+                chosen = Some((d.clone(), stream.into_inner(), prefill_pick, tracked));
                 break;
             }
             Err(s) => last_err = Some(worker_err(d, s)),
         }
     }
-    let Some((decoder, reservation, prefill_pick, _decode_tracked)) = chosen else {
+    let Some((decoder, mut stream, prefill_pick, _decode_tracked)) = chosen else {
         return Err(last_err.unwrap_or(RouterError::NoWorker {
             role: "decode",
-            reason: "no decode worker accepted the reservation".into(),
+            reason: "no decode worker accepted the request".into(),
         }));
     };
-    let (prefill_choice, prefill_tracked) = match prefill_pick {
+    let (prefill_choice, mut prefill_tracked) = match prefill_pick {
         Some((p, t)) => (Some(p), Some(t)),
         None => (None, None),
     };
     job.slot.release();
     job.metrics.placed(placement_label(placement));
     let queue_seconds = job.arrival.elapsed().as_secs_f64();
-    let mut dclient = shared.workers.decode(&decoder.grpc_addr)?;
     let request_id = job.request_id;
     // Frees whatever the decode worker holds for this request (idempotent there).
     let release = || release_decode(&shared.workers, &decoder.grpc_addr, request_id);
@@ -600,124 +615,13 @@ async fn attempt_once(
         queue_seconds,
         placement: placement as i32,
         decode_worker: decoder.id.clone(),
+        prefill_worker: prefill_choice
+            .as_ref()
+            .map(|p| p.id.clone())
+            .unwrap_or_default(),
         routing_reason: reason,
         prefix_match_tokens: predicted as u32,
-        kv_reused_tokens: reservation.as_ref().map_or(0, |r| r.cached_tokens),
         ..Default::default()
-    };
-    // Prompt tokens whose KV came from a prefix cache (reported by the worker that prefilled).
-    let mut cached_tokens = 0u32;
-    let sampling = Some(sampling_to_proto(&job.prep.params.sampling));
-    let prefill = if let (Some(p), Some(res)) = (&prefill_choice, &reservation) {
-        timings.prefill_worker = p.id.clone();
-        let Some(endpoint) = kv_endpoint_for(&res.kv_endpoints, p) else {
-            release().await;
-            return Err(RouterError::NoWorker {
-                role: "decode",
-                reason: format!(
-                    "decode worker {} offers no KV endpoint the prefill worker reaches",
-                    decoder.id
-                ),
-            });
-        };
-        let mut pclient = match shared.workers.prefill(&p.grpc_addr) {
-            Ok(c) => c,
-            Err(e) => {
-                release().await;
-                return Err(e);
-            }
-        };
-        let req = outgoing(
-            job,
-            pb::PrefillRequest {
-                request_id: job.request_id,
-                prompt: prompt.clone(),
-                sampling,
-                kv_endpoint: Some(endpoint),
-                kv_endpoints: res.kv_endpoints.clone(),
-                dst_blocks: res.block_ids.clone(),
-                priority: job.prep.priority as i32,
-                dst_start_tokens: res.cached_tokens,
-            },
-        );
-        let limit = shared.cfg.prefill_timeout;
-        let canceller = pclient.clone();
-        let cancel_prefill = || {
-            let mut c = canceller.clone();
-            let mut req = tonic::Request::new(pb::ReleaseRequest {
-                request_id: job.request_id,
-            });
-            req.set_timeout(CONTROL_TIMEOUT);
-            async move {
-                let _ = tokio::time::timeout(CONTROL_TIMEOUT, c.cancel(req)).await;
-            }
-        };
-        let r = tokio::select! {
-            r = tokio::time::timeout(limit, pclient.prefill(req)) => match r {
-                Ok(r) => r,
-                Err(_) => {
-                    // Hung or cut off: give up on it (the cancel is best effort).
-                    tokio::spawn(cancel_prefill());
-                    Err(no_answer("prefill", limit))
-                }
-            },
-            _ = out.closed() => {
-                cancel_prefill().await;
-                release().await;
-                return Ok(Outcome::ClientGone);
-            }
-        };
-        match r {
-            Ok(r) => {
-                drop(prefill_tracked);
-                let r = r.into_inner();
-                timings.prefill_seconds = r.prefill_seconds;
-                timings.kv_transfer_seconds = r.kv_transfer_seconds;
-                timings.kv_stream_seconds = r.kv_stream_seconds;
-                timings.kv_bytes = r.kv_bytes;
-                cached_tokens = r.cached_tokens;
-                pb::decode_request::Prefill::Remote(pb::RemotePrefill {
-                    first_token: r.first_token,
-                })
-            }
-            Err(s) if duet_serving::status::is_kv_link_failure(&s) => {
-                release().await;
-                return Err(RouterError::KvLink {
-                    prefill_id: p.id.clone(),
-                    decode_id: decoder.id.clone(),
-                    status: s,
-                });
-            }
-            Err(s) => {
-                release().await;
-                return Err(worker_err(p, s));
-            }
-        }
-    } else {
-        pb::decode_request::Prefill::Local(pb::LocalPrefill {
-            replay_tokens: resumed as u32,
-        })
-    };
-
-    let req = outgoing(
-        job,
-        pb::DecodeRequest {
-            request_id: job.request_id,
-            prompt,
-            sampling,
-            max_tokens: max_tokens as u32,
-            stop: job.prep.params.stop.clone(),
-            priority: job.prep.priority as i32,
-            prefill: Some(prefill),
-            ignore_eos: job.prep.params.ignore_eos,
-        },
-    );
-    let mut stream = match dclient.generate(req).await {
-        Ok(s) => s.into_inner(),
-        Err(s) => {
-            release().await;
-            return Err(worker_err(&decoder, s));
-        }
     };
     let deadline = async {
         match job.deadline {
@@ -758,9 +662,11 @@ async fn attempt_once(
             }
             Err(s) => {
                 release().await;
-                return Err(worker_err(&decoder, s));
+                return Err(stream_err(&decoder, prefill_choice.as_ref(), s));
             }
         };
+        // The prefill (local or remote) is over once the first event arrives.
+        drop(prefill_tracked.take());
         match ev {
             pb::decode_event::Event::Token(t) => {
                 if progress.first_token_at.is_none() {
@@ -778,10 +684,23 @@ async fn attempt_once(
                 job.metrics.token();
             }
             pb::decode_event::Event::Done(d) => {
-                if placement != pb::PrefillPlacement::Remote {
-                    timings.prefill_seconds = d.prefill_seconds;
-                    cached_tokens = d.cached_tokens;
-                }
+                // Prompt tokens whose KV came from a prefix cache (reported by the worker
+                // that prefilled).
+                let cached_tokens = match &d.remote_prefill {
+                    Some(r) => {
+                        timings.prefill_seconds = r.prefill_seconds;
+                        timings.kv_transfer_seconds = r.kv_transfer_seconds;
+                        timings.kv_stream_seconds = r.kv_stream_seconds;
+                        timings.kv_bytes = r.kv_bytes;
+                        // Reused on the decode worker: not transferred.
+                        timings.kv_reused_tokens = d.cached_tokens;
+                        r.cached_tokens
+                    }
+                    None => {
+                        timings.prefill_seconds = d.prefill_seconds;
+                        d.cached_tokens
+                    }
+                };
                 tracing::Span::current().record("cached_tokens", cached_tokens);
                 timings.time_to_first_token_seconds = progress
                     .first_token_at

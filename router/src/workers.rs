@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use duet_proto::v1::decode_client::DecodeClient;
 use duet_proto::v1::kv_cache_client::KvCacheClient;
 use duet_proto::v1::prefill_client::PrefillClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
+use duet_serving::channels::Channels;
 use duet_serving::tls::ClientTls;
 
 use crate::error::RouterError;
@@ -18,9 +19,8 @@ use crate::placement::InFlight;
 /// Channels and counters shared by every request.
 #[derive(Debug, Default)]
 pub struct Workers {
-    /// TLS for `https://` workers.
-    tls: Option<ClientTls>,
-    channels: Mutex<HashMap<String, Channel>>,
+    /// One channel per worker address (TLS for `https://` workers).
+    channels: Channels,
     inflight: Mutex<InFlight>,
     prefill_tokens: Mutex<HashMap<String, u64>>,
     /// Workers that recently failed to answer, until when.
@@ -32,54 +32,16 @@ pub struct Workers {
 impl Workers {
     pub fn new(tls: Option<ClientTls>) -> Arc<Workers> {
         Arc::new(Workers {
-            tls,
+            channels: Channels::new(tls),
             ..Workers::default()
         })
     }
 
     fn channel(&self, addr: &str) -> Result<Channel, RouterError> {
-        let mut m = self
-            .channels
-            .lock()
-            .map_err(|_| RouterError::invalid("worker address", "channel table poisoned"))?;
-        if let Some(c) = m.get(addr) {
-            return Ok(c.clone());
-        }
-        let bad = |reason: String| RouterError::NoWorker {
+        self.channels.get(addr).map_err(|e| RouterError::NoWorker {
             role: "any",
-            reason: format!("worker address {addr}: {reason}"),
-        };
-        let mut e = Endpoint::from_shared(addr.to_string()).map_err(|e| bad(e.to_string()))?;
-        match (addr.starts_with("https://"), &self.tls) {
-            (true, Some(tls)) => {
-                e = e.tls_config(tls.tonic()).map_err(|e| bad(e.to_string()))?;
-            }
-            (true, None) => {
-                return Err(bad("the worker serves TLS; give the router --tls-ca".into()));
-            }
-            // A router configured for TLS never falls back to plain text towards a worker
-            // that was started without it: that would silently drop mutual TLS.
-            (false, Some(_)) => {
-                tracing::warn!(
-                    addr,
-                    "refusing a plain-text worker: the router requires TLS"
-                );
-                return Err(bad(
-                    "the worker serves plain text but the router requires TLS (--tls-ca); \
-                     start the worker with --tls-cert/--tls-key"
-                        .into(),
-                ));
-            }
-            (false, None) => {}
-        }
-        let c = e
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(10))
-            .keep_alive_timeout(Duration::from_secs(5))
-            .connect_lazy();
-        m.insert(addr.to_string(), c.clone());
-        Ok(c)
+            reason: e.to_string(),
+        })
     }
 
     pub fn decode(&self, addr: &str) -> Result<DecodeClient<Channel>, RouterError> {

@@ -20,4 +20,6 @@ pub enum ServeError {
     TlsPem { path: PathBuf, what: String },
     #[error("TLS configuration: {0}")]
     TlsConfig(#[source] rustls::Error),
+    #[error("worker address {addr}: {reason}")]
+    Address { addr: String, reason: String },
 }

@@ -1,6 +1,7 @@
 //! What every duet gRPC server (router, prefill worker, decode worker) shares:
 //!
 //! - [`error`]: the crate's one error type;
+//! - [`channels`]: lazily connected channels to other duet processes, one per address;
 //! - [`convert`]: proto messages <-> engine types (sampling parameters, finish reasons) and
 //!   the engine's KV layout as kv-transfer describes it;
 //! - [`status`]: the one mapping from an error class to a gRPC status code;
@@ -14,6 +15,7 @@
 //!
 //! The conversions live here once so that the router and both workers agree on them.
 
+pub mod channels;
 pub mod convert;
 pub mod error;
 pub mod kv_events;

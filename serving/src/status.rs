@@ -61,3 +61,23 @@ pub fn mark_kv_link_failed(mut status: Status) -> Status {
 pub fn is_kv_link_failure(status: &Status) -> bool {
     status.metadata().contains_key(KV_LINK_FAILED)
 }
+
+/// Metadata key a decode worker sets on the status of a `ViaPrefill` request that failed
+/// at the prefill worker it called (or on the KV link from it): the router then blames
+/// that prefill worker (or the pair, with [`KV_LINK_FAILED`]), not the decode worker.
+pub const PREFILL_FAILED: &str = "duet-prefill-failed";
+
+/// Marks `status`, from or about the prefill worker, as a prefill failure (keeping the
+/// prefill worker's own metadata, such as [`KV_LINK_FAILED`]).
+pub fn mark_prefill_failed(mut status: Status) -> Status {
+    status.metadata_mut().insert(
+        PREFILL_FAILED,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    status
+}
+
+/// Whether a decode worker's `status` reports a failure of the prefill worker it called.
+pub fn is_prefill_failure(status: &Status) -> bool {
+    status.metadata().contains_key(PREFILL_FAILED)
+}

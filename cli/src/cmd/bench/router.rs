@@ -2,7 +2,9 @@
 //!
 //! The router runs on a tokio runtime of one worker thread named `duet-router` (its core);
 //! fake workers that answer instantly (this benchmark's test doubles: a one-token decode
-//! stream, an instant prefill) and the load-generating clients run on a second runtime.
+//! stream, an instant prefill) and the load-generating clients run on a second runtime. For
+//! a remote prefill the router makes one call, as for a local one: the fake decode worker,
+//! like a real one, calls the prefill worker itself, on the second runtime.
 //! Requests per router-core-second = completed requests / CPU seconds of the router's
 //! threads (read from /proc), so the number holds even when the clients, not the router,
 //! limit the wall-clock rate (also reported).
@@ -71,8 +73,13 @@ pub struct RouterBenchArgs {
     pub kv_routing: crate::cmd::cluster::args::Switch,
 }
 
-#[derive(Clone)]
-struct FakeDecode;
+/// A decode worker that answers at once; for a `ViaPrefill` request it calls the prefill
+/// worker first, as a real one does (that call is the decode worker's work, not the
+/// router's, and runs on the fake workers' runtime).
+#[derive(Clone, Default)]
+struct FakeDecode {
+    prefill: Arc<duet_serving::channels::Channels>,
+}
 
 type Events = Pin<Box<dyn Stream<Item = Result<pb::DecodeEvent, Status>> + Send>>;
 
@@ -94,7 +101,16 @@ impl pb::decode_server::Decode for FakeDecode {
         }))
     }
     type GenerateStream = Events;
-    async fn generate(&self, _: Request<pb::DecodeRequest>) -> Result<Response<Events>, Status> {
+    async fn generate(&self, r: Request<pb::DecodeRequest>) -> Result<Response<Events>, Status> {
+        if let Some(pb::decode_request::Prefill::Via(v)) = r.into_inner().prefill {
+            let channel = self
+                .prefill
+                .get(&v.prefill_address)
+                .map_err(|e| Status::unavailable(e.to_string()))?;
+            pb::prefill_client::PrefillClient::new(channel)
+                .prefill(pb::PrefillRequest::default())
+                .await?;
+        }
         let events = vec![
             Ok(pb::DecodeEvent {
                 event: Some(pb::decode_event::Event::Token(pb::TokenChunk {
@@ -344,7 +360,7 @@ async fn fake_workers(
 ) -> anyhow::Result<(Arc<dyn Registry>, SocketAddr, Vec<Registration>)> {
     let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
     let d = serve_fake(
-        tonic::service::Routes::new(pb::decode_server::DecodeServer::new(FakeDecode)),
+        tonic::service::Routes::new(pb::decode_server::DecodeServer::new(FakeDecode::default())),
         cancel.clone(),
     )
     .await?;
@@ -430,7 +446,7 @@ pub fn run(a: RouterBenchArgs) -> anyhow::Result<()> {
     });
     for (name, local_max) in [
         ("local prefill (1 RPC)", usize::MAX),
-        ("remote prefill (3 RPCs)", 0),
+        ("remote prefill (1 RPC)", 0),
     ] {
         // Each router has fake workers of its own, so no connection is shared.
         let registry = if targets.len() == 1 {

@@ -36,8 +36,9 @@ pub struct TlsArgs {
     /// Whether this process's servers require client certificates (mutual TLS).
     #[arg(long, env = "DUET_TLS_CLIENT_AUTH", value_enum, default_value = "none")]
     pub tls_client_auth: ClientAuth,
-    /// Name the router expects in workers' certificates when it is not the host they
-    /// advertise (e.g. one certificate for every worker, issued to a service name).
+    /// Name the router, and a decode worker calling the prefill workers of its remote
+    /// prompts, expect in workers' certificates when it is not the host they advertise (e.g.
+    /// one certificate for every worker, issued to a service name).
     #[arg(long, env = "DUET_TLS_SERVER_NAME")]
     pub tls_server_name: Option<String>,
 }

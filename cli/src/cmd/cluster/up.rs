@@ -139,6 +139,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         // The workers of this process serve TLS too, and the router must verify them.
         anyhow::bail!("--tls-cert: `duet up` also needs --tls-ca (the router checks its workers' certificates)");
     }
+    let client_tls = a.tls.client()?;
     let scheme = duet_serving::tls::scheme(server_tls.is_some());
     // Before anything records: metric handles taken earlier would go nowhere.
     duet_telemetry::install()?;
@@ -182,6 +183,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             }),
             drain: a.drain,
             tls: server_tls.clone(),
+            client_tls: client_tls.clone(),
         };
         for i in 0..a.decode_workers {
             let model = load(&a.model)?;
@@ -230,7 +232,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             .with_context(|| format!("binding --http-listen {}", a.http_listen))?;
         let http_addr = http.local_addr()?;
         let mut cfg = a.routing.config(name.clone());
-        cfg.worker_tls = a.tls.client()?;
+        cfg.worker_tls = client_tls.clone();
         println!(
             "duet up: model {name}, {} prefill + {} decode workers, mode {:?}",
             a.prefill_workers, a.decode_workers, a.routing.mode
@@ -431,12 +433,14 @@ async fn worker_env(
     kv: KvArgs,
 ) -> anyhow::Result<WorkerEnv> {
     let tls = p.tls.server()?;
+    let client_tls = p.tls.client()?;
     let registry = p.registry.connect().await?;
     let grpc = TcpListener::bind(p.listen)
         .await
         .with_context(|| format!("binding {}", p.listen))?;
     Ok(WorkerEnv {
         tls,
+        client_tls,
         model,
         model_name,
         kv,

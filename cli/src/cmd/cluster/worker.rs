@@ -20,8 +20,9 @@ use duet_kv_transfer::backend::tcp::TcpReceiver;
 use duet_kv_transfer::{Connector, Endpoint, Inbound, LocalHub, TransferConfig};
 use duet_prefill_worker::{service::PrefillService, PrefillConfig, PrefillHandle};
 use duet_proto::v1 as pb;
+use duet_serving::channels::Channels;
 use duet_serving::kv_events::KvCacheService;
-use duet_serving::tls::ServerTls;
+use duet_serving::tls::{ClientTls, ServerTls};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -76,6 +77,9 @@ pub struct WorkerEnv {
     pub drain: Duration,
     /// TLS on the gRPC server (mutual when it names a client CA).
     pub tls: Option<ServerTls>,
+    /// TLS of this worker's calls to other workers (a decode worker calls the prefill
+    /// workers its remote prompts go to).
+    pub client_tls: Option<ClientTls>,
 }
 
 fn record(env: &WorkerEnv, role: Role, id: &str, grpc_addr: &str) -> WorkerRecord {
@@ -276,6 +280,7 @@ pub async fn run_decode(
             })
             .collect(),
         id,
+        Arc::new(Channels::new(env.client_tls.clone())),
     );
     let routes = tonic::service::Routes::new(svc.into_server()).add_service(kv_cache.into_server());
     let services = ["duet.v1.Decode", "duet.v1.KvCache"];
