@@ -10,6 +10,7 @@ use duet_proto::v1 as pb;
 use duet_proto::v1::prefill_client::PrefillClient;
 use duet_serving::channels::Channels;
 use duet_serving::convert::{finish_to_proto, sampling_from_proto};
+use duet_serving::deadline::grpc_timeout;
 use duet_serving::status::mark_prefill_failed;
 use duet_serving::trace_context::TraceContext;
 use futures::Stream;
@@ -260,23 +261,6 @@ async fn relay(
             return;
         }
     }
-}
-
-/// The caller's `grpc-timeout` (what is left of its deadline), to pass on to the calls this
-/// request makes.
-fn grpc_timeout(meta: &tonic::metadata::MetadataMap) -> Option<Duration> {
-    let v = meta.get("grpc-timeout")?.to_str().ok()?;
-    let (n, unit) = v.split_at(v.len().checked_sub(1)?);
-    let n: u64 = n.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
 }
 
 /// A response stream fed by a task: the task ends (and drops what it holds, e.g. the

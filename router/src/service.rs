@@ -3,7 +3,7 @@
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use duet_discovery::{ClusterView, Role};
 use duet_engine::{ChatMessage, TextFrontend};
@@ -235,22 +235,6 @@ impl GenerationService {
     }
 }
 
-/// Parses the `grpc-timeout` header (`<digits><H|M|S|m|u|n>`).
-pub fn grpc_timeout(meta: &tonic::metadata::MetadataMap) -> Option<Duration> {
-    let v = meta.get("grpc-timeout")?.to_str().ok()?;
-    let (num, unit) = v.split_at(v.len().checked_sub(1)?);
-    let n: u64 = num.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
-}
-
 type GenStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -265,7 +249,7 @@ impl pb::generation_server::Generation for GenerationService {
         authorize_grpc(self.api_keys(), &req)?;
         let origin = Origin {
             arrival,
-            deadline: grpc_timeout(req.metadata()).map(|d| arrival + d),
+            deadline: duet_serving::deadline::grpc_timeout(req.metadata()).map(|d| arrival + d),
             door: Door::Grpc,
             trace: TraceContext::extract(req.metadata()),
             client: req.remote_addr().map(|a| a.ip()),

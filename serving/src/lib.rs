@@ -2,6 +2,7 @@
 //!
 //! - [`error`]: the crate's one error type;
 //! - [`channels`]: lazily connected channels to other duet processes, one per address;
+//! - [`deadline`]: the caller's `grpc-timeout`, read once for every server;
 //! - [`convert`]: proto messages <-> engine types (sampling parameters, finish reasons) and
 //!   the engine's KV layout as kv-transfer describes it;
 //! - [`status`]: the one mapping from an error class to a gRPC status code;
@@ -17,6 +18,7 @@
 
 pub mod channels;
 pub mod convert;
+pub mod deadline;
 pub mod error;
 pub mod kv_events;
 pub mod prefix_cache;

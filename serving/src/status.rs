@@ -48,13 +48,17 @@ pub fn engine_status(e: &EngineError) -> Status {
 /// the router then avoids that prefill -> decode pair rather than either worker.
 pub const KV_LINK_FAILED: &str = "duet-kv-link-failed";
 
-/// Marks `status` as a KV link failure.
-pub fn mark_kv_link_failed(mut status: Status) -> Status {
-    status.metadata_mut().insert(
-        KV_LINK_FAILED,
-        tonic::metadata::MetadataValue::from_static("1"),
-    );
+/// `status` with the flag `key` set in its metadata (what else it carries is kept).
+fn flagged(mut status: Status, key: &'static str) -> Status {
     status
+        .metadata_mut()
+        .insert(key, tonic::metadata::MetadataValue::from_static("1"));
+    status
+}
+
+/// Marks `status` as a KV link failure.
+pub fn mark_kv_link_failed(status: Status) -> Status {
+    flagged(status, KV_LINK_FAILED)
 }
 
 /// Whether a prefill worker's `status` reports a KV link failure.
@@ -69,15 +73,27 @@ pub const PREFILL_FAILED: &str = "duet-prefill-failed";
 
 /// Marks `status`, from or about the prefill worker, as a prefill failure (keeping the
 /// prefill worker's own metadata, such as [`KV_LINK_FAILED`]).
-pub fn mark_prefill_failed(mut status: Status) -> Status {
-    status.metadata_mut().insert(
-        PREFILL_FAILED,
-        tonic::metadata::MetadataValue::from_static("1"),
-    );
-    status
+pub fn mark_prefill_failed(status: Status) -> Status {
+    flagged(status, PREFILL_FAILED)
 }
 
 /// Whether a decode worker's `status` reports a failure of the prefill worker it called.
 pub fn is_prefill_failure(status: &Status) -> bool {
     status.metadata().contains_key(PREFILL_FAILED)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failure_flags_compose_and_keep_the_status() {
+        let s = mark_kv_link_failed(Status::unavailable("link cut"));
+        assert!(is_kv_link_failure(&s) && !is_prefill_failure(&s));
+        let s = mark_prefill_failed(s);
+        assert!(is_kv_link_failure(&s) && is_prefill_failure(&s));
+        assert_eq!(s.code(), tonic::Code::Unavailable);
+        assert_eq!(s.message(), "link cut");
+        assert!(!is_prefill_failure(&Status::internal("decode worker")));
+    }
 }
