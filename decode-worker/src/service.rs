@@ -129,12 +129,12 @@ impl pb::decode_server::Decode for DecodeService {
                     .map(PrefillClient::new)
                     .map_err(|e| mark_prefill_failed(Status::unavailable(e.to_string())))?;
                 let ttl = Duration::from_millis(u64::from(v.ttl_ms.max(1)));
+                let pending = Pending::new(self.handle.clone(), client.clone(), r.request_id);
                 let reserved = self
                     .handle
                     .reserve(r.request_id, r.prompt.len(), ttl, v.block_hashes)
                     .await
                     .map_err(|e| e.status())?;
-                let pending = Pending::new(self.handle.clone(), client.clone(), r.request_id);
                 let call = ViaCall {
                     client,
                     request: pb::PrefillRequest {
@@ -173,8 +173,8 @@ impl pb::decode_server::Decode for DecodeService {
         let handle = self.handle.clone();
         let stream = async_stream(move |tx| async move {
             let mut remote = None;
-            if let Some((call, pending)) = via {
-                match call.run().await {
+            if let Some((call, mut pending)) = via {
+                match pending.prefill(call).await {
                     Ok(answer) => {
                         job.prefill = PrefillSource::Remote {
                             first_token: answer.first_token,

@@ -6,10 +6,13 @@
 //! and the extra call is spread over the decode workers, which scale with the cluster, as
 //! NVIDIA Dynamo's decode workers hand remote prefills to their prefill pool.
 //!
-//! Invariant: until the sequence joins the batch, [`Pending`] owns the request's pending
-//! work. Dropping it (the router went away, the prefill failed or timed out, the stream
-//! ended) releases the reservation here and cancels the prefill there, both without
-//! waiting; the reservation's TTL is the backstop. A failure is reported with
+//! Invariant: from before the reservation until the sequence joins the batch, [`Pending`]
+//! owns the request's pending work. Dropping it (the router went away, the reservation or
+//! the prefill failed, the stream ended) releases the reservation here, and cancels the
+//! prefill there if it was asked for and has not answered, both without waiting; the
+//! reservation's TTL is the backstop. A prefill that answered, even with an error, is not
+//! cancelled: the request may already be retried with the same id on that prefill worker,
+//! through another decode worker. A failure is reported with
 //! [`mark_prefill_failed`], so the router blames the prefill worker or the KV link, not this
 //! worker.
 
@@ -43,17 +46,32 @@ pub struct Pending {
     handle: DecodeHandle,
     client: PrefillClient<Channel>,
     request_id: u64,
+    /// The reservation (made or being made) is still ours to release.
     armed: bool,
+    /// The prefill was asked for and has not answered.
+    prefill_outstanding: bool,
 }
 
 impl Pending {
+    /// Taken before the reservation is asked for, so that a request dropped while the
+    /// engine thread has not yet answered still releases what it will reserve (the release
+    /// queues behind the reservation; releasing nothing is harmless).
     pub fn new(handle: DecodeHandle, client: PrefillClient<Channel>, request_id: u64) -> Self {
         Pending {
             handle,
             client,
             request_id,
             armed: true,
+            prefill_outstanding: false,
         }
+    }
+
+    /// Runs `call`, with a cancel sent if this is dropped while it is outstanding.
+    pub async fn prefill(&mut self, call: ViaCall) -> Result<pb::PrefillResponse, Status> {
+        self.prefill_outstanding = true;
+        let answer = call.run().await;
+        self.prefill_outstanding = false;
+        answer
     }
 
     /// The sequence joined the batch: its event receiver owns it from now on.
@@ -68,6 +86,9 @@ impl Drop for Pending {
             return;
         }
         self.handle.release_now(self.request_id);
+        if !self.prefill_outstanding {
+            return;
+        }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };

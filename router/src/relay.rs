@@ -574,6 +574,11 @@ async fn attempt_once(
                 chosen = Some((d.clone(), stream.into_inner(), prefill_pick, tracked));
                 break;
             }
+            // A decode worker that could not even reach the prefill worker says so: that
+            // prefill worker is to blame, and no other decode worker would do better.
+            Err(s) if duet_serving::status::is_prefill_failure(&s) => {
+                return Err(stream_err(d, prefill_pick.as_ref().map(|(p, _)| p), s));
+            }
             Err(s) => last_err = Some(worker_err(d, s)),
         }
     }
