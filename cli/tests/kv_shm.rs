@@ -3,7 +3,8 @@
 //! worker offers a unix socket beside tcp, the prefill worker sees it is on the same host and
 //! picks shm, and the tokens equal `duet run`'s. A decode worker killed with SIGKILL leaves
 //! its socket behind; the next one to start in that directory removes it, serves over shm in
-//! turn, and removes its own socket when it stops gracefully. A `--kv-shm-dir` that cannot
+//! turn, and removes its own socket when it stops gracefully. The decode worker copies every
+//! layer from its mapping of the prefill worker's send arena. A `--kv-shm-dir` that cannot
 //! be used stops the decode worker with an error naming the flag.
 
 mod support;
@@ -23,6 +24,16 @@ fn announced_socket(p: &support::Proc) -> PathBuf {
     let addr = p.wait_for("shm://", START);
     let (_, path) = addr.split_once(':').expect("<host>:<path>");
     PathBuf::from(path)
+}
+
+/// Layers a decode worker pulled over shm from `source` (`send_arena`, `process_memory`).
+fn shm_pulls(metrics_url: &str, source: &str) -> f64 {
+    let (_, m) = support::http_get(metrics_url);
+    support::scrape_sum(
+        &m,
+        "duet_kv_transfer_shm_pulls_total",
+        &[&format!("source=\"{source}\"")],
+    )
 }
 
 /// Every prompt, greedy: `duet run`'s tokens, prefilled remotely, decoded on `worker`.
@@ -55,6 +66,10 @@ fn separate_workers_on_one_host_move_kv_over_shm() {
     assert_eq!(kv_transfers(&decode_m, "received", "tcp"), 0.0);
     assert!(kv_transfers(&prefill_m, "sent", "shm") >= n);
     assert_eq!(kv_transfers(&prefill_m, "sent", "tcp"), 0.0);
+    // The prefill worker lays its layers out in its send arena (on by default), which the
+    // decode worker maps: every layer is a memcpy from it, none a process_vm_readv.
+    assert!(shm_pulls(&decode_m, "send_arena") >= 30.0 * n);
+    assert_eq!(shm_pulls(&decode_m, "process_memory"), 0.0);
 
     // SIGKILL: nothing removes the socket...
     cl.decode[0].kill9();

@@ -12,10 +12,11 @@
 //! (the router retries elsewhere, the blocks are freed).
 
 use bytes::Bytes;
+use duet_kv_transfer::backend::shm::ShmPulls;
 use duet_kv_transfer::{AnyReceiver, Inbound, KvKind as WireKind, KvReceiver, KvSink, SinkError};
 use duet_telemetry::names::{
-    KV_TRANSFER_BYTES_TOTAL, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_TRANSFERS_TOTAL,
-    KV_TRANSFER_WIRE_BYTES_TOTAL,
+    KV_TRANSFER_BYTES_TOTAL, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_SHM_PULLS_TOTAL,
+    KV_TRANSFER_TRANSFERS_TOTAL, KV_TRANSFER_WIRE_BYTES_TOTAL,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -111,16 +112,39 @@ impl KvSink for StagingSink {
     }
 }
 
+/// Counts the layer PULLs served between `before` and `now`, by source.
+fn record_shm_pulls(before: &ShmPulls, now: &ShmPulls) {
+    for (source, n) in [
+        (
+            "send_arena",
+            now.send_arena.saturating_sub(before.send_arena),
+        ),
+        (
+            "process_memory",
+            now.process_memory.saturating_sub(before.process_memory),
+        ),
+    ] {
+        if n > 0 {
+            metrics::counter!(KV_TRANSFER_SHM_PULLS_TOTAL, "source" => source).increment(n);
+        }
+    }
+}
+
 /// Receives transfers on one connection until the peer closes, stays idle past the
 /// configured timeout, or `cancel` fires.
 pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: CancellationToken) {
     let mut sink = StagingSink::new(handle.clone());
     let transport = rx.kind().as_str();
+    let mut pulls = rx.shm_pulls().unwrap_or_default();
     loop {
         let r = tokio::select! {
             _ = cancel.cancelled() => return,
             r = rx.receive(&mut sink) => r,
         };
+        if let Some(now) = rx.shm_pulls() {
+            record_shm_pulls(&pulls, &now);
+            pulls = now;
+        }
         match r {
             Ok(receipt) => {
                 let d = &receipt.desc;

@@ -30,7 +30,7 @@ use crate::backend::local;
 #[cfg(feature = "rdma")]
 use crate::backend::rdma::{RdmaOptions, RdmaReceiver, RdmaSender};
 #[cfg(unix)]
-use crate::backend::shm::{host_identity, ShmReceiver, ShmSender};
+use crate::backend::shm::{host_identity, SendArena, ShmReceiver, ShmSender};
 use crate::backend::tcp::{TcpInbound, TcpReceiver, TcpSender};
 use crate::backend::{
     select_backend, AnyReceiver, AnySender, BackendCaps, BackendKind, EndpointInfo,
@@ -181,6 +181,9 @@ pub struct Connector {
     /// UCX options when `rdma` may be used.
     #[cfg(feature = "rdma")]
     rdma: Option<RdmaOptions>,
+    /// Offered to same-host receivers by shm senders (see `backend::shm::SendArena`).
+    #[cfg(unix)]
+    send_arena: Option<Arc<SendArena>>,
 }
 
 /// Stands for "some other host" when an offer names none of ours.
@@ -198,7 +201,26 @@ impl Connector {
             refused: Mutex::new(HashMap::new()),
             #[cfg(feature = "rdma")]
             rdma: None,
+            #[cfg(unix)]
+            send_arena: None,
         }
+    }
+
+    /// Offers `arena` to the receivers of shm connections: layers whose buffers lie in it
+    /// are copied there with a memcpy instead of `process_vm_readv`.
+    #[cfg(unix)]
+    pub fn with_send_arena(mut self, arena: Option<Arc<SendArena>>) -> Connector {
+        self.send_arena = arena;
+        self
+    }
+
+    /// The arena to lay out a layer bound for `endpoint` in: the send arena for an shm
+    /// endpoint, when there is one.
+    #[cfg(unix)]
+    pub fn send_arena_for(&self, endpoint: &Endpoint) -> Option<&Arc<SendArena>> {
+        self.send_arena
+            .as_ref()
+            .filter(|_| endpoint.kind == BackendKind::Shm)
     }
 
     /// Allows `rdma` (UCX with `opts`) towards decode workers that offer it; preferred over
@@ -377,7 +399,8 @@ impl Connector {
                 // The receiver creates its ring files beside its socket.
                 let dir = path.parent().unwrap_or(Path::new("/"));
                 Ok(AnySender::Shm(
-                    ShmSender::connect(path, &self.cfg, dir).await?,
+                    ShmSender::connect_with_arena(path, &self.cfg, dir, self.send_arena.as_ref())
+                        .await?,
                 ))
             }
             #[cfg(feature = "rdma")]

@@ -5,18 +5,19 @@
 //! - The prefill side drives a [`KvSender`] layer by layer as the forward pass produces
 //!   them; the decode side runs a [`KvReceiver`] that writes each frame straight into the
 //!   engine's blocks through the [`KvSink`] trait.
-//! - Backends: [`backend::tcp`] (default), [`backend::shm`] (same host: one copy through
-//!   `process_vm_readv`, or a shared ring), [`backend::local`] (same process, zero copy),
-//!   `backend::nccl` (feature `nccl`), `backend::rdma` (feature `rdma`, UCX);
-//!   [`select_backend`] picks one.
+//! - Backends: [`backend::tcp`] (default), [`backend::shm`] (same host: one copy, from the
+//!   sender's send arena or through `process_vm_readv`, or a shared ring),
+//!   [`backend::local`] (same process, zero copy), `backend::nccl` (feature `nccl`),
+//!   `backend::rdma` (feature `rdma`, UCX); [`select_backend`] picks one.
 //! - The wire format is documented in [`protocol`]; connections authenticate with a
 //!   shared-secret HMAC challenge-response ([`SharedSecret`]).
 //! - Every error is an [`Error`] with a coarse [`ErrorClass`]; after a receiver accepted a
 //!   header, failures list the blocks to release ([`Error::blocks_to_release`]).
 //!
-//! Invariant: the only `unsafe` code is in FFI modules: the shared-memory mapping
-//! (`backend::shm::mapping`), and the optional `nccl` backend and `rdma` bindings
-//! (`backend::rdma::ffi`, over the C shim `backend/rdma/shim.c`).
+//! Invariant: the only `unsafe` code is in FFI modules: the shared-memory mappings
+//! (`backend::shm::mapping`; `backend::shm::memfd`, with its fd passing), and the optional
+//! `nccl` backend and `rdma` bindings (`backend::rdma::ffi`, over the C shim
+//! `backend/rdma/shim.c`).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 

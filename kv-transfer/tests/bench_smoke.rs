@@ -49,8 +49,9 @@ async fn bench_runs_on_every_backend() {
             }
             _ => {
                 assert!(r.points.iter().all(|p| p.reference_gbps.is_some()));
-                // Same user, same host: shm pulls from the sender's memory.
-                assert_eq!(r.shm_mode.as_deref(), Some("pull"));
+                // Same user, same host: shm pulls from the sender's send arena, which the
+                // receiver has mapped.
+                assert_eq!(r.shm_mode.as_deref(), Some("pull+arena"));
             }
         }
         if backend != BackendKind::Shm {
@@ -102,6 +103,7 @@ async fn end_to_end_reports_a_tail() {
         checksum: true,
         compression: Compression::Int8,
         shm_ring: false,
+        shm_arena: true,
     })
     .await
     .unwrap();
@@ -125,12 +127,14 @@ async fn shm_ring_mode_can_be_forced_for_comparison() {
     assert!(r.points.iter().all(|p| p.verified));
 }
 
-/// With `huge_pages` the payload lives in an anonymous mapping (advised onto huge pages):
-/// it still arrives intact, over pull mode, and the report says how it was measured.
+/// With `huge_pages` and no send arena the payload lives in an anonymous mapping (advised
+/// onto huge pages): it still arrives intact, pulled with `process_vm_readv`, and the report
+/// says how it was measured.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_pull_from_huge_page_buffers_lands_intact() {
     let r = run(BenchOptions {
         huge_pages: true,
+        shm_arena: false,
         ..tiny(BackendKind::Shm, 1)
     })
     .await

@@ -1,9 +1,12 @@
 //! Shared-memory backend: round trips through a small ring (many chunks and credits) and in
-//! pull mode (plain and compressed), authentication, and rejection of unreserved blocks.
+//! pull mode (plain and compressed, from ordinary memory and from the send arena),
+//! authentication, and rejection of unreserved blocks.
 
 mod common;
 
-use duet_kv_transfer::backend::shm::{ShmMode, ShmOptions, ShmReceiver, ShmSender};
+use duet_kv_transfer::backend::shm::{
+    SendArena, ShmMode, ShmOptions, ShmPulls, ShmReceiver, ShmSender,
+};
 use duet_kv_transfer::{
     Compression, Error, ErrorClass, KvLayout, KvReceiver, KvSender, MemorySink, SharedSecret,
     TransferDesc,
@@ -89,6 +92,95 @@ async fn shm_pull_mode_carries_compressed_layers() {
         let modes = round_trip(&format!("pull-{c:?}"), ShmOptions::default(), c).await;
         assert_eq!(modes, (ShmMode::Pull, ShmMode::Pull));
     }
+}
+
+/// Sends `d` with every layer's K and V regions in one buffer of `arena` (as a prefill
+/// worker lays them out), or in ordinary vectors when `arena` is `None`.
+async fn send_from(
+    tx: &mut ShmSender,
+    arena: Option<&std::sync::Arc<SendArena>>,
+    layout: &KvLayout,
+    d: &TransferDesc,
+) {
+    tx.begin(d.clone()).await.unwrap();
+    for layer in 0..layout.layers() {
+        let (k, v) = common::layer_regions_for(layout, d, layer, Compression::None);
+        let Some(arena) = arena else {
+            tx.send_layer(layer, &k, &v).await.unwrap();
+            continue;
+        };
+        let region = layout.region_bytes();
+        let mut buf = arena.alloc(region * (k.len() + v.len())).unwrap();
+        for (i, r) in k.iter().chain(&v).enumerate() {
+            buf[i * region..(i + 1) * region].copy_from_slice(r);
+        }
+        let parts: Vec<&[u8]> = buf.chunks(region).collect();
+        let (ks, vs) = parts.split_at(k.len());
+        tx.send_layer(layer, ks, vs).await.unwrap();
+    }
+    tx.finish().await.unwrap();
+}
+
+/// A sender with a send arena hands it to the receiver at setup; layers laid out in the
+/// arena are then copied from the receiver's mapping of it (counted), layers elsewhere are
+/// still pulled with `process_vm_readv`, and both land exactly in their reserved blocks.
+#[tokio::test]
+async fn shm_pull_copies_layers_in_the_send_arena_from_the_receivers_mapping() {
+    let layout = common::model_layout();
+    let path = sock_path("arena");
+    let opts = ShmOptions::default();
+    let dir = opts.dir.clone();
+    let cfg = common::config(layout);
+    let rx = ShmReceiver::bind(&path, cfg.clone(), opts).unwrap();
+    let server = tokio::spawn(async move {
+        let mut sink = MemorySink::new(layout, 8);
+        sink.reserve(1, &[4, 1, 6]).unwrap();
+        sink.reserve(2, &[0]).unwrap();
+        let mut conn = rx.accept().await.unwrap();
+        assert!(conn.arena_mapped());
+        conn.receive(&mut sink).await.unwrap();
+        let after_first = conn.pulls();
+        conn.receive(&mut sink).await.unwrap();
+        (sink, after_first, conn.pulls())
+    });
+    let arena = SendArena::new(1 << 20).unwrap();
+    let mut tx = ShmSender::connect_with_arena(&path, &cfg, &dir, Some(&arena))
+        .await
+        .unwrap();
+    assert_eq!(tx.mode(), ShmMode::Pull);
+    assert!(tx.arena_shared());
+    let [d1, d2] = common::two_transfers();
+    send_from(&mut tx, Some(&arena), &layout, &d1).await;
+    send_from(&mut tx, None, &layout, &d2).await;
+    let (sink, after_first, total) = server.await.unwrap();
+    let layers = u64::from(layout.layers());
+    assert_eq!(
+        after_first,
+        ShmPulls {
+            send_arena: layers,
+            process_memory: 0
+        },
+        "one arena PULL per layer"
+    );
+    assert_eq!(
+        total,
+        ShmPulls {
+            send_arena: layers,
+            process_memory: layers
+        },
+        "layers outside the arena are pulled the old way"
+    );
+    for d in [&d1, &d2] {
+        common::assert_landed_through(&sink, &layout, d, Compression::None);
+    }
+    for b in [2, 3, 5, 7] {
+        common::assert_untouched(&sink, &layout, b);
+    }
+    assert_eq!(
+        arena.free_bytes(),
+        arena.capacity(),
+        "every layer buffer came back"
+    );
 }
 
 #[tokio::test]

@@ -5,8 +5,9 @@
 //! the budget and the scratch KV pool allow. A chunk that is not a request's last is a
 //! multiple of the block size, so every chunk is a transfer of whole destination blocks
 //! (`token_start` block aligned). After layer `l` of the forward, the hook copies each
-//! chunk's layer-`l` regions out of the scratch cache and hands them to the request's
-//! transfer task.
+//! chunk's layer-`l` regions out of the scratch cache into one buffer (in the connector's
+//! send arena when the transfer goes over shm, see `layer_buffer`) and hands them to the
+//! request's transfer task.
 //!
 //! Prefix cache: a request starts after the longest prefix its prompt finds in the cache
 //! (only the rest is computed); KV the decode worker already holds (`dst_start`) is not
@@ -18,11 +19,11 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use duet_engine::{
     BlockHash, KvCache, KvCacheConfig, KvKind, Model, PrefixCacheConfig, PrefixHasher, Sampler,
     SamplingParams, SeqChunk,
 };
+use duet_kv_transfer::backend::shm::SendArena;
 use duet_kv_transfer::{Connector, Route, TransferDesc};
 use duet_serving::kv_events::KvEventHub;
 use duet_serving::prefix_cache::PrefixCacheBook;
@@ -30,6 +31,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::PrefillError;
+use crate::layer_buffer::layer_bytes;
 use crate::metrics::PrefillMetrics;
 use crate::transfer::{self, Msg, Reply};
 
@@ -218,6 +220,8 @@ struct Running {
     tx: mpsc::UnboundedSender<Msg>,
     /// Closed when the caller went away.
     watch: oneshot::Sender<()>,
+    /// Where this request's layer buffers go first: the send arena for an shm transfer.
+    arena: Option<Arc<SendArena>>,
 }
 
 struct Queued {
@@ -486,16 +490,17 @@ impl Engine {
         };
         let _ = r.tx.send(Msg::Begin(desc));
         for layer in 0..self.cache.layout().n_layers {
-            let copy = |kind| -> Vec<Bytes> {
+            let regions = |kind| -> Vec<&[u8]> {
                 blocks[first..last]
                     .iter()
-                    .map(|&b| Bytes::copy_from_slice(self.cache.region_bytes(b, layer, kind)))
+                    .map(|&b| self.cache.region_bytes(b, layer, kind))
                     .collect()
             };
+            let (k, v) = layer_bytes(r.arena.as_ref(), &regions(KvKind::K), &regions(KvKind::V));
             let _ = r.tx.send(Msg::Layer {
                 layer: layer as u32,
-                k: copy(KvKind::K),
-                v: copy(KvKind::V),
+                k,
+                v,
             });
         }
         let _ = r.tx.send(Msg::Finish);
@@ -543,6 +548,7 @@ impl Engine {
                 reply,
                 span,
             );
+            let arena = self.connector.send_arena_for(&job.route.endpoint).cloned();
             let r = Running {
                 job,
                 done: cached,
@@ -551,6 +557,7 @@ impl Engine {
                 started: Instant::now(),
                 tx,
                 watch,
+                arena,
             };
             // Cached blocks the decode worker does not hold travel before any compute.
             if cached > r.job.dst_start {
@@ -617,8 +624,16 @@ impl Engine {
                 )
             })
             .collect();
-        // What the per-layer hook needs: for each chunk, its sender and block index range.
-        let outs: Vec<(mpsc::UnboundedSender<Msg>, u64, usize, usize)> = sends
+        // What the per-layer hook needs: for each chunk, its sender, block index range and
+        // send arena.
+        type Out = (
+            mpsc::UnboundedSender<Msg>,
+            u64,
+            usize,
+            usize,
+            Option<Arc<SendArena>>,
+        );
+        let outs: Vec<Out> = sends
             .iter()
             .map(|&(k, from)| {
                 let (i, start, n) = plan[k];
@@ -628,28 +643,30 @@ impl Engine {
                     r.job.request_id,
                     from / bs,
                     (start + n).div_ceil(bs),
+                    r.arena.clone(),
                 )
             })
             .collect();
         let t0 = Instant::now();
         let mut hook = |layer: usize, cache: &KvCache| {
-            for (tx, seq, first, last) in &outs {
+            for (tx, seq, first, last, arena) in &outs {
                 let Ok(blocks) = cache.sequence_blocks(*seq) else {
                     continue;
                 };
                 let Some(blocks) = blocks.get(*first..*last) else {
                     continue;
                 };
-                let copy = |kind| -> Vec<Bytes> {
+                let regions = |kind| -> Vec<&[u8]> {
                     blocks
                         .iter()
-                        .map(|&b| Bytes::copy_from_slice(cache.region_bytes(b, layer, kind)))
+                        .map(|&b| cache.region_bytes(b, layer, kind))
                         .collect()
                 };
+                let (k, v) = layer_bytes(arena.as_ref(), &regions(KvKind::K), &regions(KvKind::V));
                 let _ = tx.send(Msg::Layer {
                     layer: layer as u32,
-                    k: copy(KvKind::K),
-                    v: copy(KvKind::V),
+                    k,
+                    v,
                 });
             }
         };

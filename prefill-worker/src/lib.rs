@@ -12,6 +12,7 @@
 
 pub mod engine_loop;
 pub mod error;
+mod layer_buffer;
 mod metrics;
 pub mod service;
 pub mod transfer;

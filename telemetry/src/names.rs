@@ -144,6 +144,8 @@ catalogue! {
         "KV transfer time not hidden behind compute, per request: end of the last forward to the decode worker's acknowledgement of the last layer (sender side).";
     Counter KV_TRANSFER_FAILURES_TOTAL = "duet_kv_transfer_failures_total",
         "Failed transfers by `direction` and `reason`.";
+    Counter KV_TRANSFER_SHM_PULLS_TOTAL = "duet_kv_transfer_shm_pulls_total",
+        "Layers a decode worker pulled over shm, by `source`: `send_arena` (copied from its mapping of the prefill worker's send arena) or `process_memory` (read with process_vm_readv).";
 
     // ---- registry (discovery) -----------------------------------------------------------------
     Counter LEASE_RENEWALS_TOTAL = "duet_registry_lease_renewals_total",

@@ -173,6 +173,15 @@ impl AnyReceiver {
             AnyReceiver::Rdma(_) => BackendKind::Rdma,
         }
     }
+
+    /// An shm connection's layer PULLs so far, by source (`None` for other backends).
+    #[cfg(unix)]
+    pub fn shm_pulls(&self) -> Option<shm::ShmPulls> {
+        match self {
+            AnyReceiver::Shm(r) => Some(r.pulls()),
+            _ => None,
+        }
+    }
 }
 
 impl KvReceiver for AnyReceiver {

@@ -36,6 +36,9 @@ pub struct E2eOptions {
     /// shm: use the ring even where pull mode works.
     #[serde(default)]
     pub shm_ring: bool,
+    /// shm pull mode: the sender's layers live in its send arena (see [`super::BenchOptions`]).
+    #[serde(default = "super::default_true")]
+    pub shm_arena: bool,
 }
 
 impl Default for E2eOptions {
@@ -48,6 +51,7 @@ impl Default for E2eOptions {
             checksum: true,
             compression: Compression::None,
             shm_ring: false,
+            shm_arena: true,
         }
     }
 }
@@ -77,7 +81,7 @@ pub struct E2eReport {
     pub tail_us_max: f64,
     /// For comparison: the whole transfer sent back to back (no pipelining), median, µs.
     pub whole_transfer_us_median: f64,
-    /// shm: how the connection moved payload (`pull` or `ring`).
+    /// shm: how the connection moved payload (`pull+arena`, `pull` or `ring`).
     pub shm_mode: Option<String>,
 }
 
@@ -104,19 +108,43 @@ pub async fn end_to_end(opts: E2eOptions) -> Result<E2eReport> {
     let mut cfg = bench_config(layout, opts.checksum)?;
     cfg.compression = opts.compression;
     let zero_copy = opts.backend == BackendKind::Local;
-    let mut sink = MemorySink::new(layout, blocks);
+    let arena = harness::bench_arena(
+        opts.backend,
+        opts.shm_ring,
+        opts.shm_arena,
+        super::per_stream_payload(&layout, blocks),
+    )?;
+    let mut sink = if arena.is_some() {
+        MemorySink::new_page_aligned(layout, blocks)
+    } else {
+        MemorySink::new(layout, blocks)
+    };
     if zero_copy {
         sink = sink.with_zero_copy_adoption();
     }
     let ids: Vec<u32> = (0..blocks).collect();
     sink.reserve(0, &ids).map_err(Error::Sink)?;
-    let (mut senders, receiver) =
-        harness::connect_pairs(opts.backend, &cfg, vec![sink], opts.shm_ring).await?;
+    let (mut senders, receiver) = harness::connect_pairs(
+        opts.backend,
+        &cfg,
+        vec![sink],
+        opts.shm_ring,
+        arena.as_ref(),
+    )
+    .await?;
     let shm_mode = harness::shm_mode(&senders);
     let Some(mut tx) = senders.pop() else {
         return Err(Error::Internal("no bench pair".into()));
     };
-    let src = harness::Source::new(&layout, 0, blocks, false);
+    let src = harness::Source::new(
+        &layout,
+        0,
+        blocks,
+        match &arena {
+            Some(a) => harness::Payload::Arena(a),
+            None => harness::Payload::Heap,
+        },
+    )?;
     // Warm-up, then `runs` pipelined runs, then `runs` back-to-back runs.
     harness::send_transfer(&mut tx, &src, zero_copy).await?;
     let mut handed = Vec::new();

@@ -5,6 +5,7 @@
 //! return the sink when the sender closes, and never share state with the senders.
 
 use crate::buffer::Buffer;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -13,7 +14,7 @@ use tokio::sync::oneshot;
 
 use crate::api::{KvReceiver, KvSender, TransferReceipt};
 use crate::backend::local;
-use crate::backend::shm::{ShmOptions, ShmReceiver, ShmSender};
+use crate::backend::shm::{SendArena, ShmMode, ShmOptions, ShmReceiver, ShmSender};
 use crate::backend::tcp::{TcpReceiver, TcpSender};
 use crate::backend::{AnyReceiver, AnySender, BackendKind};
 use crate::config::TransferConfig;
@@ -157,12 +158,16 @@ fn spawn_receiver_thread(
 pub(crate) fn shm_mode(senders: &[AnySender]) -> Option<String> {
     let mut modes = senders.iter().filter_map(|s| match s {
         #[cfg(unix)]
-        AnySender::Shm(s) => Some(s.mode()),
+        AnySender::Shm(s) => Some(match (s.mode(), s.arena_shared()) {
+            (ShmMode::Pull, true) => "pull+arena",
+            (ShmMode::Pull, false) => "pull",
+            (ShmMode::Ring, _) => "ring",
+        }),
         _ => None,
     });
     let first = modes.next()?;
     Some(if modes.all(|m| m == first) {
-        format!("{first:?}").to_lowercase()
+        first.to_string()
     } else {
         "mixed".into()
     })
@@ -179,11 +184,28 @@ fn bind_loopback() -> Result<(std::net::TcpListener, std::net::SocketAddr)> {
     Ok((l, addr))
 }
 
+/// The senders' send arena for an shm pull-mode run that asks for one (`bytes` of payload),
+/// else `None`.
+pub(crate) fn bench_arena(
+    backend: BackendKind,
+    shm_ring: bool,
+    shm_arena: bool,
+    bytes: u64,
+) -> Result<Option<Arc<SendArena>>> {
+    if backend != BackendKind::Shm || shm_ring || !shm_arena {
+        return Ok(None);
+    }
+    let bytes = usize::try_from(bytes)
+        .map_err(|_| Error::InvalidArgument("bench payload beyond the address space".into()))?;
+    Ok(Some(SendArena::new(bytes)?))
+}
+
 pub(crate) async fn connect_pairs(
     backend: BackendKind,
     cfg: &TransferConfig,
     sinks: Vec<MemorySink>,
     shm_ring: bool,
+    arena: Option<&Arc<SendArena>>,
 ) -> Result<(Vec<AnySender>, ReceiverSide)> {
     let k = sinks.len();
     let mut senders = Vec::with_capacity(k);
@@ -229,7 +251,8 @@ pub(crate) async fn connect_pairs(
             )?;
             wait_ready(ready_rx).await?;
             for _ in 0..k {
-                senders.push(AnySender::from(ShmSender::connect(&path, cfg, &dir).await?));
+                let tx = ShmSender::connect_with_arena(&path, cfg, &dir, arena).await?;
+                senders.push(AnySender::from(tx));
             }
             results
         }
@@ -264,6 +287,17 @@ async fn wait_ready(rx: oneshot::Receiver<Result<()>>) -> Result<()> {
     }
 }
 
+/// Where a source's payload lives.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Payload<'a> {
+    /// An allocator buffer (as the workers' buffers without a send arena).
+    Heap,
+    /// A page-aligned mapping advised onto transparent huge pages.
+    HugePages,
+    /// The senders' send arena.
+    Arena(&'a Arc<SendArena>),
+}
+
 /// The source of one stream: per layer, the K and V regions as `Bytes` slices of one
 /// allocation.
 #[derive(Debug, Clone)]
@@ -274,18 +308,36 @@ pub(crate) struct Source {
 
 impl Source {
     /// Fills a buffer with finite f32 values (a pattern of period 251, so compressed
-    /// encodings have something to round) and slices it into regions; a page-aligned
-    /// mapping on transparent huge pages when `huge`, else an allocator buffer (as the
-    /// workers' layer buffers are).
-    pub(crate) fn new(layout: &KvLayout, request_id: u64, blocks: u32, huge: bool) -> Source {
+    /// encodings have something to round) and slices it into regions; the buffer lives
+    /// where `payload` says.
+    pub(crate) fn new(
+        layout: &KvLayout,
+        request_id: u64,
+        blocks: u32,
+        payload: Payload<'_>,
+    ) -> Result<Source> {
         let region = layout.region_bytes();
         let n = blocks as usize;
         let total = layout.layers() as usize * 2 * n * region;
-        let mut data = Buffer::payload(total, huge);
-        for (i, w) in data.chunks_exact_mut(4).enumerate() {
-            w.copy_from_slice(&((i % 251) as f32 * 0.01 - 1.25).to_le_bytes());
-        }
-        let data = data.freeze();
+        let fill = |data: &mut [u8]| {
+            for (i, w) in data.chunks_exact_mut(4).enumerate() {
+                w.copy_from_slice(&((i % 251) as f32 * 0.01 - 1.25).to_le_bytes());
+            }
+        };
+        let data = match payload {
+            Payload::Arena(arena) => {
+                let mut buf = arena.alloc(total).ok_or_else(|| {
+                    Error::Internal(format!("the bench's send arena has no {total} bytes free"))
+                })?;
+                fill(&mut buf);
+                Bytes::from_owner(buf)
+            }
+            other => {
+                let mut buf = Buffer::payload(total, matches!(other, Payload::HugePages));
+                fill(&mut buf);
+                buf.freeze()
+            }
+        };
         let mut layers = Vec::with_capacity(layout.layers() as usize);
         for l in 0..layout.layers() as usize {
             let base = l * 2 * n * region;
@@ -297,7 +349,7 @@ impl Source {
                 .collect();
             layers.push((k, v));
         }
-        Source {
+        Ok(Source {
             desc: TransferDesc {
                 request_id,
                 token_start: 0,
@@ -305,7 +357,7 @@ impl Source {
                 dst_blocks: (0..blocks).collect(),
             },
             layers,
-        }
+        })
     }
 }
 

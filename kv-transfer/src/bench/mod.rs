@@ -62,6 +62,15 @@ pub struct BenchOptions {
     /// allocator, as in the workers.
     #[serde(default)]
     pub huge_pages: bool,
+    /// shm pull mode: the sender's payload lives in its send arena (as a prefill worker's
+    /// layers do), which the receiver maps and copies from with a memcpy; off, it lives in
+    /// ordinary memory (or on huge pages) and is pulled with `process_vm_readv`.
+    #[serde(default = "default_true")]
+    pub shm_arena: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 impl Default for BenchOptions {
@@ -77,6 +86,7 @@ impl Default for BenchOptions {
             compression: Compression::None,
             shm_ring: false,
             huge_pages: false,
+            shm_arena: true,
         }
     }
 }
@@ -132,7 +142,7 @@ pub struct BenchReport {
     pub reference_note: Option<String>,
     /// Zero-copy evidence for the local backend.
     pub zero_copy_note: Option<String>,
-    /// shm: how the connections moved payload (`pull`, `ring`, or `mixed`).
+    /// shm: how the connections moved payload (`pull+arena`, `pull`, `ring`, or `mixed`).
     pub shm_mode: Option<String>,
     /// The sender's payload (and the memcpy reference) on transparent huge pages: asked for
     /// and available (THP not `never`).
@@ -170,6 +180,11 @@ pub(crate) fn bench_config(layout: KvLayout, checksum: bool) -> Result<TransferC
     };
     cfg.checksum = checksum;
     Ok(cfg)
+}
+
+/// Payload bytes of one stream's transfer of `blocks` blocks.
+fn per_stream_payload(layout: &KvLayout, blocks: u32) -> u64 {
+    u64::from(layout.layers()) * 2 * u64::from(blocks) * layout.region_bytes() as u64
 }
 
 fn sizes(opts: &BenchOptions) -> Vec<u64> {
@@ -250,10 +265,16 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
     let mut cfg = bench_config(layout, opts.checksum)?;
     cfg.compression = opts.compression;
     let zero_copy = opts.backend == BackendKind::Local;
+    let arena = harness::bench_arena(
+        opts.backend,
+        opts.shm_ring,
+        opts.shm_arena,
+        k as u64 * per_stream_payload(&layout, blocks),
+    )?;
     let mut sinks = Vec::with_capacity(k);
     for i in 0..k {
         // With a page-aligned payload the blocks are page-aligned too (see `buffer`).
-        let mut sink = if opts.huge_pages {
+        let mut sink = if opts.huge_pages || arena.is_some() {
             MemorySink::new_page_aligned(layout, blocks)
         } else {
             MemorySink::new(layout, blocks)
@@ -266,16 +287,21 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
         sinks.push(sink);
     }
     let (senders, receivers) =
-        harness::connect_pairs(opts.backend, &cfg, sinks, opts.shm_ring).await?;
+        harness::connect_pairs(opts.backend, &cfg, sinks, opts.shm_ring, arena.as_ref()).await?;
     if let Some(mode) = harness::shm_mode(&senders) {
         report.shm_mode = match &report.shm_mode {
             Some(seen) if *seen != mode => Some("mixed".into()),
             _ => Some(mode),
         };
     }
+    let payload = match &arena {
+        Some(a) => harness::Payload::Arena(a),
+        None if opts.huge_pages => harness::Payload::HugePages,
+        None => harness::Payload::Heap,
+    };
     let sources: Vec<harness::Source> = (0..k)
-        .map(|i| harness::Source::new(&layout, i as u64, blocks, opts.huge_pages))
-        .collect();
+        .map(|i| harness::Source::new(&layout, i as u64, blocks, payload))
+        .collect::<Result<_>>()?;
     let actual = sources
         .iter()
         .map(|s| s.desc.payload_bytes(&layout))

@@ -37,6 +37,11 @@ pub struct TransferBenchArgs {
     /// pages (the kernel then pins 2 MiB pages for pull mode instead of 4 KiB ones).
     #[arg(long)]
     pub huge_pages: bool,
+    /// shm pull mode: leave the sender's payload in ordinary memory (read with
+    /// process_vm_readv) instead of its send arena (mapped by the receiver, copied with a
+    /// memcpy), to compare the two.
+    #[arg(long)]
+    pub shm_no_arena: bool,
     /// Print JSON (and write it here when a path is given).
     #[arg(long)]
     pub json: bool,
@@ -63,6 +68,7 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
         compression: a.compression.into(),
         shm_ring: a.shm_ring,
         huge_pages: a.huge_pages,
+        shm_arena: !a.shm_no_arena,
         ..Default::default()
     }))?;
     let end_to_end = rt.block_on(bench::end_to_end(E2eOptions {
@@ -70,6 +76,7 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
         checksum: !a.no_checksum,
         compression: a.compression.into(),
         shm_ring: a.shm_ring,
+        shm_arena: !a.shm_no_arena,
         ..Default::default()
     }))?;
     let report = Report { sizes, end_to_end };

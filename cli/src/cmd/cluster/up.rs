@@ -23,7 +23,7 @@ use super::router::{model_name, run_router, serve_metrics_on, RouterListeners, R
 use super::tls_args::TlsArgs;
 #[cfg(feature = "rdma")]
 use super::worker::RdmaSetting;
-use super::worker::{run_decode, run_prefill, ShmSetting, WorkerEnv};
+use super::worker::{run_decode, run_prefill, ShmSetting, WorkerEnv, DEFAULT_SEND_ARENA_MIB};
 use crate::cmd::model_args::ModelArgs;
 
 /// Decode scheduling flags.
@@ -174,6 +174,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             kv_shm: (a.kv_transport == KvTransport::Shm).then(|| ShmSetting {
                 dir: default_shm_dir(),
                 required: true,
+                send_arena_bytes: DEFAULT_SEND_ARENA_MIB << 20,
             }),
             kv_advertise_host: None,
             #[cfg(feature = "rdma")]
@@ -398,6 +399,12 @@ pub struct PrefillCmd {
     pub prefill: PrefillArgs,
     #[command(flatten)]
     pub shm: ShmArgs,
+    /// Size of the send arena, in MiB: shared memory the KV of shm transfers is laid out in,
+    /// which same-host decode workers map and copy from with a memcpy (layers that do not
+    /// fit go from ordinary memory, read with process_vm_readv). Address space until used;
+    /// 0: no arena.
+    #[arg(long, env = "DUET_KV_SEND_ARENA_MIB", default_value_t = DEFAULT_SEND_ARENA_MIB)]
+    pub kv_send_arena_mib: usize,
     /// Send KV over RDMA (UCX) to decode workers that offer it (after a same-host shm
     /// endpoint, before tcp).
     #[cfg(feature = "rdma")]
@@ -472,6 +479,7 @@ pub fn decode(a: DecodeCmd) -> anyhow::Result<()> {
             env.kv_shm = Some(ShmSetting {
                 dir: a.kv_shm_dir.clone().unwrap_or_else(default_shm_dir),
                 required: a.kv_shm_dir.is_some(),
+                send_arena_bytes: 0,
             });
         }
         let kv = TcpListener::bind(a.kv_listen)
@@ -505,6 +513,7 @@ pub fn prefill(a: PrefillCmd) -> anyhow::Result<()> {
             env.kv_shm = Some(ShmSetting {
                 dir: default_shm_dir(),
                 required: false,
+                send_arena_bytes: a.kv_send_arena_mib << 20,
             });
         }
         #[cfg(feature = "rdma")]

@@ -15,7 +15,7 @@ use duet_discovery::{
     Capacity, KvEndpoint, Registration, RegistrationOptions, Registry, Role, WorkerRecord,
 };
 use duet_engine::Model;
-use duet_kv_transfer::backend::shm::{host_identity, ShmOptions, ShmReceiver};
+use duet_kv_transfer::backend::shm::{host_identity, SendArena, ShmOptions, ShmReceiver};
 use duet_kv_transfer::backend::tcp::TcpReceiver;
 use duet_kv_transfer::{Connector, Endpoint, Inbound, LocalHub, TransferConfig};
 use duet_prefill_worker::{service::PrefillService, PrefillConfig, PrefillHandle};
@@ -39,6 +39,27 @@ pub struct ShmSetting {
     /// When shm cannot be set up, the worker stops (asked for explicitly: `--kv-shm-dir`, or
     /// `duet up --kv-transport shm`); otherwise it says so and receives over tcp alone.
     pub required: bool,
+    /// Prefill workers: bytes of the send arena their shm transfers are laid out in (0:
+    /// none; decode workers send nothing).
+    pub send_arena_bytes: usize,
+}
+
+/// Default size of a prefill worker's send arena (`--kv-send-arena-mib`): about ten
+/// 1024-token prompts of the default model's f16 KV in flight.
+pub const DEFAULT_SEND_ARENA_MIB: usize = 256;
+
+/// The send arena of a prefill worker's shm transfers, when asked for. One the kernel
+/// refuses (no memfd here) is a warning: shm then reads ordinary memory.
+fn send_arena(shm: Option<&ShmSetting>) -> Option<Arc<SendArena>> {
+    let bytes = shm?.send_arena_bytes;
+    if bytes == 0 {
+        return None;
+    }
+    SendArena::new(bytes)
+        .inspect_err(
+            |e| tracing::warn!(error = %e, "no KV send arena: shm transfers read ordinary memory"),
+        )
+        .ok()
 }
 
 /// KV over RDMA through UCX (feature `rdma`).
@@ -348,7 +369,8 @@ pub async fn run_prefill(
     let _stop_engine = engine_stop.clone().drop_guard();
     let tcfg = env.kv.transfer_config(&env.model)?;
     let connector = Connector::new(tcfg, env.hub.as_ref().map(|(h, _)| h.clone()))
-        .with_shm(env.kv_shm.is_some());
+        .with_shm(env.kv_shm.is_some())
+        .with_send_arena(send_arena(env.kv_shm.as_ref()));
     #[cfg(feature = "rdma")]
     let connector = {
         let options = env.kv_rdma.as_ref().map(|r| r.options.clone());

@@ -20,6 +20,12 @@
 //! pid, as the kernel reports it for the socket, else 0 ring). The receiver then unlinks the
 //! file. Older peers ignore the offer bytes (senders never checked SETUP's name tail,
 //! receivers never checked READY's reserved bytes), so mixed versions fall back to the ring.
+//! A sender with a send arena (the `arena` module) sets READY byte 2; a receiver that
+//! chose pull then sets MODE byte 1 (only then: older senders accept no other MODE), and the
+//! sender sends `ARENA` (16 bytes: its address u64 and length u64, with the memfd attached as
+//! `SCM_RIGHTS`). The receiver maps it read-only and copies every PULL whose regions all lie
+//! in it with a memcpy; an arena it cannot use (size not sealed, wrong size) is logged and
+//! pulled from with `process_vm_readv` as before.
 //!
 //! Ring: per layer the sender writes the LAYER header on the socket, copies the regions into
 //! slots (round robin) and rings a CHUNK doorbell per filled slot; the receiver copies each
@@ -35,13 +41,18 @@
 //! returns only after PULLED, so its regions outlive the copy; every socket wait is bounded
 //! by a timeout.
 
+mod arena;
 mod files;
 mod host;
 pub(crate) mod mapping;
+mod memfd;
 mod pull;
 
+pub use arena::{ArenaBuf, SendArena, ARENA_ALIGN};
 pub use files::remove_stale;
 pub use host::host_identity;
+
+use std::sync::Arc;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -65,6 +76,10 @@ const SETUP_LEN: usize = 80;
 /// SETUP byte saying the receiver offers pull mode (after the longest name).
 const SETUP_PULL_AT: usize = SETUP_LEN - 1;
 const READY_LEN: usize = 8;
+/// READY byte saying the sender offers its send arena (pull mode only).
+const READY_ARENA_AT: usize = 2;
+/// ARENA body (sender → receiver, with the memfd as `SCM_RIGHTS`): address u64, length u64.
+const ARENA_LEN: usize = 16;
 /// Largest slot count a receiver may ask for.
 pub const MAX_SLOTS: u32 = 64;
 /// Smallest / largest slot size.
@@ -169,6 +184,20 @@ pub(crate) struct ShmTransport {
     /// PULL frames sent (sender) / read (receiver) on this connection; PULLED echoes the
     /// count (low 32 bits), so a sender never takes a stale PULLED for its current layer.
     pulls: u32,
+    /// Receiver: the peer's send arena, mapped; sender: whether the peer has its arena.
+    arena: Option<memfd::ArenaView>,
+    arena_shared: bool,
+    /// Receiver: layer PULLs copied from the arena view / read with `process_vm_readv`.
+    pull_counts: ShmPulls,
+}
+
+/// Layer PULLs a pull-mode connection has served, by where the bytes were read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShmPulls {
+    /// Copied from the receiver's mapping of the sender's send arena (a memcpy).
+    pub send_arena: u64,
+    /// Read from the sender's ordinary memory with `process_vm_readv`.
+    pub process_memory: u64,
 }
 
 impl ShmTransport {
@@ -198,6 +227,9 @@ impl ShmTransport {
             layer_left: 0,
             pull_buf: Vec::new(),
             pulls: 0,
+            arena: None,
+            arena_shared: false,
+            pull_counts: ShmPulls::default(),
         }
     }
 
@@ -305,10 +337,20 @@ impl ShmTransport {
             });
             self.pull_buf = body;
             parsed?;
-            self.cursor.load();
+            self.cursor.load(self.arena.as_ref());
+            if self.cursor.in_arena {
+                self.pull_counts.send_arena += 1;
+            } else {
+                self.pull_counts.process_memory += 1;
+            }
             self.pulls = self.pulls.wrapping_add(1);
         }
-        pull::copy_into(self.peer_pid, &mut self.cursor, bufs)?;
+        match &self.arena {
+            Some(view) if self.cursor.in_arena => {
+                pull::copy_from_arena(view, &mut self.cursor, bufs)?;
+            }
+            _ => pull::copy_into(self.peer_pid, &mut self.cursor, bufs)?,
+        }
         self.layer_left -= want;
         if self.layer_left == 0 {
             let done = FrameHeader::new(TAG_PULLED, false, self.pulls, 0).encode();
@@ -604,8 +646,9 @@ impl ShmSetup {
         bounded(t.handshake, "sending shm setup", sock.write_all(&setup)).await?;
         let r = negotiate(&mut sock, t.handshake, self.opts.pull, &map).await;
         map.unlink();
-        let (mode, pid) = r?;
-        let io = ShmTransport::new(sock, t, map, &self.opts, mode, pid);
+        let (mode, pid, arena) = r?;
+        let mut io = ShmTransport::new(sock, t, map, &self.opts, mode, pid);
+        io.arena = arena;
         Ok(ShmInbound {
             core: ReceiverCore::new(io, self.cfg.layout, self.cfg.checksum),
         })
@@ -613,7 +656,8 @@ impl ShmSetup {
 }
 
 /// Receiver: reads READY and, when both sides offered pull, probes the sender's memory and
-/// answers MODE. Returns the mode and the sender's pid. A ring that will be used is backed
+/// answers MODE; in pull mode, takes the sender's send arena when it offered one. Returns
+/// the mode, the sender's pid and the arena's view. A ring that will be used is backed
 /// with memory ([`ShmMapping::reserve`]) before MODE lets the sender write it (a sender that
 /// declined pull may already be writing: only a full directory makes that matter).
 async fn negotiate(
@@ -621,7 +665,7 @@ async fn negotiate(
     t: Duration,
     offered: bool,
     map: &ShmMapping,
-) -> Result<(ShmMode, i32)> {
+) -> Result<(ShmMode, i32, Option<memfd::ArenaView>)> {
     let mut ready = [0u8; READY_LEN];
     bounded(t, "waiting for shm ready", sock.read_exact(&mut ready)).await?;
     if ready[0] != 0 {
@@ -634,7 +678,7 @@ async fn negotiate(
         if offered {
             map.reserve()?;
         }
-        return Ok((ShmMode::Ring, 0));
+        return Ok((ShmMode::Ring, 0, None));
     }
     let mut offer = [0u8; pull::OFFER_LEN];
     bounded(t, "reading the pull offer", sock.read_exact(&mut offer)).await?;
@@ -643,14 +687,49 @@ async fn negotiate(
     if !ok {
         map.reserve()?;
     }
+    // Only a sender that offered its arena (so knows this byte) is asked for it.
+    let take_arena = ok && ready[READY_ARENA_AT] == 1;
     let mut mode = [0u8; pull::MODE_LEN];
     mode[0] = u8::from(ok);
+    mode[1] = u8::from(take_arena);
     bounded(t, "sending the shm mode", sock.write_all(&mode)).await?;
-    Ok(if ok {
-        (ShmMode::Pull, pid)
+    if !ok {
+        return Ok((ShmMode::Ring, 0, None));
+    }
+    let arena = if take_arena {
+        receive_arena(sock, t).await?
     } else {
-        (ShmMode::Ring, 0)
-    })
+        None
+    };
+    Ok((ShmMode::Pull, pid, arena))
+}
+
+/// Receiver: reads ARENA and maps the memfd that came with it. An unusable arena (no fd,
+/// size not sealed, wrong size, refused mapping) is logged and left: every PULL is then
+/// served with `process_vm_readv`, which needs nothing from the arena.
+async fn receive_arena(sock: &mut UnixStream, t: Duration) -> Result<Option<memfd::ArenaView>> {
+    let mut body = [0u8; ARENA_LEN];
+    let fd = bounded(
+        t,
+        "reading the send arena",
+        memfd::recv_with_fd(sock, &mut body),
+    )
+    .await?;
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&body[..8]);
+    let base = usize::try_from(u64::from_le_bytes(a));
+    a.copy_from_slice(&body[8..]);
+    let len = usize::try_from(u64::from_le_bytes(a));
+    let view = match (fd, base, len) {
+        (Some(fd), Ok(base), Ok(len)) => memfd::ArenaView::open(fd, base, len),
+        _ => Err(Error::malformed(
+            "shm arena",
+            "no fd or an address beyond this host",
+        )),
+    };
+    Ok(view
+        .inspect_err(|e| tracing::warn!(error = %e, "peer's send arena unusable, pulling with process_vm_readv"))
+        .ok())
 }
 
 impl Drop for ShmReceiver {
@@ -675,6 +754,17 @@ impl ShmInbound {
     pub fn mode(&self) -> ShmMode {
         self.core.transport().mode
     }
+
+    /// The sender's send arena is mapped here: PULLs inside it are copied with a memcpy.
+    pub fn arena_mapped(&self) -> bool {
+        self.core.transport().arena.is_some()
+    }
+
+    /// Layer PULLs this connection has served, from the sender's arena (every region
+    /// inside it) or with `process_vm_readv`.
+    pub fn pulls(&self) -> ShmPulls {
+        self.core.transport().pull_counts
+    }
 }
 
 via_core!(receiver ShmInbound);
@@ -688,6 +778,18 @@ pub struct ShmSender {
 impl ShmSender {
     /// Connects to the receiver's socket, authenticates and maps its ring (found in `dir`).
     pub async fn connect(path: impl AsRef<Path>, cfg: &TransferConfig, dir: &Path) -> Result<Self> {
+        Self::connect_with_arena(path, cfg, dir, None).await
+    }
+
+    /// [`connect`](Self::connect), offering `arena` to the receiver in pull mode: layers
+    /// whose regions all lie in it are then copied by the receiver with a plain memcpy from
+    /// its own mapping (see the `arena` module).
+    pub async fn connect_with_arena(
+        path: impl AsRef<Path>,
+        cfg: &TransferConfig,
+        dir: &Path,
+        arena: Option<&Arc<SendArena>>,
+    ) -> Result<Self> {
         let t = cfg.timeouts;
         let mut sock = bounded(t.connect, "connecting", UnixStream::connect(path.as_ref())).await?;
         handshake::client(&mut sock, &cfg.layout, &cfg.secret, t.handshake).await?;
@@ -703,10 +805,15 @@ impl ShmSender {
             Ok((opts, map))
         });
         let pull = opened.as_ref().is_ok_and(|(opts, _)| opts.pull);
-        let status = [u8::from(opened.is_err()), u8::from(pull), 0, 0, 0, 0, 0, 0];
+        let offer_arena = pull && arena.is_some();
+        let mut status = [0u8; READY_LEN];
+        status[0] = u8::from(opened.is_err());
+        status[1] = u8::from(pull);
+        status[READY_ARENA_AT] = u8::from(offer_arena);
         bounded(t.handshake, "sending shm ready", sock.write_all(&status)).await?;
         let (opts, map) = opened?;
         let mut mode = ShmMode::Ring;
+        let mut arena_shared = false;
         if pull {
             // The nonce must stay alive until the receiver has probed it (MODE).
             let probe = pull::Probe::new();
@@ -720,19 +827,29 @@ impl ShmSender {
             let mut m = [0u8; pull::MODE_LEN];
             bounded(t.handshake, "reading the shm mode", sock.read_exact(&mut m)).await?;
             drop(probe);
-            mode = match m {
-                [0, 0, 0, 0, 0, 0, 0, 0] => ShmMode::Ring,
-                [1, 0, 0, 0, 0, 0, 0, 0] => ShmMode::Pull,
+            (mode, arena_shared) = match m {
+                [0, 0, 0, 0, 0, 0, 0, 0] => (ShmMode::Ring, false),
+                [1, 0, 0, 0, 0, 0, 0, 0] => (ShmMode::Pull, false),
+                [1, 1, 0, 0, 0, 0, 0, 0] if offer_arena => (ShmMode::Pull, true),
                 _ => return Err(Error::malformed("shm mode", "unknown mode")),
             };
+            if let (true, Some(arena)) = (arena_shared, arena) {
+                let fd = arena.memfd();
+                let mut body = [0u8; ARENA_LEN];
+                body[..8].copy_from_slice(&(fd.base() as u64).to_le_bytes());
+                body[8..].copy_from_slice(&(fd.len() as u64).to_le_bytes());
+                bounded(
+                    t.handshake,
+                    "sending the send arena",
+                    memfd::send_with_fd(&mut sock, &body, fd.fd()),
+                )
+                .await?;
+            }
         }
+        let mut io = ShmTransport::new(sock, t, map, &opts, mode, 0);
+        io.arena_shared = arena_shared;
         Ok(ShmSender {
-            core: SenderCore::new(
-                ShmTransport::new(sock, t, map, &opts, mode, 0),
-                cfg.layout,
-                cfg.checksum,
-            )
-            .with_compression(cfg.compression),
+            core: SenderCore::new(io, cfg.layout, cfg.checksum).with_compression(cfg.compression),
         })
     }
 
@@ -744,6 +861,11 @@ impl ShmSender {
     /// How this connection moves layer payload.
     pub fn mode(&self) -> ShmMode {
         self.core.transport().mode
+    }
+
+    /// The receiver has this sender's send arena mapped (pull mode with an arena).
+    pub fn arena_shared(&self) -> bool {
+        self.core.transport().arena_shared
     }
 }
 

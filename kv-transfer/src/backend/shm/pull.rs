@@ -1,7 +1,9 @@
 //! Pull mode of the shm backend: one copy per byte instead of two. The sender lists the
 //! addresses of a layer's regions in a PULL frame; the receiver copies them straight into the
 //! reserved blocks with `process_vm_readv(2)` (cross-memory attach) and answers PULLED; only
-//! then does the sender's `send_layer` return, so its regions outlive the copy.
+//! then does the sender's `send_layer` return, so its regions outlive the copy. When every
+//! region of a PULL lies in the sender's send arena (mapped here, see `arena`), the receiver
+//! copies it from that mapping with a memcpy instead (no page pinning).
 //!
 //! Why: through the ring every byte is copied in by the sender and out by the receiver, and
 //! the copy out reads cache lines another core has just written; here the kernel reads the
@@ -10,10 +12,12 @@
 //! Invariants: the receiver writes only into the sink regions it was handed (the local side of
 //! the syscall); a PULL's region count is bounded before anything is allocated and its lengths
 //! must add up to exactly the announced layer payload; the addresses come from the peer and are
-//! only ever read in the peer's address space, so a wrong one fails the transfer (EFAULT) and
-//! can hurt nobody but the peer. Pull mode is chosen at setup only when the receiver could read
+//! only ever read in the peer's address space (or, inside its arena, in this side's read-only
+//! view of those pages), so a wrong one fails the transfer (EFAULT, or an out-of-arena
+//! error) or copies the peer's own bytes, and can hurt nobody but the peer. Pull mode is chosen at setup only when the receiver could read
 //! the sender's nonce this way (same user, ptrace allowed); otherwise the ring is used.
 
+use super::memfd::ArenaView;
 use crate::error::{Error, Result};
 use crate::layout::MAX_BLOCKS_PER_TRANSFER;
 
@@ -119,13 +123,22 @@ pub(crate) struct Cursor {
     off: usize,
     /// True between reading a PULL and copying its last byte.
     pub(crate) loaded: bool,
+    /// Every region of the loaded PULL lies in the peer's send arena (copied from the
+    /// receiver's view of it, not with `process_vm_readv`).
+    pub(crate) in_arena: bool,
 }
 
 impl Cursor {
-    pub(crate) fn load(&mut self) {
+    /// Starts on the regions just decoded; `arena` is the peer's send arena, if mapped.
+    pub(crate) fn load(&mut self, arena: Option<&ArenaView>) {
         self.idx = 0;
         self.off = 0;
         self.loaded = true;
+        self.in_arena = arena.is_some_and(|a| {
+            self.regions
+                .iter()
+                .all(|r| a.offset_of(r.addr, r.len).is_some())
+        });
     }
 
     /// The next remote pieces, at most `IOV_BATCH` of them and `max` bytes in all.
@@ -200,6 +213,34 @@ pub(crate) fn copy_into(pid: i32, cur: &mut Cursor, bufs: &mut [&mut [u8]]) -> R
     Ok(())
 }
 
+/// Copies the next `sum(bufs)` bytes of the peer's regions into `bufs` from the receiver's
+/// view of the peer's send arena (every region of the PULL lies in it: `Cursor::in_arena`).
+pub(crate) fn copy_from_arena(
+    view: &ArenaView,
+    cur: &mut Cursor,
+    bufs: &mut [&mut [u8]],
+) -> Result<()> {
+    for b in bufs.iter_mut() {
+        let mut filled = 0;
+        while filled < b.len() {
+            let Some(r) = cur.regions.get(cur.idx).copied() else {
+                return Err(Error::malformed("PULL", "regions shorter than the payload"));
+            };
+            let n = (r.len - cur.off).min(b.len() - filled);
+            let Some(at) = view.offset_of(r.addr + cur.off, n) else {
+                return Err(Error::malformed("PULL", "region outside the send arena"));
+            };
+            view.read_at(at, &mut b[filled..filled + n])?;
+            filled += n;
+            cur.advance(n);
+        }
+    }
+    if cur.idx == cur.regions.len() {
+        cur.loaded = false;
+    }
+    Ok(())
+}
+
 #[cfg(not(target_os = "linux"))]
 pub(crate) fn copy_into(_pid: i32, _cur: &mut Cursor, _bufs: &mut [&mut [u8]]) -> Result<()> {
     Err(unreadable("cross-memory attach needs Linux"))
@@ -247,7 +288,7 @@ pub(crate) fn probe(pid: i32, offer: &[u8; OFFER_LEN]) -> bool {
         }],
         ..Cursor::default()
     };
-    cur.load();
+    cur.load(None);
     let mut got = [0u8; NONCE_LEN];
     match copy_into(pid, &mut cur, &mut [&mut got[..]]) {
         Ok(()) => got[..] == offer[16..],
@@ -313,7 +354,7 @@ mod tests {
             ],
             ..Cursor::default()
         };
-        cur.load();
+        cur.load(None);
         let mut a = vec![0u8; 3000];
         let mut b = vec![0u8; 1000];
         copy_into(pid, &mut cur, &mut [&mut a[..], &mut b[..]]).unwrap();
