@@ -30,9 +30,9 @@
 //! Ring: per layer the sender writes the LAYER header on the socket, copies the regions into
 //! slots (round robin) and rings a CHUNK doorbell per filled slot; the receiver copies each
 //! chunk straight into the sink regions and returns the slot with a CREDIT.
-//! Pull: per layer LAYER header, PULL (count, then address u64 + length u64 per run of
-//! adjacent regions), the receiver copies and answers PULLED (echoing how many PULLs it has
-//! read), then the optional trailer.
+//! Pull: per layer, in one write, LAYER header, PULL (count, then address u64 + length u64
+//! per run of adjacent regions) and the optional trailer; the receiver copies and answers
+//! PULLED (echoing how many PULLs it has read) before it reads the trailer.
 //!
 //! Invariants: a slot is written by the sender only between receiving its CREDIT (or
 //! initially) and ringing its CHUNK, and read by the receiver only between that CHUNK and
@@ -359,19 +359,31 @@ impl ShmTransport {
         Ok(())
     }
 
-    /// Sender, pull mode: names the regions, then waits until the receiver has copied them.
-    async fn pull_layer<R: AsRef<[u8]>>(&mut self, k: &[R], v: &[R]) -> Result<()> {
+    /// Sender, pull mode: sends the LAYER header, the PULL naming the regions and the
+    /// trailer in one write (one wake-up of the receiver instead of three), then waits until
+    /// the receiver has copied them.
+    async fn pull_layer<R: AsRef<[u8]>>(
+        &mut self,
+        header: &[u8; HEADER_LEN],
+        k: &[R],
+        v: &[R],
+        trailer: Option<[u8; 4]>,
+    ) -> Result<()> {
         let mut frame = std::mem::take(&mut self.pull_buf);
         frame.clear();
-        frame.resize(HEADER_LEN, 0);
+        frame.extend_from_slice(header);
+        frame.resize(2 * HEADER_LEN, 0);
         let runs = pull::encode_regions(k.iter().chain(v).map(|r| r.as_ref()), &mut frame);
-        let h = FrameHeader::new(TAG_PULL, false, runs, (frame.len() - HEADER_LEN) as u64);
-        frame[..HEADER_LEN].copy_from_slice(&h.encode());
-        let sent = if runs == 0 {
-            Ok(())
-        } else {
-            self.sock_write(&frame, "sending a PULL").await
-        };
+        let h = FrameHeader::new(TAG_PULL, false, runs, (frame.len() - 2 * HEADER_LEN) as u64);
+        frame[HEADER_LEN..2 * HEADER_LEN].copy_from_slice(&h.encode());
+        if runs == 0 {
+            // No payload, no PULL: the header and trailer alone.
+            frame.truncate(HEADER_LEN);
+        }
+        if let Some(t) = trailer {
+            frame.extend_from_slice(&t);
+        }
+        let sent = self.sock_write(&frame, "sending a layer and its PULL").await;
         self.pull_buf = frame;
         sent?;
         if runs == 0 {
@@ -490,14 +502,10 @@ impl FrameTransport for ShmTransport {
         v: &[R],
         trailer: Option<[u8; 4]>,
     ) -> Result<()> {
-        self.sock_write(header, "sending a layer header").await?;
         if self.mode == ShmMode::Pull {
-            self.pull_layer(k, v).await?;
-            if let Some(t) = trailer {
-                self.sock_write(&t, "sending a crc32c trailer").await?;
-            }
-            return Ok(());
+            return self.pull_layer(header, k, v, trailer).await;
         }
+        self.sock_write(header, "sending a layer header").await?;
         let mut fill = 0usize;
         for region in k.iter().chain(v) {
             let mut src = region.as_ref();
