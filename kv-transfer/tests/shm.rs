@@ -183,6 +183,112 @@ async fn shm_pull_copies_layers_in_the_send_arena_from_the_receivers_mapping() {
     );
 }
 
+/// `send_layer_bytes` pipelines: the sender goes on to the next layer while the receiver
+/// still copies this one, holding the layer's buffers until its PULLED (a layer just sent
+/// keeps its arena range even after the caller dropped it), and every range is back once
+/// the transfer is finished; the bytes land exactly.
+#[tokio::test]
+async fn shm_owned_layers_are_pipelined_and_held_until_pulled() {
+    let layout = common::model_layout();
+    let path = sock_path("pipelined");
+    let opts = ShmOptions::default();
+    let dir = opts.dir.clone();
+    let cfg = common::config(layout);
+    let rx = ShmReceiver::bind(&path, cfg.clone(), opts).unwrap();
+    let server = tokio::spawn(async move {
+        let mut sink = MemorySink::new(layout, 8);
+        sink.reserve(1, &[4, 1, 6]).unwrap();
+        let mut conn = rx.accept().await.unwrap();
+        conn.receive(&mut sink).await.unwrap();
+        (sink, conn.pulls())
+    });
+    let arena = SendArena::new(1 << 20).unwrap();
+    let mut tx = ShmSender::connect_with_arena(&path, &cfg, &dir, Some(&arena))
+        .await
+        .unwrap();
+    let [d1, _] = common::two_transfers();
+    tx.begin(d1.clone()).await.unwrap();
+    let region = layout.region_bytes();
+    for layer in 0..layout.layers() {
+        let (k, v) = common::layer_regions_for(&layout, &d1, layer, Compression::None);
+        let mut buf = arena.alloc(region * (k.len() + v.len())).unwrap();
+        for (i, r) in k.iter().chain(&v).enumerate() {
+            buf[i * region..(i + 1) * region].copy_from_slice(r);
+        }
+        let data = bytes::Bytes::from_owner(buf);
+        let slices: Vec<bytes::Bytes> = (0..k.len() + v.len())
+            .map(|i| data.slice(i * region..(i + 1) * region))
+            .collect();
+        drop(data);
+        let (ks, vs) = slices.split_at(k.len());
+        tx.send_layer_bytes(layer, ks.to_vec(), vs.to_vec())
+            .await
+            .unwrap();
+        drop(slices);
+        if layer == 0 {
+            assert!(
+                arena.free_bytes() < arena.capacity(),
+                "the first layer is held in flight, not waited for"
+            );
+        }
+    }
+    tx.finish().await.unwrap();
+    assert_eq!(arena.free_bytes(), arena.capacity(), "released once pulled");
+    let (sink, pulls) = server.await.unwrap();
+    assert_eq!(pulls.send_arena, u64::from(layout.layers()));
+    common::assert_landed_through(&sink, &layout, &d1, Compression::None);
+}
+
+/// A receiver that refuses the transfer while owned layers are in flight: the refusal
+/// reaches the sender (from a later layer or from `finish`), nothing is written.
+#[tokio::test]
+async fn shm_pipelined_layers_to_unreserved_blocks_are_refused() {
+    let layout = common::model_layout();
+    let path = sock_path("pipelined-refused");
+    let opts = ShmOptions::default();
+    let dir = opts.dir.clone();
+    let cfg = common::config(layout);
+    let rx = ShmReceiver::bind(&path, cfg.clone(), opts).unwrap();
+    let server = tokio::spawn(async move {
+        let mut sink = MemorySink::new(layout, 8);
+        let mut conn = rx.accept().await.unwrap();
+        let e = conn.receive(&mut sink).await.unwrap_err();
+        (e, sink.regions_handed_out)
+    });
+    let mut tx = ShmSender::connect(&path, &cfg, &dir).await.unwrap();
+    let [d1, _] = common::two_transfers();
+    tx.begin(d1.clone()).await.unwrap();
+    let mut refused = None;
+    for layer in 0..layout.layers() {
+        let (k, v) = common::layer_regions_for(&layout, &d1, layer, Compression::None);
+        let owned = |r: Vec<Vec<u8>>| r.into_iter().map(bytes::Bytes::from).collect();
+        if let Err(e) = tx.send_layer_bytes(layer, owned(k), owned(v)).await {
+            refused = Some(e);
+            break;
+        }
+    }
+    let e = match refused {
+        Some(e) => e,
+        None => tx.finish().await.unwrap_err(),
+    };
+    assert!(
+        matches!(
+            e,
+            Error::Rejected {
+                class: ErrorClass::NotFound,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let (rx_err, written) = server.await.unwrap();
+    assert!(
+        matches!(rx_err.root(), Error::BlockNotReserved { .. }),
+        "{rx_err}"
+    );
+    assert_eq!(written, 0);
+}
+
 #[tokio::test]
 async fn shm_wrong_secret_and_unreserved_blocks() {
     let layout = common::small_layout();

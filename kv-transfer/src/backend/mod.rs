@@ -25,6 +25,15 @@ macro_rules! via_core {
                 self.core.send_layer(layer, k, v).await
             }
 
+            async fn send_layer_bytes(
+                &mut self,
+                layer: u32,
+                k: Vec<bytes::Bytes>,
+                v: Vec<bytes::Bytes>,
+            ) -> $crate::error::Result<()> {
+                self.core.send_layer_bytes(layer, k, v).await
+            }
+
             async fn finish(&mut self) -> $crate::error::Result<$crate::api::TransferReceipt> {
                 self.core.finish().await
             }

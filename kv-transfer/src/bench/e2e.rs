@@ -146,7 +146,7 @@ pub async fn end_to_end(opts: E2eOptions) -> Result<E2eReport> {
         },
     )?;
     // Warm-up, then `runs` pipelined runs, then `runs` back-to-back runs.
-    harness::send_transfer(&mut tx, &src, zero_copy).await?;
+    harness::send_transfer(&mut tx, &src).await?;
     let mut handed = Vec::new();
     for _ in 0..opts.runs {
         tx.begin(src.desc.clone()).await?;
@@ -156,24 +156,14 @@ pub async fn end_to_end(opts: E2eOptions) -> Result<E2eReport> {
             if layer == last {
                 handed.push(Instant::now());
             }
-            if zero_copy {
-                tx.send_layer_bytes(layer as u32, k.clone(), v.clone())
-                    .await?;
-            } else {
-                tx.send_layer(layer as u32, k, v).await?;
-            }
+            tx.send_layer_bytes(layer as u32, k.clone(), v.clone())
+                .await?;
         }
         tx.finish().await?;
     }
     let mut whole = Vec::new();
     for _ in 0..opts.runs {
-        whole.push(
-            harness::send_transfer(&mut tx, &src, zero_copy)
-                .await?
-                .0
-                .as_secs_f64()
-                * 1e6,
-        );
+        whole.push(harness::send_transfer(&mut tx, &src).await?.0.as_secs_f64() * 1e6);
     }
     drop(tx);
     let done = receiver

@@ -361,21 +361,18 @@ impl Source {
     }
 }
 
-/// Sends one whole transfer; returns its latency (BEGIN to verdict) and the sender's receipt.
+/// Sends one whole transfer with owned buffers, as the prefill worker does (`local` hands
+/// them over, shm pull mode keeps layers in flight); returns its latency (BEGIN to verdict)
+/// and the sender's receipt.
 pub(crate) async fn send_transfer(
     tx: &mut AnySender,
     src: &Source,
-    zero_copy: bool,
 ) -> Result<(Duration, TransferReceipt)> {
     let start = Instant::now();
     tx.begin(src.desc.clone()).await?;
     for (layer, (k, v)) in src.layers.iter().enumerate() {
-        if zero_copy {
-            tx.send_layer_bytes(layer as u32, k.clone(), v.clone())
-                .await?;
-        } else {
-            tx.send_layer(layer as u32, k, v).await?;
-        }
+        tx.send_layer_bytes(layer as u32, k.clone(), v.clone())
+            .await?;
     }
     let receipt = tx.finish().await?;
     Ok((start.elapsed(), receipt))

@@ -312,13 +312,13 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
     for (mut tx, src) in senders.into_iter().zip(sources.iter().cloned()) {
         let barrier = barrier.clone();
         tx_tasks.push(tokio::spawn(async move {
-            harness::send_transfer(&mut tx, &src, zero_copy).await?; // warm-up
+            harness::send_transfer(&mut tx, &src).await?; // warm-up
             barrier.wait().await;
             let start = Instant::now();
             let mut lat = Vec::with_capacity(iters as usize);
             let mut receipt = None;
             for _ in 0..iters {
-                let (took, r) = harness::send_transfer(&mut tx, &src, zero_copy).await?;
+                let (took, r) = harness::send_transfer(&mut tx, &src).await?;
                 lat.push(took);
                 receipt = Some(r);
             }

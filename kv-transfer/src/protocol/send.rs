@@ -12,6 +12,8 @@
 
 use std::time::Instant;
 
+use bytes::Bytes;
+
 use crate::api::TransferReceipt;
 use crate::error::{Error, ErrorClass, Result};
 use crate::layout::{KvLayout, TransferDesc};
@@ -151,12 +153,8 @@ impl<T: FrameTransport> SenderCore<T> {
         Ok(())
     }
 
-    pub(crate) async fn send_layer<R: AsRef<[u8]> + Sync>(
-        &mut self,
-        layer: u32,
-        k: &[R],
-        v: &[R],
-    ) -> Result<()> {
+    /// Checks a layer against the transfer in progress; returns its block count.
+    fn check_layer<R: AsRef<[u8]>>(&self, layer: u32, k: &[R], v: &[R]) -> Result<usize> {
         let n_blocks = match &self.state {
             SendState::InTransfer { desc, seen, .. } => {
                 match seen.get(layer as usize) {
@@ -180,26 +178,84 @@ impl<T: FrameTransport> SenderCore<T> {
         };
         check_regions(&self.layout, n_blocks, "k", k)?;
         check_regions(&self.layout, n_blocks, "v", v)?;
+        Ok(n_blocks)
+    }
+
+    pub(crate) async fn send_layer<R: AsRef<[u8]> + Sync>(
+        &mut self,
+        layer: u32,
+        k: &[R],
+        v: &[R],
+    ) -> Result<()> {
+        let n_blocks = self.check_layer(layer, k, v)?;
+        self.stage_layer(k, v)?;
+        let r = self.write_layer(layer, n_blocks, k, v).await;
+        self.layer_sent(layer, r).await
+    }
+
+    /// [`send_layer`](Self::send_layer) with owned buffers: uncompressed, the transport may
+    /// keep them until the receiver has consumed them instead of waiting (shm pull mode
+    /// pipelines its PULLs this way).
+    pub(crate) async fn send_layer_bytes(
+        &mut self,
+        layer: u32,
+        k: Vec<Bytes>,
+        v: Vec<Bytes>,
+    ) -> Result<()> {
+        let n_blocks = self.check_layer(layer, &k, &v)?;
+        self.stage_layer(&k, &v)?;
+        let r = if self.compression == Compression::None {
+            let len = self.compression.layer_wire_bytes(&self.layout, n_blocks);
+            let hdr = FrameHeader::new(TAG_LAYER, self.checksum, layer, len).encode();
+            let trailer = self.checksum.then(|| crc_of(&hdr, k.iter().chain(&v)));
+            self.io.write_layer_owned(&hdr, k, v, trailer).await
+        } else {
+            self.write_layer(layer, n_blocks, &k, &v).await
+        };
+        self.layer_sent(layer, r).await
+    }
+
+    /// With compression, encodes the layer into the stage buffer. A non-finite value is the
+    /// caller's data, not a connection failure: the error leaves the connection usable.
+    fn stage_layer<R: AsRef<[u8]>>(&mut self, k: &[R], v: &[R]) -> Result<()> {
+        if self.compression == Compression::None {
+            return Ok(());
+        }
+        self.stage.clear();
+        for region in k.iter().chain(v) {
+            encode_region(
+                self.compression,
+                &self.layout,
+                region.as_ref(),
+                &mut self.stage,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Writes one layer frame: the regions, or with compression the staged encoding.
+    async fn write_layer<R: AsRef<[u8]> + Sync>(
+        &mut self,
+        layer: u32,
+        n_blocks: usize,
+        k: &[R],
+        v: &[R],
+    ) -> Result<()> {
         let len = self.compression.layer_wire_bytes(&self.layout, n_blocks);
         let hdr = FrameHeader::new(TAG_LAYER, self.checksum, layer, len).encode();
-        let r = if self.compression == Compression::None {
+        if self.compression == Compression::None {
             let trailer = self.checksum.then(|| crc_of(&hdr, k.iter().chain(v)));
             self.io.write_layer(&hdr, k, v, trailer).await
         } else {
-            self.stage.clear();
-            for region in k.iter().chain(v) {
-                // A non-finite value is the caller's data, not a connection failure.
-                encode_region(
-                    self.compression,
-                    &self.layout,
-                    region.as_ref(),
-                    &mut self.stage,
-                )?;
-            }
             let body: [&[u8]; 1] = [&self.stage];
             let trailer = self.checksum.then(|| crc_of(&hdr, body.iter()));
             self.io.write_layer(&hdr, &body, &[], trailer).await
-        };
+        }
+    }
+
+    /// Records a layer written with result `r`, then fails fast when the receiver already
+    /// rejected the transfer.
+    async fn layer_sent(&mut self, layer: u32, r: Result<()>) -> Result<()> {
         self.poison(r)?;
         if let SendState::InTransfer { seen, sent, .. } = &mut self.state {
             if let Some(s) = seen.get_mut(layer as usize) {

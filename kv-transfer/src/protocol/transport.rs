@@ -8,6 +8,8 @@
 
 use std::future::Future;
 
+use bytes::Bytes;
+
 use crate::error::{Error, Result};
 use crate::protocol::frame::TAG_VERDICT;
 use crate::protocol::{HEADER_LEN, IDLE};
@@ -66,6 +68,18 @@ pub(crate) trait FrameTransport: Send {
         v: &[R],
         trailer: Option<[u8; 4]>,
     ) -> impl Future<Output = Result<()>> + Send;
+
+    /// [`write_layer`](Self::write_layer) with owned regions, which the transport may keep
+    /// until the receiver has consumed them instead of waiting for it (the default waits).
+    fn write_layer_owned(
+        &mut self,
+        header: &[u8; HEADER_LEN],
+        k: Vec<Bytes>,
+        v: Vec<Bytes>,
+        trailer: Option<[u8; 4]>,
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move { self.write_layer(header, &k, &v, trailer).await }
+    }
 
     /// Reads the header of the receiver's next reply (skipping flow-control frames).
     fn read_reply_header(

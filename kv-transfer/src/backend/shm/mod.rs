@@ -37,9 +37,11 @@
 //! Invariants: a slot is written by the sender only between receiving its CREDIT (or
 //! initially) and ringing its CHUNK, and read by the receiver only between that CHUNK and
 //! its CREDIT; chunks never span two layers; CHUNK slot numbers and lengths are validated
-//! before any access; a PULL must cover exactly the layer payload; a sender's `send_layer`
-//! returns only after PULLED, so its regions outlive the copy; every socket wait is bounded
-//! by a timeout.
+//! before any access; a PULL must cover exactly the layer payload; a sender's borrowed
+//! `send_layer` returns only after its PULLED, and the owned buffers of `send_layer_bytes`
+//! are held until theirs (at most `MAX_PULLS_IN_FLIGHT` layers ahead; PULLEDs answer in
+//! order and are all in before the verdict), so regions outlive the copy; every socket wait
+//! is bounded by a timeout.
 
 mod arena;
 mod files;
@@ -52,10 +54,12 @@ pub use arena::{ArenaBuf, SendArena, ARENA_ALIGN};
 pub use files::remove_stale;
 pub use host::host_identity;
 
-use std::sync::Arc;
-
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
+
+use bytes::Bytes;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
@@ -184,11 +188,25 @@ pub(crate) struct ShmTransport {
     /// PULL frames sent (sender) / read (receiver) on this connection; PULLED echoes the
     /// count (low 32 bits), so a sender never takes a stale PULLED for its current layer.
     pulls: u32,
+    /// Sender: PULLs not answered yet, oldest first (PULLEDs come in order).
+    in_flight: VecDeque<InFlight>,
     /// Receiver: the peer's send arena, mapped; sender: whether the peer has its arena.
     arena: Option<memfd::ArenaView>,
     arena_shared: bool,
     /// Receiver: layer PULLs copied from the arena view / read with `process_vm_readv`.
     pull_counts: ShmPulls,
+}
+
+/// Most owned layers (`send_layer_bytes`) a sender keeps in flight before it waits for the
+/// receiver: enough to overlap one layer's round trip with the next layer's copy.
+const MAX_PULLS_IN_FLIGHT: usize = 4;
+
+/// A PULL sent and not answered yet, holding the owned regions it names (the receiver reads
+/// them until it answers).
+#[derive(Debug)]
+struct InFlight {
+    count: u32,
+    _regions: Option<(Vec<Bytes>, Vec<Bytes>)>,
 }
 
 /// Layer PULLs a pull-mode connection has served, by where the bytes were read.
@@ -230,6 +248,7 @@ impl ShmTransport {
             arena: None,
             arena_shared: false,
             pull_counts: ShmPulls::default(),
+            in_flight: VecDeque::new(),
         }
     }
 
@@ -359,9 +378,8 @@ impl ShmTransport {
         Ok(())
     }
 
-    /// Sender, pull mode: sends the LAYER header, the PULL naming the regions and the
-    /// trailer in one write (one wake-up of the receiver instead of three), then waits until
-    /// the receiver has copied them.
+    /// Sender, pull mode, borrowed regions: sends the layer, then waits until the receiver
+    /// has copied it (and every earlier layer).
     async fn pull_layer<R: AsRef<[u8]>>(
         &mut self,
         header: &[u8; HEADER_LEN],
@@ -369,6 +387,25 @@ impl ShmTransport {
         v: &[R],
         trailer: Option<[u8; 4]>,
     ) -> Result<()> {
+        if self.send_pull(header, k, v, trailer).await? {
+            self.in_flight.push_back(InFlight {
+                count: self.pulls,
+                _regions: None,
+            });
+        }
+        self.wait_pulled(0).await
+    }
+
+    /// Sender, pull mode: sends the LAYER header, the PULL naming the regions and the
+    /// trailer in one write (one wake-up of the receiver instead of three). Returns whether
+    /// a PULL went (a layer without payload has none).
+    async fn send_pull<R: AsRef<[u8]>>(
+        &mut self,
+        header: &[u8; HEADER_LEN],
+        k: &[R],
+        v: &[R],
+        trailer: Option<[u8; 4]>,
+    ) -> Result<bool> {
         let mut frame = std::mem::take(&mut self.pull_buf);
         frame.clear();
         frame.extend_from_slice(header);
@@ -383,25 +420,46 @@ impl ShmTransport {
         if let Some(t) = trailer {
             frame.extend_from_slice(&t);
         }
-        let sent = self.sock_write(&frame, "sending a layer and its PULL").await;
+        let sent = self
+            .sock_write(&frame, "sending a layer and its PULL")
+            .await;
         self.pull_buf = frame;
         sent?;
         if runs == 0 {
-            return Ok(());
+            return Ok(false);
         }
         self.pulls = self.pulls.wrapping_add(1);
-        let mut hdr = [0u8; HEADER_LEN];
-        self.sock_read(&mut hdr, "waiting for the receiver to pull a layer")
-            .await?;
-        let h = FrameHeader::decode(&hdr)?;
-        if h.tag == TAG_PULLED {
-            if h.len == 0 && h.arg == self.pulls && !h.crc() {
-                return Ok(());
+        Ok(true)
+    }
+
+    /// Sender: accounts one PULLED header, which must answer the oldest PULL in flight.
+    fn take_pulled(&mut self, h: &FrameHeader) -> Result<()> {
+        match self.in_flight.front() {
+            Some(f) if h.len == 0 && !h.crc() && h.arg == f.count => {
+                self.in_flight.pop_front();
+                Ok(())
             }
             // E.g. the PULLED of a layer whose send was dropped before it arrived.
-            return Err(Error::malformed("PULLED", "does not answer the last PULL"));
+            _ => Err(Error::malformed(
+                "PULLED",
+                "does not answer the oldest PULL",
+            )),
         }
-        Err(self.verdict_error(&hdr).await)
+    }
+
+    /// Sender: reads PULLED answers until at most `keep` PULLs are in flight.
+    async fn wait_pulled(&mut self, keep: usize) -> Result<()> {
+        while self.in_flight.len() > keep {
+            let mut hdr = [0u8; HEADER_LEN];
+            self.sock_read(&mut hdr, "waiting for the receiver to pull a layer")
+                .await?;
+            let h = FrameHeader::decode(&hdr)?;
+            if h.tag != TAG_PULLED {
+                return Err(self.verdict_error(&hdr).await);
+            }
+            self.take_pulled(&h)?;
+        }
+        Ok(())
     }
 }
 
@@ -533,14 +591,36 @@ impl FrameTransport for ShmTransport {
         Ok(())
     }
 
+    async fn write_layer_owned(
+        &mut self,
+        header: &[u8; HEADER_LEN],
+        k: Vec<Bytes>,
+        v: Vec<Bytes>,
+        trailer: Option<[u8; 4]>,
+    ) -> Result<()> {
+        if self.mode != ShmMode::Pull {
+            return self.write_layer(header, &k, &v, trailer).await;
+        }
+        // Owned regions stay alive in `in_flight` until their PULLED: the next layer goes
+        // out while the receiver still copies this one.
+        if self.send_pull(header, &k, &v, trailer).await? {
+            self.in_flight.push_back(InFlight {
+                count: self.pulls,
+                _regions: Some((k, v)),
+            });
+        }
+        self.wait_pulled(MAX_PULLS_IN_FLIGHT).await
+    }
+
     async fn read_reply_header(&mut self, buf: &mut [u8; HEADER_LEN]) -> Result<()> {
         loop {
             self.sock_read(buf, "waiting for the verdict").await?;
             let h = FrameHeader::decode(buf)?;
-            if h.tag != TAG_CREDIT {
-                return Ok(());
+            match h.tag {
+                TAG_CREDIT => self.take_credit(&h)?,
+                TAG_PULLED => self.take_pulled(&h)?,
+                _ => return Ok(()),
             }
-            self.take_credit(&h)?;
         }
     }
 
