@@ -398,7 +398,7 @@ impl Connector {
                 })?;
                 // The receiver creates its ring files beside its socket.
                 let dir = path.parent().unwrap_or(Path::new("/"));
-                Ok(AnySender::Shm(
+                Ok(AnySender::from(
                     ShmSender::connect_with_arena(path, &self.cfg, dir, self.send_arena.as_ref())
                         .await?,
                 ))
@@ -495,7 +495,7 @@ pub async fn serve_inbound(
                 #[cfg(unix)]
                 match accepted {
                     Ok((sock, setup)) => spawn_handshake(&on_receiver, "shm", async move {
-                        setup.run(sock).await.map(AnyReceiver::Shm)
+                        setup.run(sock).await.map(AnyReceiver::from)
                     }),
                     Err(e) => accept_failed(e).await,
                 }

@@ -79,9 +79,9 @@ pub use select::{select_backend, BackendCaps, BackendKind, EndpointInfo};
 pub enum AnySender {
     /// TCP.
     Tcp(tcp::TcpSender),
-    /// Shared memory.
+    /// Shared memory (boxed: its pull and arena state make it the largest).
     #[cfg(unix)]
-    Shm(shm::ShmSender),
+    Shm(Box<shm::ShmSender>),
     /// Same process.
     Local(local::LocalSender),
     /// NCCL.
@@ -97,9 +97,9 @@ pub enum AnySender {
 pub enum AnyReceiver {
     /// TCP.
     Tcp(tcp::TcpInbound),
-    /// Shared memory.
+    /// Shared memory (boxed: its pull and arena state make it the largest).
     #[cfg(unix)]
-    Shm(shm::ShmInbound),
+    Shm(Box<shm::ShmInbound>),
     /// Same process.
     Local(local::LocalReceiver),
     /// NCCL.
@@ -216,7 +216,7 @@ impl From<tcp::TcpSender> for AnySender {
 #[cfg(unix)]
 impl From<shm::ShmSender> for AnySender {
     fn from(s: shm::ShmSender) -> Self {
-        AnySender::Shm(s)
+        AnySender::Shm(Box::new(s))
     }
 }
 impl From<local::LocalSender> for AnySender {
@@ -232,7 +232,7 @@ impl From<tcp::TcpInbound> for AnyReceiver {
 #[cfg(unix)]
 impl From<shm::ShmInbound> for AnyReceiver {
     fn from(s: shm::ShmInbound) -> Self {
-        AnyReceiver::Shm(s)
+        AnyReceiver::Shm(Box::new(s))
     }
 }
 impl From<local::LocalReceiver> for AnyReceiver {

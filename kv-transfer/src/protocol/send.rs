@@ -338,6 +338,7 @@ impl<T: FrameTransport> SenderCore<T> {
         if v.request_id != desc.request_id {
             return Err(Error::malformed("VERDICT", "request id differs"));
         }
+        self.io.transfer_ended()?;
         self.state = SendState::Idle;
         Ok(TransferReceipt {
             payload_bytes: desc.payload_bytes(&self.layout),

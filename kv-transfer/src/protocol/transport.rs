@@ -81,6 +81,12 @@ pub(crate) trait FrameTransport: Send {
         async move { self.write_layer(header, &k, &v, trailer).await }
     }
 
+    /// After a successful verdict: checks that nothing of the transfer is still pending in
+    /// the transport (a receiver that answered early is a protocol error).
+    fn transfer_ended(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Reads the header of the receiver's next reply (skipping flow-control frames).
     fn read_reply_header(
         &mut self,

@@ -23,7 +23,9 @@ use super::router::{model_name, run_router, serve_metrics_on, RouterListeners, R
 use super::tls_args::TlsArgs;
 #[cfg(feature = "rdma")]
 use super::worker::RdmaSetting;
-use super::worker::{run_decode, run_prefill, ShmSetting, WorkerEnv, DEFAULT_SEND_ARENA_MIB};
+use super::worker::{
+    mib, run_decode, run_prefill, ShmSetting, WorkerEnv, DEFAULT_SEND_ARENA_MIB, MAX_SEND_ARENA_MIB,
+};
 use crate::cmd::model_args::ModelArgs;
 
 /// Decode scheduling flags.
@@ -174,7 +176,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             kv_shm: (a.kv_transport == KvTransport::Shm).then(|| ShmSetting {
                 dir: default_shm_dir(),
                 required: true,
-                send_arena_bytes: DEFAULT_SEND_ARENA_MIB << 20,
+                send_arena_bytes: mib(DEFAULT_SEND_ARENA_MIB),
             }),
             kv_advertise_host: None,
             #[cfg(feature = "rdma")]
@@ -403,8 +405,13 @@ pub struct PrefillCmd {
     /// which same-host decode workers map and copy from with a memcpy (layers that do not
     /// fit go from ordinary memory, read with process_vm_readv). Address space until used;
     /// 0: no arena.
-    #[arg(long, env = "DUET_KV_SEND_ARENA_MIB", default_value_t = DEFAULT_SEND_ARENA_MIB)]
-    pub kv_send_arena_mib: usize,
+    #[arg(
+        long,
+        env = "DUET_KV_SEND_ARENA_MIB",
+        default_value_t = DEFAULT_SEND_ARENA_MIB,
+        value_parser = clap::value_parser!(u32).range(0..=MAX_SEND_ARENA_MIB)
+    )]
+    pub kv_send_arena_mib: u32,
     /// Send KV over RDMA (UCX) to decode workers that offer it (after a same-host shm
     /// endpoint, before tcp).
     #[cfg(feature = "rdma")]
@@ -513,7 +520,7 @@ pub fn prefill(a: PrefillCmd) -> anyhow::Result<()> {
             env.kv_shm = Some(ShmSetting {
                 dir: default_shm_dir(),
                 required: false,
-                send_arena_bytes: a.kv_send_arena_mib << 20,
+                send_arena_bytes: mib(a.kv_send_arena_mib),
             });
         }
         #[cfg(feature = "rdma")]

@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::memfd::SealedMemfd;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Allocation unit and alignment.
 pub const ARENA_ALIGN: usize = 4096;
@@ -89,7 +89,10 @@ impl SendArena {
     /// An arena of `capacity` bytes (rounded up to 4 KiB). Only address space and a memfd
     /// until buffers are written.
     pub fn new(capacity: usize) -> Result<Arc<SendArena>> {
-        let capacity = capacity.max(1).div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
+        let capacity = capacity
+            .max(1)
+            .checked_next_multiple_of(ARENA_ALIGN)
+            .ok_or_else(|| Error::InvalidArgument("send arena size overflows".into()))?;
         let map = SealedMemfd::create(capacity)?;
         Ok(Arc::new(SendArena {
             free: Mutex::new(FreeList::new(map.len())),

@@ -6,8 +6,11 @@
 //! - the memfd's size is sealed (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`) right after it
 //!   is sized and mapped, and a receiver maps a peer's memfd only after checking those seals
 //!   and its size: no access through either mapping can fault past the end of the file;
-//! - where the kernel has it (5.1+), `F_SEAL_FUTURE_WRITE` is added too, so the fd handed to a
-//!   receiver can only ever be mapped read-only: a receiver cannot write the sender's memory;
+//! - `F_SEAL_FUTURE_WRITE` (Linux 5.1+) is added too, so the fd handed to a receiver can only
+//!   ever be mapped read-only and not written: a receiver cannot write the sender's memory.
+//!   Where the kernel lacks it, no arena is made (the sender reads ordinary memory);
+//! - a receiver maps only a tmpfs memfd (not hugetlbfs, whose holes raise SIGBUS when the
+//!   huge-page pool is empty);
 //! - the receiver never creates a Rust reference into its view: bytes leave it through
 //!   `ptr::copy_nonoverlapping` after a bounds check (the sender writes those pages);
 //! - the sender's slices ([`ArenaBuf`]) cover disjoint ranges handed out by the arena's
@@ -53,12 +56,11 @@ impl SealedMemfd {
         file.set_len(len as u64)
             .map_err(|e| io("sizing the send arena", e))?;
         let map = MmapRaw::map_raw(&file).map_err(|e| io("mapping the send arena", e))?;
-        let all = size_seals() | SealFlag::F_SEAL_FUTURE_WRITE;
-        if fcntl(&file, FcntlArg::F_ADD_SEALS(all)).is_err() {
-            // Kernels before 5.1 lack F_SEAL_FUTURE_WRITE; the size seals are what matter.
-            fcntl(&file, FcntlArg::F_ADD_SEALS(size_seals()))
-                .map_err(|e| io("sealing the send arena", e))?;
-        }
+        // Without F_SEAL_FUTURE_WRITE (kernels before 5.1) a receiver could write these
+        // pages while this process holds slices of them: no arena then.
+        let seals = size_seals() | SealFlag::F_SEAL_FUTURE_WRITE;
+        fcntl(&file, FcntlArg::F_ADD_SEALS(seals))
+            .map_err(|e| io("sealing the send arena (needs Linux 5.1+)", e))?;
         Ok(SealedMemfd { map, file })
     }
 
@@ -120,6 +122,11 @@ impl ArenaView {
         if seals & need != need {
             return Err(refuse("its size is not sealed".into()));
         }
+        let fs = nix::sys::statfs::fstatfs(&fd)
+            .map_err(|e| io("inspecting the peer's send arena", e))?;
+        if fs.filesystem_type() != nix::sys::statfs::TMPFS_MAGIC {
+            return Err(refuse("not an ordinary (tmpfs) memfd".into()));
+        }
         let file = File::from(fd);
         let actual = file
             .metadata()
@@ -172,6 +179,14 @@ impl ArenaView {
     }
 }
 
+/// A socket call that did nothing and may simply be made again.
+fn retry(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+    )
+}
+
 /// Sends `body` with `fd` attached (`SCM_RIGHTS`) on a unix stream; the fd rides with the
 /// first byte, the rest of a short write follows with `write_all`.
 pub(crate) async fn send_with_fd(
@@ -194,7 +209,7 @@ pub(crate) async fn send_with_fd(
         });
         match r {
             Ok(n) => break n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) if retry(&e) => continue,
             Err(e) => return Err(e),
         }
     };
@@ -218,21 +233,24 @@ pub(crate) async fn recv_with_fd(
         sock.readable().await?;
         let r = sock.try_io(tokio::io::Interest::READABLE, || {
             let mut iov = [std::io::IoSliceMut::new(&mut body[..])];
-            let mut space = nix::cmsg_space!([RawFd; 4]);
+            // Room for the most fds one SCM_RIGHTS message can carry (SCM_MAX_FD), so that
+            // an extra-generous peer cannot make the kernel truncate what it installs here.
+            let mut space = nix::cmsg_space!([RawFd; 253]);
             let msg = recvmsg::<()>(raw, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
                 .map_err(std::io::Error::from)?;
             let mut first: Option<OwnedFd> = None;
-            // A truncated control message still passed whatever fds fit: take them.
-            if let Ok(cmsgs) = msg.cmsgs() {
-                for c in cmsgs {
-                    if let ControlMessageOwned::ScmRights(fds) = c {
-                        for f in fds {
-                            // SAFETY: the kernel just installed `f` in this process for this
-                            // message (SCM_RIGHTS); nothing else knows it, so this is its
-                            // only owner (extra fds are closed when dropped here).
-                            let owned = unsafe { OwnedFd::from_raw_fd(f) };
-                            first.get_or_insert(owned);
-                        }
+            // Truncated (several messages' worth of fds): refused below. Whatever fds the
+            // kernel installed then stay open (close-on-exec): only a misbehaving
+            // authenticated peer gets there, and the connection is dropped.
+            let cmsgs = msg.cmsgs().map_err(std::io::Error::from)?;
+            for c in cmsgs {
+                if let ControlMessageOwned::ScmRights(fds) = c {
+                    for f in fds {
+                        // SAFETY: the kernel just installed `f` in this process for this
+                        // message (SCM_RIGHTS); nothing else knows it, so this is its only
+                        // owner (extra fds are closed when dropped here).
+                        let owned = unsafe { OwnedFd::from_raw_fd(f) };
+                        first.get_or_insert(owned);
                     }
                 }
             }
@@ -240,7 +258,7 @@ pub(crate) async fn recv_with_fd(
         });
         match r {
             Ok(v) => break v,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) if retry(&e) => continue,
             Err(e) => return Err(e),
         }
     };

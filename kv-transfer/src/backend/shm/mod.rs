@@ -188,7 +188,10 @@ pub(crate) struct ShmTransport {
     /// PULL frames sent (sender) / read (receiver) on this connection; PULLED echoes the
     /// count (low 32 bits), so a sender never takes a stale PULLED for its current layer.
     pulls: u32,
-    /// Sender: PULLs not answered yet, oldest first (PULLEDs come in order).
+    /// Sender: PULLs not answered yet, oldest first (PULLEDs come in order). Declared after
+    /// `sock`, so it drops after it: when a broken connection goes, the socket closes before
+    /// in-flight buffers return to their arena, and a receiver still copying one cannot
+    /// answer PULLED for bytes that were meanwhile reused.
     in_flight: VecDeque<InFlight>,
     /// Receiver: the peer's send arena, mapped; sender: whether the peer has its arena.
     arena: Option<memfd::ArenaView>,
@@ -610,6 +613,17 @@ impl FrameTransport for ShmTransport {
             });
         }
         self.wait_pulled(MAX_PULLS_IN_FLIGHT).await
+    }
+
+    fn transfer_ended(&mut self) -> Result<()> {
+        if self.in_flight.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::malformed(
+                "VERDICT",
+                "success while layers were still being pulled",
+            ))
+        }
     }
 
     async fn read_reply_header(&mut self, buf: &mut [u8; HEADER_LEN]) -> Result<()> {
