@@ -4,12 +4,16 @@
 
 mod common;
 
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use bytes::Bytes;
 use duet_kv_transfer::backend::shm::{
     SendArena, ShmMode, ShmOptions, ShmPulls, ShmReceiver, ShmSender,
 };
 use duet_kv_transfer::{
     Compression, Error, ErrorClass, KvLayout, KvReceiver, KvSender, MemorySink, SharedSecret,
-    TransferDesc,
+    TransferConfig, TransferDesc,
 };
 
 fn sock_path(tag: &str) -> std::path::PathBuf {
@@ -94,29 +98,59 @@ async fn shm_pull_mode_carries_compressed_layers() {
     }
 }
 
-/// Sends `d` with every layer's K and V regions in one buffer of `arena` (as a prefill
-/// worker lays them out), or in ordinary vectors when `arena` is `None`.
+/// A receiver with default options on a fresh socket: it, the config both sides use, the
+/// socket path and the directory of the ring files.
+fn bind(tag: &str) -> (ShmReceiver, TransferConfig, PathBuf, PathBuf) {
+    let path = sock_path(tag);
+    let opts = ShmOptions::default();
+    let dir = opts.dir.clone();
+    let cfg = common::config(common::model_layout());
+    let rx = ShmReceiver::bind(&path, cfg.clone(), opts).unwrap();
+    (rx, cfg, path, dir)
+}
+
+/// Layer `layer` of `d` laid out as a prefill worker does: K then V regions in one buffer of
+/// `arena`, returned as K and V slices of it.
+fn arena_layer(
+    arena: &Arc<SendArena>,
+    layout: &KvLayout,
+    d: &TransferDesc,
+    layer: u32,
+) -> (Vec<Bytes>, Vec<Bytes>) {
+    let (k, v) = common::layer_regions_for(layout, d, layer, Compression::None);
+    let region = layout.region_bytes();
+    let mut buf = arena.alloc(region * (k.len() + v.len())).unwrap();
+    for (i, r) in k.iter().chain(&v).enumerate() {
+        buf[i * region..(i + 1) * region].copy_from_slice(r);
+    }
+    let data = Bytes::from_owner(buf);
+    let mut slices: Vec<Bytes> = (0..k.len() + v.len())
+        .map(|i| data.slice(i * region..(i + 1) * region))
+        .collect();
+    let vs = slices.split_off(k.len());
+    (slices, vs)
+}
+
+/// Sends `d` with every layer in `arena` (as a prefill worker lays them out), or in ordinary
+/// vectors when `arena` is `None`, through the borrowed `send_layer`.
 async fn send_from(
     tx: &mut ShmSender,
-    arena: Option<&std::sync::Arc<SendArena>>,
+    arena: Option<&Arc<SendArena>>,
     layout: &KvLayout,
     d: &TransferDesc,
 ) {
     tx.begin(d.clone()).await.unwrap();
     for layer in 0..layout.layers() {
-        let (k, v) = common::layer_regions_for(layout, d, layer, Compression::None);
-        let Some(arena) = arena else {
-            tx.send_layer(layer, &k, &v).await.unwrap();
-            continue;
-        };
-        let region = layout.region_bytes();
-        let mut buf = arena.alloc(region * (k.len() + v.len())).unwrap();
-        for (i, r) in k.iter().chain(&v).enumerate() {
-            buf[i * region..(i + 1) * region].copy_from_slice(r);
+        match arena {
+            Some(arena) => {
+                let (k, v) = arena_layer(arena, layout, d, layer);
+                tx.send_layer(layer, &k, &v).await.unwrap();
+            }
+            None => {
+                let (k, v) = common::layer_regions_for(layout, d, layer, Compression::None);
+                tx.send_layer(layer, &k, &v).await.unwrap();
+            }
         }
-        let parts: Vec<&[u8]> = buf.chunks(region).collect();
-        let (ks, vs) = parts.split_at(k.len());
-        tx.send_layer(layer, ks, vs).await.unwrap();
     }
     tx.finish().await.unwrap();
 }
@@ -127,11 +161,7 @@ async fn send_from(
 #[tokio::test]
 async fn shm_pull_copies_layers_in_the_send_arena_from_the_receivers_mapping() {
     let layout = common::model_layout();
-    let path = sock_path("arena");
-    let opts = ShmOptions::default();
-    let dir = opts.dir.clone();
-    let cfg = common::config(layout);
-    let rx = ShmReceiver::bind(&path, cfg.clone(), opts).unwrap();
+    let (rx, cfg, path, dir) = bind("arena");
     let server = tokio::spawn(async move {
         let mut sink = MemorySink::new(layout, 8);
         sink.reserve(1, &[4, 1, 6]).unwrap();
@@ -190,11 +220,7 @@ async fn shm_pull_copies_layers_in_the_send_arena_from_the_receivers_mapping() {
 #[tokio::test]
 async fn shm_owned_layers_are_pipelined_and_held_until_pulled() {
     let layout = common::model_layout();
-    let path = sock_path("pipelined");
-    let opts = ShmOptions::default();
-    let dir = opts.dir.clone();
-    let cfg = common::config(layout);
-    let rx = ShmReceiver::bind(&path, cfg.clone(), opts).unwrap();
+    let (rx, cfg, path, dir) = bind("pipelined");
     let server = tokio::spawn(async move {
         let mut sink = MemorySink::new(layout, 8);
         sink.reserve(1, &[4, 1, 6]).unwrap();
@@ -208,23 +234,10 @@ async fn shm_owned_layers_are_pipelined_and_held_until_pulled() {
         .unwrap();
     let [d1, _] = common::two_transfers();
     tx.begin(d1.clone()).await.unwrap();
-    let region = layout.region_bytes();
     for layer in 0..layout.layers() {
-        let (k, v) = common::layer_regions_for(&layout, &d1, layer, Compression::None);
-        let mut buf = arena.alloc(region * (k.len() + v.len())).unwrap();
-        for (i, r) in k.iter().chain(&v).enumerate() {
-            buf[i * region..(i + 1) * region].copy_from_slice(r);
-        }
-        let data = bytes::Bytes::from_owner(buf);
-        let slices: Vec<bytes::Bytes> = (0..k.len() + v.len())
-            .map(|i| data.slice(i * region..(i + 1) * region))
-            .collect();
-        drop(data);
-        let (ks, vs) = slices.split_at(k.len());
-        tx.send_layer_bytes(layer, ks.to_vec(), vs.to_vec())
-            .await
-            .unwrap();
-        drop(slices);
+        // The slices move into the sender: only it can keep the buffer alive now.
+        let (k, v) = arena_layer(&arena, &layout, &d1, layer);
+        tx.send_layer_bytes(layer, k, v).await.unwrap();
         if layer == 0 {
             assert!(
                 arena.free_bytes() < arena.capacity(),
@@ -244,11 +257,7 @@ async fn shm_owned_layers_are_pipelined_and_held_until_pulled() {
 #[tokio::test]
 async fn shm_pipelined_layers_to_unreserved_blocks_are_refused() {
     let layout = common::model_layout();
-    let path = sock_path("pipelined-refused");
-    let opts = ShmOptions::default();
-    let dir = opts.dir.clone();
-    let cfg = common::config(layout);
-    let rx = ShmReceiver::bind(&path, cfg.clone(), opts).unwrap();
+    let (rx, cfg, path, dir) = bind("pipelined-refused");
     let server = tokio::spawn(async move {
         let mut sink = MemorySink::new(layout, 8);
         let mut conn = rx.accept().await.unwrap();
@@ -261,7 +270,7 @@ async fn shm_pipelined_layers_to_unreserved_blocks_are_refused() {
     let mut refused = None;
     for layer in 0..layout.layers() {
         let (k, v) = common::layer_regions_for(&layout, &d1, layer, Compression::None);
-        let owned = |r: Vec<Vec<u8>>| r.into_iter().map(bytes::Bytes::from).collect();
+        let owned = |r: Vec<Vec<u8>>| r.into_iter().map(Bytes::from).collect();
         if let Err(e) = tx.send_layer_bytes(layer, owned(k), owned(v)).await {
             refused = Some(e);
             break;

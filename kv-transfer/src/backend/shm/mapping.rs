@@ -167,21 +167,38 @@ impl ShmMapping {
 
     /// Copies bytes of the mapping at `offset` into `dst`.
     pub(crate) fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.check(offset, dst.len())?;
-        // SAFETY: `check` proved `offset + dst.len() <= map.len()`, so the source range lies
-        // inside the live mapping. `dst` is an exclusive Rust slice in private memory, so the
-        // ranges cannot overlap. Only raw pointers touch the mapping; if a misbehaving peer
-        // wrote this range concurrently we would copy torn bytes into a reserved region,
-        // never write outside `dst`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.map.as_ptr().add(offset),
-                dst.as_mut_ptr(),
-                dst.len(),
-            );
-        }
-        Ok(())
+        copy_out(&self.map, offset, dst, "shm access")
     }
+}
+
+/// Copies the bytes of a shared mapping at `offset` into `dst`, after a bounds check (`what`
+/// names the access in the error). The mapping's file must not shrink while mapped: the
+/// ring's is never resized by this crate, a send arena's size is sealed.
+pub(crate) fn copy_out(
+    map: &MmapRaw,
+    offset: usize,
+    dst: &mut [u8],
+    what: &'static str,
+) -> Result<()> {
+    match offset.checked_add(dst.len()) {
+        Some(end) if end <= map.len() => {}
+        _ => {
+            return Err(Error::Oversized {
+                what,
+                len: (offset as u64).saturating_add(dst.len() as u64),
+                limit: map.len() as u64,
+            })
+        }
+    }
+    // SAFETY: the check above proved `offset + dst.len() <= map.len()`, so the source range
+    // lies inside the mapping, which the borrow keeps alive and whose file keeps its size.
+    // `dst` is an exclusive Rust slice in private memory, so the ranges cannot overlap. Only
+    // raw pointers touch the mapping; if the peer wrote this range concurrently we would copy
+    // torn bytes into `dst`, never write anywhere else.
+    unsafe {
+        std::ptr::copy_nonoverlapping(map.as_ptr().add(offset), dst.as_mut_ptr(), dst.len());
+    }
+    Ok(())
 }
 
 impl Drop for ShmMapping {

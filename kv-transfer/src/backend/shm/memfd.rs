@@ -151,31 +151,10 @@ impl ArenaView {
         (off.checked_add(len)? <= self.map.len()).then_some(off)
     }
 
-    /// Copies the arena's bytes at `offset` into `dst`.
+    /// Copies the arena's bytes at `offset` into `dst` (its size is sealed: checked in
+    /// `open`).
     pub(crate) fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        match offset.checked_add(dst.len()) {
-            Some(end) if end <= self.map.len() => {}
-            _ => {
-                return Err(Error::Oversized {
-                    what: "shm arena access",
-                    len: (offset as u64).saturating_add(dst.len() as u64),
-                    limit: self.map.len() as u64,
-                })
-            }
-        }
-        // SAFETY: the check above proved `offset + dst.len() <= map.len()`, so the source lies
-        // inside the live read-only mapping, whose file cannot shrink (seals checked in
-        // `open`). `dst` is an exclusive Rust slice in private memory, so the ranges cannot
-        // overlap. Only raw pointers touch the mapping: bytes the peer writes meanwhile are
-        // copied torn into `dst`, never anywhere else.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.map.as_ptr().add(offset),
-                dst.as_mut_ptr(),
-                dst.len(),
-            );
-        }
-        Ok(())
+        super::mapping::copy_out(&self.map, offset, dst, "shm arena access")
     }
 }
 
