@@ -15,7 +15,6 @@ use crate::bench::harness;
 use crate::bench::{bench_config, percentile};
 use crate::error::{Error, Result};
 use crate::layout::{Dtype, Fingerprint, KvLayout};
-use crate::mem_sink::MemorySink;
 use crate::protocol::Compression;
 
 /// Options of [`end_to_end`].
@@ -112,13 +111,10 @@ pub async fn end_to_end(opts: E2eOptions) -> Result<E2eReport> {
         opts.backend,
         opts.shm_ring,
         opts.shm_arena,
-        super::per_stream_payload(&layout, blocks),
+        harness::payload_bytes(&layout, blocks),
     )?;
-    let mut sink = if arena.is_some() {
-        MemorySink::new_page_aligned(layout, blocks)
-    } else {
-        MemorySink::new(layout, blocks)
-    };
+    let payload = harness::Payload::pick(arena.as_ref(), false);
+    let mut sink = payload.sink(layout, blocks);
     if zero_copy {
         sink = sink.with_zero_copy_adoption();
     }
@@ -136,15 +132,7 @@ pub async fn end_to_end(opts: E2eOptions) -> Result<E2eReport> {
     let Some(mut tx) = senders.pop() else {
         return Err(Error::Internal("no bench pair".into()));
     };
-    let src = harness::Source::new(
-        &layout,
-        0,
-        blocks,
-        match &arena {
-            Some(a) => harness::Payload::Arena(a),
-            None => harness::Payload::Heap,
-        },
-    )?;
+    let src = harness::Source::new(&layout, 0, blocks, payload)?;
     // Warm-up, then `runs` pipelined runs, then `runs` back-to-back runs.
     harness::send_transfer(&mut tx, &src).await?;
     let mut handed = Vec::new();

@@ -190,13 +190,11 @@ pub(crate) fn bench_arena(
     backend: BackendKind,
     shm_ring: bool,
     shm_arena: bool,
-    bytes: u64,
+    bytes: usize,
 ) -> Result<Option<Arc<SendArena>>> {
     if backend != BackendKind::Shm || shm_ring || !shm_arena {
         return Ok(None);
     }
-    let bytes = usize::try_from(bytes)
-        .map_err(|_| Error::InvalidArgument("bench payload beyond the address space".into()))?;
     Ok(Some(SendArena::new(bytes)?))
 }
 
@@ -298,6 +296,31 @@ pub(crate) enum Payload<'a> {
     Arena(&'a Arc<SendArena>),
 }
 
+impl<'a> Payload<'a> {
+    /// The send arena when there is one, else huge pages when asked for, else the heap.
+    pub(crate) fn pick(arena: Option<&'a Arc<SendArena>>, huge: bool) -> Self {
+        match arena {
+            Some(a) => Payload::Arena(a),
+            None if huge => Payload::HugePages,
+            None => Payload::Heap,
+        }
+    }
+
+    /// A receiver's `blocks` blocks aligned like this payload (see `buffer`): page-aligned
+    /// unless the payload comes from the allocator.
+    pub(crate) fn sink(self, layout: KvLayout, blocks: u32) -> MemorySink {
+        match self {
+            Payload::Heap => MemorySink::new(layout, blocks),
+            _ => MemorySink::new_page_aligned(layout, blocks),
+        }
+    }
+}
+
+/// Payload bytes of one stream's transfer of `blocks` blocks (every layer, K and V).
+pub(crate) fn payload_bytes(layout: &KvLayout, blocks: u32) -> usize {
+    layout.layers() as usize * 2 * blocks as usize * layout.region_bytes()
+}
+
 /// The source of one stream: per layer, the K and V regions as `Bytes` slices of one
 /// allocation.
 #[derive(Debug, Clone)]
@@ -318,7 +341,7 @@ impl Source {
     ) -> Result<Source> {
         let region = layout.region_bytes();
         let n = blocks as usize;
-        let total = layout.layers() as usize * 2 * n * region;
+        let total = payload_bytes(layout, blocks);
         let fill = |data: &mut [u8]| {
             for (i, w) in data.chunks_exact_mut(4).enumerate() {
                 w.copy_from_slice(&((i % 251) as f32 * 0.01 - 1.25).to_le_bytes());

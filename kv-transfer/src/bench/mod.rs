@@ -182,11 +182,6 @@ pub(crate) fn bench_config(layout: KvLayout, checksum: bool) -> Result<TransferC
     Ok(cfg)
 }
 
-/// Payload bytes of one stream's transfer of `blocks` blocks.
-fn per_stream_payload(layout: &KvLayout, blocks: u32) -> u64 {
-    u64::from(layout.layers()) * 2 * u64::from(blocks) * layout.region_bytes() as u64
-}
-
 fn sizes(opts: &BenchOptions) -> Vec<u64> {
     let mut out = Vec::new();
     let mut s = opts.min_bytes;
@@ -269,16 +264,12 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
         opts.backend,
         opts.shm_ring,
         opts.shm_arena,
-        k as u64 * per_stream_payload(&layout, blocks),
+        k.saturating_mul(harness::payload_bytes(&layout, blocks)),
     )?;
+    let payload = harness::Payload::pick(arena.as_ref(), opts.huge_pages);
     let mut sinks = Vec::with_capacity(k);
     for i in 0..k {
-        // With a page-aligned payload the blocks are page-aligned too (see `buffer`).
-        let mut sink = if opts.huge_pages || arena.is_some() {
-            MemorySink::new_page_aligned(layout, blocks)
-        } else {
-            MemorySink::new(layout, blocks)
-        };
+        let mut sink = payload.sink(layout, blocks);
         if zero_copy {
             sink = sink.with_zero_copy_adoption();
         }
@@ -294,11 +285,6 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
             _ => Some(mode),
         };
     }
-    let payload = match &arena {
-        Some(a) => harness::Payload::Arena(a),
-        None if opts.huge_pages => harness::Payload::HugePages,
-        None => harness::Payload::Heap,
-    };
     let sources: Vec<harness::Source> = (0..k)
         .map(|i| harness::Source::new(&layout, i as u64, blocks, payload))
         .collect::<Result<_>>()?;

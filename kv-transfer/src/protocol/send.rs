@@ -205,8 +205,7 @@ impl<T: FrameTransport> SenderCore<T> {
         let n_blocks = self.check_layer(layer, &k, &v)?;
         self.stage_layer(&k, &v)?;
         let r = if self.compression == Compression::None {
-            let len = self.compression.layer_wire_bytes(&self.layout, n_blocks);
-            let hdr = FrameHeader::new(TAG_LAYER, self.checksum, layer, len).encode();
+            let hdr = self.layer_header(layer, n_blocks);
             let trailer = self.checksum.then(|| crc_of(&hdr, k.iter().chain(&v)));
             self.io.write_layer_owned(&hdr, k, v, trailer).await
         } else {
@@ -233,6 +232,12 @@ impl<T: FrameTransport> SenderCore<T> {
         Ok(())
     }
 
+    /// The LAYER frame header of `layer` over `n_blocks` blocks, as encoded on the wire.
+    fn layer_header(&self, layer: u32, n_blocks: usize) -> [u8; HEADER_LEN] {
+        let len = self.compression.layer_wire_bytes(&self.layout, n_blocks);
+        FrameHeader::new(TAG_LAYER, self.checksum, layer, len).encode()
+    }
+
     /// Writes one layer frame: the regions, or with compression the staged encoding.
     async fn write_layer<R: AsRef<[u8]> + Sync>(
         &mut self,
@@ -241,8 +246,7 @@ impl<T: FrameTransport> SenderCore<T> {
         k: &[R],
         v: &[R],
     ) -> Result<()> {
-        let len = self.compression.layer_wire_bytes(&self.layout, n_blocks);
-        let hdr = FrameHeader::new(TAG_LAYER, self.checksum, layer, len).encode();
+        let hdr = self.layer_header(layer, n_blocks);
         if self.compression == Compression::None {
             let trailer = self.checksum.then(|| crc_of(&hdr, k.iter().chain(v)));
             self.io.write_layer(&hdr, k, v, trailer).await

@@ -158,12 +158,15 @@ impl ArenaView {
     }
 }
 
-/// A socket call that did nothing and may simply be made again.
-fn retry(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-    )
+/// Makes a non-blocking socket call again while a signal interrupts it (tokio's `async_io`
+/// retries only when the socket was not ready).
+fn no_eintr<T>(mut call: impl FnMut() -> nix::Result<T>) -> std::io::Result<T> {
+    loop {
+        match call() {
+            Err(nix::errno::Errno::EINTR) => continue,
+            r => return r.map_err(std::io::Error::from),
+        }
+    }
 }
 
 /// Sends `body` with `fd` attached (`SCM_RIGHTS`) on a unix stream; the fd rides with the
@@ -177,21 +180,14 @@ pub(crate) async fn send_with_fd(
     use std::os::fd::AsRawFd;
     use tokio::io::AsyncWriteExt;
     let raw = sock.as_raw_fd();
-    let sent = loop {
-        sock.writable().await?;
-        let r = sock.try_io(tokio::io::Interest::WRITABLE, || {
+    let sent = sock
+        .async_io(tokio::io::Interest::WRITABLE, || {
             let iov = [std::io::IoSlice::new(body)];
             let fds = [fd.as_raw_fd()];
             let cmsg = [ControlMessage::ScmRights(&fds)];
-            sendmsg::<()>(raw, &iov, &cmsg, MsgFlags::MSG_NOSIGNAL, None)
-                .map_err(std::io::Error::from)
-        });
-        match r {
-            Ok(n) => break n,
-            Err(e) if retry(&e) => continue,
-            Err(e) => return Err(e),
-        }
-    };
+            no_eintr(|| sendmsg::<()>(raw, &iov, &cmsg, MsgFlags::MSG_NOSIGNAL, None))
+        })
+        .await?;
     if sent == 0 {
         return Err(std::io::ErrorKind::WriteZero.into());
     }
@@ -208,39 +204,35 @@ pub(crate) async fn recv_with_fd(
     use std::os::fd::{AsRawFd, FromRawFd, RawFd};
     use tokio::io::AsyncReadExt;
     let raw = sock.as_raw_fd();
-    let (got, fd) = loop {
-        sock.readable().await?;
-        let r = sock.try_io(tokio::io::Interest::READABLE, || {
-            let mut iov = [std::io::IoSliceMut::new(&mut body[..])];
-            // Room for the most fds one SCM_RIGHTS message can carry (SCM_MAX_FD), so that
-            // an extra-generous peer cannot make the kernel truncate what it installs here.
-            let mut space = nix::cmsg_space!([RawFd; 253]);
-            let msg = recvmsg::<()>(raw, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
-                .map_err(std::io::Error::from)?;
-            let mut first: Option<OwnedFd> = None;
-            // Truncated (several messages' worth of fds): refused below. Whatever fds the
-            // kernel installed then stay open (close-on-exec): only a misbehaving
-            // authenticated peer gets there, and the connection is dropped.
-            let cmsgs = msg.cmsgs().map_err(std::io::Error::from)?;
-            for c in cmsgs {
-                if let ControlMessageOwned::ScmRights(fds) = c {
-                    for f in fds {
-                        // SAFETY: the kernel just installed `f` in this process for this
-                        // message (SCM_RIGHTS); nothing else knows it, so this is its only
-                        // owner (extra fds are closed when dropped here).
-                        let owned = unsafe { OwnedFd::from_raw_fd(f) };
-                        first.get_or_insert(owned);
+    let (got, fd) = sock
+        .async_io(tokio::io::Interest::READABLE, || {
+            no_eintr(|| {
+                let mut iov = [std::io::IoSliceMut::new(&mut body[..])];
+                // Room for the most fds one SCM_RIGHTS message can carry (SCM_MAX_FD), so
+                // that an extra-generous peer cannot make the kernel truncate what it
+                // installs here.
+                let mut space = nix::cmsg_space!([RawFd; 253]);
+                let msg =
+                    recvmsg::<()>(raw, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)?;
+                let mut first: Option<OwnedFd> = None;
+                // Truncated (several messages' worth of fds): refused here. Whatever fds the
+                // kernel installed then stay open (close-on-exec): only a misbehaving
+                // authenticated peer gets there, and the connection is dropped.
+                for c in msg.cmsgs()? {
+                    if let ControlMessageOwned::ScmRights(fds) = c {
+                        for f in fds {
+                            // SAFETY: the kernel just installed `f` in this process for this
+                            // message (SCM_RIGHTS); nothing else knows it, so this is its
+                            // only owner (extra fds are closed when dropped here).
+                            let owned = unsafe { OwnedFd::from_raw_fd(f) };
+                            first.get_or_insert(owned);
+                        }
                     }
                 }
-            }
-            Ok((msg.bytes, first))
-        });
-        match r {
-            Ok(v) => break v,
-            Err(e) if retry(&e) => continue,
-            Err(e) => return Err(e),
-        }
-    };
+                Ok((msg.bytes, first))
+            })
+        })
+        .await?;
     if got == 0 {
         return Err(std::io::ErrorKind::UnexpectedEof.into());
     }

@@ -83,7 +83,7 @@ const READY_LEN: usize = 8;
 /// READY byte saying the sender offers its send arena (pull mode only).
 const READY_ARENA_AT: usize = 2;
 /// ARENA body (sender → receiver, with the memfd as `SCM_RIGHTS`): address u64, length u64.
-const ARENA_LEN: usize = 16;
+const ARENA_LEN: usize = pull::ENTRY_LEN;
 /// Largest slot count a receiver may ask for.
 pub const MAX_SLOTS: u32 = 64;
 /// Smallest / largest slot size.
@@ -390,25 +390,21 @@ impl ShmTransport {
         v: &[R],
         trailer: Option<[u8; 4]>,
     ) -> Result<()> {
-        if self.send_pull(header, k, v, trailer).await? {
-            self.in_flight.push_back(InFlight {
-                count: self.pulls,
-                _regions: None,
-            });
-        }
+        self.send_pull(header, k, v, trailer).await?;
         self.wait_pulled(0).await
     }
 
     /// Sender, pull mode: sends the LAYER header, the PULL naming the regions and the
-    /// trailer in one write (one wake-up of the receiver instead of three). Returns whether
-    /// a PULL went (a layer without payload has none).
+    /// trailer in one write (one wake-up of the receiver instead of three), and records the
+    /// PULL as in flight. Returns that record, for the caller to hand it owned regions to
+    /// hold; `None` when no PULL went (a layer without payload has none).
     async fn send_pull<R: AsRef<[u8]>>(
         &mut self,
         header: &[u8; HEADER_LEN],
         k: &[R],
         v: &[R],
         trailer: Option<[u8; 4]>,
-    ) -> Result<bool> {
+    ) -> Result<Option<&mut InFlight>> {
         let mut frame = std::mem::take(&mut self.pull_buf);
         frame.clear();
         frame.extend_from_slice(header);
@@ -429,10 +425,14 @@ impl ShmTransport {
         self.pull_buf = frame;
         sent?;
         if runs == 0 {
-            return Ok(false);
+            return Ok(None);
         }
         self.pulls = self.pulls.wrapping_add(1);
-        Ok(true)
+        self.in_flight.push_back(InFlight {
+            count: self.pulls,
+            _regions: None,
+        });
+        Ok(self.in_flight.back_mut())
     }
 
     /// Sender: accounts one PULLED header, which must answer the oldest PULL in flight.
@@ -606,11 +606,8 @@ impl FrameTransport for ShmTransport {
         }
         // Owned regions stay alive in `in_flight` until their PULLED: the next layer goes
         // out while the receiver still copies this one.
-        if self.send_pull(header, &k, &v, trailer).await? {
-            self.in_flight.push_back(InFlight {
-                count: self.pulls,
-                _regions: Some((k, v)),
-            });
+        if let Some(pull) = self.send_pull(header, &k, &v, trailer).await? {
+            pull._regions = Some((k, v));
         }
         self.wait_pulled(MAX_PULLS_IN_FLIGHT).await
     }
@@ -817,13 +814,10 @@ async fn receive_arena(sock: &mut UnixStream, t: Duration) -> Result<Option<memf
         memfd::recv_with_fd(sock, &mut body),
     )
     .await?;
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&body[..8]);
-    let base = usize::try_from(u64::from_le_bytes(a));
-    a.copy_from_slice(&body[8..]);
-    let len = usize::try_from(u64::from_le_bytes(a));
-    let view = match (fd, base, len) {
-        (Some(fd), Ok(base), Ok(len)) => memfd::ArenaView::open(fd, base, len),
+    let span = pull::decode_span(&body)
+        .and_then(|(base, len)| Some((usize::try_from(base).ok()?, usize::try_from(len).ok()?)));
+    let view = match (fd, span) {
+        (Some(fd), Some((base, len))) => memfd::ArenaView::open(fd, base, len),
         _ => Err(Error::malformed(
             "shm arena",
             "no fd or an address beyond this host",
@@ -937,9 +931,7 @@ impl ShmSender {
             };
             if let (true, Some(arena)) = (arena_shared, arena) {
                 let fd = arena.memfd();
-                let mut body = [0u8; ARENA_LEN];
-                body[..8].copy_from_slice(&(fd.base() as u64).to_le_bytes());
-                body[8..].copy_from_slice(&(fd.len() as u64).to_le_bytes());
+                let body = pull::encode_span(fd.base(), fd.len());
                 bounded(
                     t.handshake,
                     "sending the send arena",

@@ -40,6 +40,23 @@ pub(crate) struct Region {
     pub(crate) len: usize,
 }
 
+/// An address and a length as PULL entries, OFFER and ARENA carry them: two u64,
+/// little-endian.
+pub(crate) fn encode_span(addr: usize, len: usize) -> [u8; ENTRY_LEN] {
+    let mut b = [0u8; ENTRY_LEN];
+    b[..8].copy_from_slice(&(addr as u64).to_le_bytes());
+    b[8..].copy_from_slice(&(len as u64).to_le_bytes());
+    b
+}
+
+/// The address and length of the [`encode_span`] encoding `b` starts with (`None` when it
+/// is shorter).
+pub(crate) fn decode_span(b: &[u8]) -> Option<(u64, u64)> {
+    let (addr, rest) = b.split_first_chunk::<8>()?;
+    let (len, _) = rest.split_first_chunk::<8>()?;
+    Some((u64::from_le_bytes(*addr), u64::from_le_bytes(*len)))
+}
+
 /// Appends the PULL entries for `regions` to `out`, merging regions that are adjacent in
 /// memory (a prefill worker's layer buffer is usually one run). Returns the entry count.
 pub(crate) fn encode_regions<'r>(
@@ -49,8 +66,7 @@ pub(crate) fn encode_regions<'r>(
     let mut runs: u32 = 0;
     let mut cur: Option<Region> = None;
     let flush = |r: Region, out: &mut Vec<u8>, runs: &mut u32| {
-        out.extend_from_slice(&(r.addr as u64).to_le_bytes());
-        out.extend_from_slice(&(r.len as u64).to_le_bytes());
+        out.extend_from_slice(&encode_span(r.addr, r.len));
         *runs += 1;
     };
     for s in regions.filter(|s| !s.is_empty()) {
@@ -88,11 +104,9 @@ pub(crate) fn decode_regions(body: &[u8], payload: u64, out: &mut Vec<Region>) -
     out.clear();
     let mut total: u64 = 0;
     for e in body.chunks_exact(ENTRY_LEN) {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(&e[..8]);
-        let addr = u64::from_le_bytes(a);
-        a.copy_from_slice(&e[8..]);
-        let len = u64::from_le_bytes(a);
+        let Some((addr, len)) = decode_span(e) else {
+            return Err(Error::malformed("PULL", "short entry"));
+        };
         let end = addr.checked_add(len);
         if len == 0 || end.is_none() {
             return Err(Error::malformed("PULL", "empty or wrapping region"));
@@ -262,9 +276,8 @@ impl Probe {
     /// The OFFER body naming the nonce's address.
     pub(crate) fn offer(&self) -> [u8; OFFER_LEN] {
         let mut b = [0u8; OFFER_LEN];
-        b[0..8].copy_from_slice(&(self.nonce.as_ptr() as usize as u64).to_le_bytes());
-        b[8..16].copy_from_slice(&(NONCE_LEN as u64).to_le_bytes());
-        b[16..].copy_from_slice(&self.nonce[..]);
+        b[..ENTRY_LEN].copy_from_slice(&encode_span(self.nonce.as_ptr() as usize, NONCE_LEN));
+        b[ENTRY_LEN..].copy_from_slice(&self.nonce[..]);
         b
     }
 }
@@ -272,13 +285,13 @@ impl Probe {
 /// The receiver's half: true when `pid`'s memory at the offered address holds the offered
 /// nonce, i.e. cross-memory attach works between these two processes.
 pub(crate) fn probe(pid: i32, offer: &[u8; OFFER_LEN]) -> bool {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&offer[0..8]);
-    let Ok(addr) = usize::try_from(u64::from_le_bytes(a)) else {
+    let Some((addr, len)) = decode_span(offer) else {
         return false;
     };
-    a.copy_from_slice(&offer[8..16]);
-    if u64::from_le_bytes(a) != NONCE_LEN as u64 {
+    let Ok(addr) = usize::try_from(addr) else {
+        return false;
+    };
+    if len != NONCE_LEN as u64 {
         return false;
     }
     let mut cur = Cursor {
