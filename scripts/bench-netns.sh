@@ -32,6 +32,9 @@ command -v etcd >/dev/null || die "needs etcd (apt-get install etcd-server)"
 ./scripts/fetch-model.sh >/dev/null
 cargo build --release -p duet
 duet="${CARGO_TARGET_DIR:-$root/target}/release/duet"
+# Separate duet processes refuse to start without the cluster secret: one for this run.
+export DUET_KV_SECRET_FILE="$(mktemp)"
+head -c 32 /dev/urandom | base64 > "$DUET_KV_SECRET_FILE"
 model="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 work="$(mktemp -d /tmp/duet-netns.XXXXXX)"
 pids=()

@@ -82,6 +82,9 @@ mkdir -p "$logs"
 ./scripts/fetch-model.sh
 cargo build --release -p duet
 duet="${CARGO_TARGET_DIR:-$root/target}/release/duet"
+# Separate duet processes refuse to start without the cluster secret: one for this run.
+export DUET_KV_SECRET_FILE="$(mktemp)"
+head -c 32 /dev/urandom | base64 > "$DUET_KV_SECRET_FILE"
 [ -x "$duet" ] || die "$duet not found after cargo build"
 
 pids=()

@@ -103,7 +103,11 @@ async fn stream_disturbing_decode(
                     disturb(disturbed.expect("a decode worker runs the request"));
                 }
             }
-            Some(pb::generate_response::Event::Final(f)) => got.fin = Some(f),
+            Some(pb::generate_response::Event::Final(f)) => {
+                // As a client reads it: the final message's text follows the tokens'.
+                got.text.push_str(&f.text);
+                got.fin = Some(f);
+            }
             None => {}
         }
     }
@@ -497,6 +501,7 @@ fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
         })
         .await;
         assert_eq!(got.ids, reference.ids, "the migrated stream is unchanged");
+        assert_eq!(got.text, reference.text, "the same text, nothing repeated");
         assert_eq!(
             got.fin.and_then(|f| f.timings).map(|t| t.decode_worker),
             Some(format!("decode-{}", 1 - stopped))

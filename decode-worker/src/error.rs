@@ -26,6 +26,10 @@ pub enum DecodeError {
          attached (block hashes from another prompt)"
     )]
     PrefixMismatch(u64),
+    /// A forward failed and no request of the batch was to blame: this worker's fault, so
+    /// another worker may well succeed (the router migrates the stream).
+    #[error("the decode step failed on this worker: {0}")]
+    StepFailed(String),
 }
 
 impl DecodeError {
@@ -36,9 +40,9 @@ impl DecodeError {
             DecodeError::NoReservation(_) => ErrorClass::NotFound,
             DecodeError::Duplicate(_) => ErrorClass::InvalidArgument,
             DecodeError::QueueFull(_) => ErrorClass::ResourceExhausted,
-            DecodeError::TransferFailed { .. } | DecodeError::ShuttingDown => {
-                ErrorClass::Unavailable
-            }
+            DecodeError::TransferFailed { .. }
+            | DecodeError::ShuttingDown
+            | DecodeError::StepFailed(_) => ErrorClass::Unavailable,
             DecodeError::TransferTimeout(_) => ErrorClass::DeadlineExceeded,
             DecodeError::Transfer(_) | DecodeError::PrefixMismatch(_) => ErrorClass::Internal,
         }

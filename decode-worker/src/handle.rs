@@ -137,6 +137,7 @@ pub struct DecodeHandle {
     reserved: ReservedBlocks,
     layout: duet_engine::KvLayout,
     context_length: usize,
+    vocab_size: usize,
     stopped: Arc<AtomicBool>,
     kv_events: KvEventHub,
 }
@@ -153,6 +154,7 @@ impl DecodeHandle {
     ) -> Result<DecodeHandle, DecodeError> {
         let layout = model.kv_layout(kv.block_size, kv.dtype);
         let context_length = model.config.context_length;
+        let vocab_size = model.config.vocab_size;
         let (tx, rx) = std_mpsc::channel();
         let status = Arc::new(Mutex::new(DecodeStatus::default()));
         let reserved: ReservedBlocks = Arc::default();
@@ -187,6 +189,7 @@ impl DecodeHandle {
             reserved,
             layout,
             context_length,
+            vocab_size,
             stopped,
             kv_events,
         })
@@ -270,6 +273,11 @@ impl DecodeHandle {
     /// The engine's KV layout (what senders must match).
     pub fn layout(&self) -> &duet_engine::KvLayout {
         &self.layout
+    }
+
+    /// The model's vocabulary size (token ids are below it).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
     }
 
     /// The model's context length.

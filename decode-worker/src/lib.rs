@@ -14,6 +14,7 @@
 //! frees them in the engine thread.
 
 pub mod config;
+pub mod door;
 pub mod error;
 pub mod handle;
 pub mod kv_inbound;

@@ -372,7 +372,7 @@ impl Scheduler {
         job: GenerateJob,
         events: mpsc::UnboundedSender<Event>,
     ) -> Result<Seq, (DecodeError, mpsc::UnboundedSender<Event>)> {
-        let gen = match job
+        let mut gen = match job
             .params
             .validate(self.model.config.context_length)
             .and_then(|_| Generation::new(&self.model.tokenizer, &job.prompt, job.params))
@@ -380,6 +380,13 @@ impl Scheduler {
             Ok(g) => g,
             Err(e) => return Err((e.into(), events)),
         };
+        // A migrated stream: the replayed tokens were generated (and their text sent) by
+        // another worker; the text state continues from them, so nothing is sent twice and
+        // nothing held back there is lost.
+        if let PrefillSource::Local { replay } = job.prefill {
+            let replayed = &job.prompt[job.prompt.len().saturating_sub(replay)..];
+            gen.resume(&self.model.tokenizer, replayed);
+        }
         let cacheable = match job.prefill {
             PrefillSource::Local { replay } => job.prompt.len().saturating_sub(replay),
             PrefillSource::Remote { .. } => job.prompt.len(),
@@ -848,6 +855,37 @@ impl Scheduler {
         true
     }
 
+    /// After a forward over `plan` failed with `e`: ends the sequences `blamed` for it (each
+    /// with its own error); when none is to blame (a fault of this worker, not of a
+    /// request), ends the whole batch as unavailable here, which the router migrates.
+    fn fail_step(
+        &mut self,
+        plan: &[(usize, usize)],
+        blamed: Vec<(usize, EngineError)>,
+        e: &EngineError,
+    ) {
+        let mut ended: Vec<(usize, DecodeError)> = if blamed.is_empty() {
+            tracing::error!(error = %e, "forward failed; no request to blame: ending the batch");
+            plan.iter()
+                .map(|&(i, _)| (i, DecodeError::StepFailed(e.to_string())))
+                .collect()
+        } else {
+            tracing::warn!(
+                error = %e,
+                blamed = blamed.len(),
+                batch = plan.len(),
+                "forward refused a chunk; ending only the sequences it belongs to"
+            );
+            blamed.into_iter().map(|(i, e)| (i, e.into())).collect()
+        };
+        ended.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
+        for (i, err) in ended {
+            let s = self.active.swap_remove(i);
+            self.cache.free_sequence(s.id);
+            let _ = s.events.send(Event::Error(err));
+        }
+    }
+
     fn step(&mut self) {
         let (mut plan, mut need) = self.plan();
         while need > self.cache.free_blocks() {
@@ -903,26 +941,28 @@ impl Scheduler {
             self.model.weight_bytes_per_step() + kv_tokens * self.cache.layout().bytes_per_token();
         let t0 = Instant::now();
         let result = self.model.forward(&mut self.cache, &chunks);
-        drop(chunks);
         let mut logits = match result {
             Ok(l) => l,
             Err(e) => {
-                tracing::error!(error = %e, "forward failed; ending the batch's sequences");
-                let mut idx: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
-                idx.sort_unstable_by_key(|x| std::cmp::Reverse(*x));
-                for i in idx {
-                    let s = self.active.swap_remove(i);
-                    self.cache.free_sequence(s.id);
-                    let _ = s
-                        .events
-                        .send(Event::Error(DecodeError::Engine(EngineError::invalid(
-                            "forward",
-                            e.to_string(),
-                        ))));
-                }
+                // One sequence's fault must not end the others: the forward checks every
+                // chunk before it changes anything, so the sequences whose chunk fails that
+                // check end here and the rest, untouched, run at the next iteration.
+                let blamed: Vec<(usize, EngineError)> = plan
+                    .iter()
+                    .zip(&chunks)
+                    .filter_map(|(&(i, _), ch)| {
+                        self.model
+                            .check_chunk(&self.cache, ch)
+                            .err()
+                            .map(|e| (i, e))
+                    })
+                    .collect();
+                drop(chunks);
+                self.fail_step(&plan, blamed, &e);
                 return;
             }
         };
+        drop(chunks);
         let dt = t0.elapsed().as_secs_f64();
         self.metrics.batch_size.record(plan.len() as f64);
         self.metrics.step_seconds.record(dt);

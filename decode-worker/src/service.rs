@@ -5,19 +5,25 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use duet_discovery::{ClusterView, Role};
 use duet_engine::{EngineError, GenerationParams};
 use duet_proto::v1 as pb;
 use duet_proto::v1::prefill_client::PrefillClient;
 use duet_serving::channels::Channels;
 use duet_serving::convert::{finish_to_proto, sampling_from_proto};
 use duet_serving::deadline::grpc_timeout;
-use duet_serving::status::mark_prefill_failed;
+use duet_serving::status::{engine_status, mark_prefill_failed};
 use duet_serving::trace_context::TraceContext;
 use futures::Stream;
 use tonic::{Request, Response, Status};
 
+use crate::door::{self, DoorLimits};
 use crate::handle::{DecodeHandle, Event, GenerateJob, PrefillSource, Priority};
 use crate::via_prefill::{legacy_endpoint, Pending, ViaCall};
+
+/// How long a prefill address a request names may take to appear in this worker's view of
+/// the registry (the router may have seen the worker register a moment earlier).
+const PEER_WAIT: Duration = Duration::from_secs(2);
 
 /// `duet.v1.Decode` backed by one engine thread.
 #[derive(Clone)]
@@ -27,22 +33,37 @@ pub struct DecodeService {
     id: String,
     /// Channels to the prefill workers `ViaPrefill` requests name.
     prefill_channels: Arc<Channels>,
+    /// The cluster as the registry shows it: a `ViaPrefill` request may name only a
+    /// registered prefill worker (this worker never calls an address a caller made up).
+    peers: ClusterView,
 }
 
 impl DecodeService {
     /// `kv_endpoints`: where this worker receives KV (returned with every reservation);
-    /// `prefill_channels`: how it reaches prefill workers (with the cluster's client TLS).
+    /// `prefill_channels`: how it reaches prefill workers (with the cluster's client TLS and
+    /// token); `peers`: the view of its cluster that prefill addresses are checked against.
     pub fn new(
         handle: DecodeHandle,
         kv_endpoints: Vec<pb::KvEndpoint>,
         id: String,
         prefill_channels: Arc<Channels>,
+        peers: ClusterView,
     ) -> Self {
         DecodeService {
             handle,
             kv_endpoints,
             id,
             prefill_channels,
+            peers,
+        }
+    }
+
+    /// What requests are checked against at this door.
+    fn limits(&self) -> DoorLimits {
+        DoorLimits {
+            vocab_size: self.handle.vocab_size(),
+            context_length: self.handle.context_length(),
+            block_size: self.handle.layout().block_size,
         }
     }
 
@@ -69,6 +90,7 @@ impl pb::decode_server::Decode for DecodeService {
         req: Request<pb::ReserveRequest>,
     ) -> Result<Response<pb::ReserveResponse>, Status> {
         let r = req.into_inner();
+        door::check_reserve(&r, &self.limits()).map_err(|e| engine_status(&e))?;
         let ttl = Duration::from_millis(u64::from(r.ttl_ms.max(1)));
         let reserved = self
             .handle
@@ -95,10 +117,12 @@ impl pb::decode_server::Decode for DecodeService {
         let params = GenerationParams {
             sampling: sampling_from_proto(r.sampling.as_ref()),
             max_tokens: r.max_tokens as usize,
-            stop: r.stop,
+            stop: r.stop.clone(),
             stop_token_ids: Vec::new(),
             ignore_eos: r.ignore_eos,
         };
+        // Everything checked before the request can reach a batch others share.
+        door::check_generate(&r, &params, &self.limits()).map_err(|e| engine_status(&e))?;
         let span = tracing::info_span!(
             "decode",
             request_id = r.request_id,
@@ -121,6 +145,21 @@ impl pb::decode_server::Decode for DecodeService {
                 None,
             ),
             Some(pb::decode_request::Prefill::Via(v)) => {
+                // Only a registered prefill worker of this cluster is ever called.
+                let addr = v.prefill_address.as_str();
+                let known = self
+                    .peers
+                    .has_worker(Role::Prefill, PEER_WAIT, |w| w.grpc_addr == addr)
+                    .await;
+                if !known {
+                    return Err(engine_status(&EngineError::invalid(
+                        "prefill_address",
+                        format!(
+                            "{addr} is not a registered prefill worker of cluster {}",
+                            self.peers.cluster()
+                        ),
+                    )));
+                }
                 // Reserved before the stream's headers go out: a refusal (no room) reaches
                 // the router as the call's status, and it tries another decode worker.
                 let client = self
@@ -156,7 +195,7 @@ impl pb::decode_server::Decode for DecodeService {
                 (source, Some((call, pending)))
             }
             None => {
-                return Err(duet_serving::status::engine_status(&EngineError::invalid(
+                return Err(engine_status(&EngineError::invalid(
                     "prefill",
                     "missing (remote, local or via)",
                 )))

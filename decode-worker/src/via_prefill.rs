@@ -11,8 +11,8 @@
 //! the prefill failed, the stream ended) releases the reservation here, and cancels the
 //! prefill there if it was asked for and has not answered, both without waiting; the
 //! reservation's TTL is the backstop. A prefill that answered, even with an error, is not
-//! cancelled: the request may already be retried with the same id on that prefill worker,
-//! through another decode worker. A failure is reported with
+//! cancelled: a late cancel must never reach what that prefill worker runs next (the router
+//! gives every attempt its own id as well). A failure is reported with
 //! [`mark_prefill_failed`], so the router blames the prefill worker or the KV link, not this
 //! worker.
 
@@ -20,9 +20,9 @@ use std::time::Duration;
 
 use duet_proto::v1 as pb;
 use duet_proto::v1::prefill_client::PrefillClient;
+use duet_serving::cluster_auth::AuthChannel;
 use duet_serving::status::mark_prefill_failed;
 use duet_serving::trace_context::TraceContext;
-use tonic::transport::Channel;
 use tonic::Status;
 
 use crate::handle::DecodeHandle;
@@ -32,7 +32,7 @@ const CANCEL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What a `ViaPrefill` call needs besides the request itself.
 pub struct ViaCall {
-    pub client: PrefillClient<Channel>,
+    pub client: PrefillClient<AuthChannel>,
     pub request: pb::PrefillRequest,
     pub trace: Option<TraceContext>,
     /// The caller's remaining deadline, passed on.
@@ -44,7 +44,7 @@ pub struct ViaCall {
 /// The request's pending work until its sequence joins the batch (see the module docs).
 pub struct Pending {
     handle: DecodeHandle,
-    client: PrefillClient<Channel>,
+    client: PrefillClient<AuthChannel>,
     request_id: u64,
     /// The reservation (made or being made) is still ours to release.
     armed: bool,
@@ -56,7 +56,7 @@ impl Pending {
     /// Taken before the reservation is asked for, so that a request dropped while the
     /// engine thread has not yet answered still releases what it will reserve (the release
     /// queues behind the reservation; releasing nothing is harmless).
-    pub fn new(handle: DecodeHandle, client: PrefillClient<Channel>, request_id: u64) -> Self {
+    pub fn new(handle: DecodeHandle, client: PrefillClient<AuthChannel>, request_id: u64) -> Self {
         Pending {
             handle,
             client,

@@ -64,6 +64,24 @@ async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> (Vec<u3
     panic!("event stream ended without Done");
 }
 
+/// Like [`collect`], with the text the client would have received.
+async fn collect_text(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+) -> (Vec<u32>, Vec<String>, Done) {
+    let (mut ids, mut texts) = (Vec::new(), Vec::new());
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Token { id, text } => {
+                ids.push(id);
+                texts.push(text);
+            }
+            Event::Done(d) => return (ids, texts, d),
+            Event::Error(e) => panic!("sequence failed: {e}"),
+        }
+    }
+    panic!("event stream ended without Done");
+}
+
 fn job(m: &Model, id: u64, prompt: &str, max_tokens: usize, priority: Priority) -> GenerateJob {
     GenerateJob {
         request_id: id,
@@ -110,18 +128,25 @@ fn replayed_tokens_continue_a_stream_exactly() {
             .expect("encode");
         let mut params = job_ids(1, prompt.clone(), 48, 0);
         params.params.ignore_eos = true;
-        let (alone, _) = collect(h.generate(params)).await;
+        let (alone, texts, _) = collect_text(h.generate(params)).await;
         assert_eq!(alone.len(), 48);
         let sent = 8;
         let mut resumed = prompt.clone();
         resumed.extend_from_slice(&alone[..sent]);
         let mut job = job_ids(2, resumed, 48 - sent, sent);
         job.params.ignore_eos = true;
-        let (cont, done) = collect(h.generate(job)).await;
+        let (cont, cont_texts, done) = collect_text(h.generate(job)).await;
         assert_eq!(
             cont[..],
             alone[sent..],
             "the continuation of an undisturbed run"
+        );
+        // What a client of the migrated stream reads: what it got before, then the rest,
+        // with nothing repeated or lost.
+        assert_eq!(
+            format!("{}{}", texts[..sent].concat(), cont_texts.concat()),
+            texts.concat(),
+            "the text of an undisturbed run"
         );
         assert_eq!(done.completion_tokens as usize, 48 - sent);
         stop.cancel();
@@ -252,6 +277,72 @@ fn a_repeated_prompt_reuses_the_cached_prefix_locally_and_in_reservations() {
         assert_eq!(r.cached_tokens, (len - 2) / 16 * 16);
         assert_eq!(r.blocks.len(), len.div_ceil(16) - r.cached_tokens / 16);
         assert!(h.release(3).await);
+        stop.cancel();
+    });
+}
+
+/// A sequence whose chunk the forward refuses (a token outside the vocabulary, sent past
+/// every door) ends alone with its own error; the 7 others sharing its batch go on and give
+/// exactly the tokens they give alone, and every block comes back.
+#[test]
+fn a_poisoned_sequence_ends_alone_and_its_batch_goes_on() {
+    let m = model();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (h, stop) = start(&m, 128, 4);
+        let prompts: Vec<String> = (0..7)
+            .map(|i| format!("Tell me fact number {i} about the sea."))
+            .collect();
+        let mut alone = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            alone.push(
+                collect(h.generate(job(&m, 100 + i as u64, p, 24, Priority::Interactive)))
+                    .await
+                    .0,
+            );
+        }
+        let mut streams: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| h.generate(job(&m, i as u64, p, 24, Priority::Interactive)))
+            .collect();
+        // Every stream is decoding (its first token arrived) before the poison joins.
+        let mut first = Vec::new();
+        for rx in &mut streams {
+            match rx.recv().await {
+                Some(Event::Token { id, .. }) => first.push(id),
+                other => panic!("expected a first token, got {other:?}"),
+            }
+        }
+        let vocab = m.config.vocab_size as u32;
+        let poisoned = job_ids(99, vec![1, 2, vocab + 5], 12, 0);
+        let mut poison = h.generate(poisoned);
+        match poison.recv().await {
+            Some(Event::Error(e)) => {
+                let msg = e.to_string();
+                assert!(msg.contains("outside the vocabulary"), "{msg}");
+            }
+            other => panic!("the poisoned sequence must fail alone, got {other:?}"),
+        }
+        for (i, rx) in streams.into_iter().enumerate() {
+            let (rest, done) = collect(rx).await;
+            let mut ids = vec![first[i]];
+            ids.extend(rest);
+            assert_eq!(
+                ids, alone[i],
+                "sequence {i} is untouched by its poisoned neighbour"
+            );
+            assert_eq!(done.completion_tokens as usize, alone[i].len());
+        }
+        let end = std::time::Instant::now() + Duration::from_secs(2);
+        while h.status().kv_blocks_free != 128 {
+            assert!(
+                std::time::Instant::now() < end,
+                "blocks still held: {:?}",
+                h.status()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         stop.cancel();
     });
 }

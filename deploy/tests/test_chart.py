@@ -231,10 +231,8 @@ def test_pod_identity_and_secrets(rendered: Rendered):
         assert env["DUET_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["DUET_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert c["command"] == ["/usr/local/bin/duet"] and c["args"] == [c["name"]]
-        if c["name"] == "router":
-            assert "DUET_KV_SECRET" not in env, "the router needs no KV secret"
-        else:
-            assert env["DUET_KV_SECRET"] == {"secretKeyRef": {"name": secret_name, "key": secret_key}}
+        # Every component: the router's calls to the workers carry a token derived from it.
+        assert env["DUET_KV_SECRET"] == {"secretKeyRef": {"name": secret_name, "key": secret_key}}
         spec = w["spec"]["template"]["spec"]
         assert spec["automountServiceAccountToken"] is False
         assert spec["enableServiceLinks"] is False, "service links would inject DUET_* variables"

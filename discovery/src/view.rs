@@ -41,6 +41,9 @@ pub struct ViewOptions {
     pub min_backoff: Duration,
     /// Largest delay between attempts. Default 2 s.
     pub max_backoff: Duration,
+    /// Whether this view exports the cluster gauges (the router's; a worker that follows
+    /// the cluster to check its peers does not). Default true.
+    pub export_gauges: bool,
 }
 
 impl Default for ViewOptions {
@@ -50,6 +53,7 @@ impl Default for ViewOptions {
             probe_interval: Duration::from_secs(1),
             min_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(2),
+            export_gauges: true,
         }
     }
 }
@@ -193,6 +197,23 @@ impl ClusterView {
         Ok(r.clone())
     }
 
+    /// Whether a worker of `role` that satisfies `pred` is in the view, waiting up to
+    /// `within` for one to appear (a worker that just registered may reach a caller's view
+    /// before this one's).
+    pub async fn has_worker(
+        &self,
+        role: Role,
+        within: Duration,
+        pred: impl Fn(&WorkerRecord) -> bool,
+    ) -> bool {
+        let mut rx = self.rx.clone();
+        let found = tokio::time::timeout(within, async {
+            rx.wait_for(|s| s.workers(role).any(&pred)).await.is_ok()
+        })
+        .await;
+        found.unwrap_or(false)
+    }
+
     /// A receiver of snapshots, for callers that select on several things.
     pub fn subscribe(&self) -> watch::Receiver<Arc<Snapshot>> {
         self.rx.clone()
@@ -227,6 +248,9 @@ struct ViewTask {
 
 impl ViewTask {
     fn export_gauges(&self) {
+        if !self.opts.export_gauges {
+            return;
+        }
         metrics::gauge!(VIEW_STALE).set(if self.snap.stale { 1.0 } else { 0.0 });
         for role in Role::ALL {
             let draining = self.snap.workers(role).filter(|w| w.draining).count();

@@ -40,6 +40,7 @@ fn view_opts() -> ViewOptions {
         probe_interval: Duration::from_millis(300),
         min_backoff: Duration::from_millis(50),
         max_backoff: Duration::from_millis(300),
+        export_gauges: true,
     }
 }
 

@@ -181,26 +181,7 @@ impl Model {
             )));
         }
         for ch in batch {
-            if ch.tokens.is_empty() {
-                return Err(EngineError::invalid("tokens", "empty chunk"));
-            }
-            if let Some(&bad) = ch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-                return Err(EngineError::invalid(
-                    "tokens",
-                    format!("token id {bad} outside the vocabulary of {}", c.vocab_size),
-                ));
-            }
-            let len = cache.sequence_len(ch.seq)?;
-            if len + ch.tokens.len() > c.context_length {
-                return Err(EngineError::invalid(
-                    "tokens",
-                    format!(
-                        "{} tokens exceed the context length {}",
-                        len + ch.tokens.len(),
-                        c.context_length
-                    ),
-                ));
-            }
+            self.check_chunk(cache, ch)?;
         }
         // Reserve all blocks before computing anything.
         let mut starts = Vec::with_capacity(batch.len());
@@ -253,6 +234,30 @@ impl Model {
             cache.commit_append(ch.seq, ch.tokens.len())?;
         }
         Ok(logits)
+    }
+
+    /// Whether `ch` can be computed on its own: tokens inside the vocabulary, a sequence the
+    /// cache knows, within the context. [`Self::forward_with`] checks every chunk this way
+    /// before it changes anything, so a caller whose batch failed can tell which of its
+    /// sequences is to blame and go on with the others.
+    pub fn check_chunk(&self, cache: &KvCache, ch: &SeqChunk<'_>) -> Result<()> {
+        let c = &self.config;
+        if ch.tokens.is_empty() {
+            return Err(EngineError::invalid("tokens", "empty chunk"));
+        }
+        check_token_ids(ch.tokens, c.vocab_size)?;
+        let len = cache.sequence_len(ch.seq)?;
+        if len + ch.tokens.len() > c.context_length {
+            return Err(EngineError::invalid(
+                "tokens",
+                format!(
+                    "{} tokens exceed the context length {}",
+                    len + ch.tokens.len(),
+                    c.context_length
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// [`Self::forward_with`] without a per-layer hook.
@@ -491,5 +496,17 @@ impl Model {
             pv.reduce_rows(&acc, o);
         });
         out
+    }
+}
+
+/// Every id of `tokens` is inside a vocabulary of `vocab_size` (what a worker checks at its
+/// door, before a request reaches a batch).
+pub fn check_token_ids(tokens: &[u32], vocab_size: usize) -> Result<()> {
+    match tokens.iter().find(|&&t| t as usize >= vocab_size) {
+        Some(&bad) => Err(EngineError::invalid(
+            "tokens",
+            format!("token id {bad} outside the vocabulary of {vocab_size}"),
+        )),
+        None => Ok(()),
     }
 }

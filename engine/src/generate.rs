@@ -168,6 +168,27 @@ impl Generation {
         self.push(tokenizer, id, context_left)
     }
 
+    /// Continue a generation that started elsewhere (a stream migrated from a failed
+    /// worker): `earlier` are the tokens generated there, all of them already part of the
+    /// prompt this generation was made with. They go through the text state exactly as they
+    /// did there (detokenizer, text held back for stop strings or an unfinished character)
+    /// without being emitted again, and each consumes the random draw it took, so the text
+    /// and (with a seed) the tokens that follow are those of an undisturbed run. They do
+    /// not count as generated here: the caller's `max_tokens` is what is left.
+    ///
+    /// Returns the text those tokens emitted there (the client has it already).
+    pub fn resume(&mut self, tokenizer: &Tokenizer, earlier: &[u32]) -> String {
+        let mut emitted = String::new();
+        for &id in earlier {
+            self.sampler.skip_draw();
+            self.held.push_str(&self.detok.push(tokenizer, id));
+            let keep = self.holdback();
+            let emit_to = self.held.len() - keep;
+            emitted.extend(self.held.drain(..emit_to));
+        }
+        emitted
+    }
+
     fn push(&mut self, tokenizer: &Tokenizer, id: u32, context_left: usize) -> TokenStep {
         self.history.push(id);
         self.generated.push(id);

@@ -28,6 +28,9 @@ pub struct Tokenizer {
     /// The same pipeline encoded directly, when the vocabulary allows it (see `bpe`).
     fast: Option<ByteLevelBpe>,
     token_bytes: Vec<Vec<u8>>,
+    /// The longest token's bytes: a text of `n` bytes is at least `n / max_token_bytes`
+    /// tokens (decoding is lossless), which bounds a prompt before it is tokenized.
+    max_token_bytes: usize,
     /// Control tokens (`<|im_start|>`...): not part of the visible text.
     control: Vec<bool>,
     eos: Option<u32>,
@@ -97,7 +100,7 @@ impl Tokenizer {
             _ => vec![1; tokens.len()],
         };
         let map = unicode_to_byte();
-        let token_bytes = tokens
+        let token_bytes: Vec<Vec<u8>> = tokens
             .iter()
             .enumerate()
             .map(|(i, t)| {
@@ -145,6 +148,7 @@ impl Tokenizer {
             with_special: tk,
             plain,
             fast,
+            max_token_bytes: token_bytes.iter().map(Vec::len).max().unwrap_or(1).max(1),
             token_bytes,
             control,
             eos,
@@ -236,6 +240,11 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.token_bytes.len()
+    }
+
+    /// The longest token, in bytes (at least 1).
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
     }
 
     /// The raw bytes of one token (special tokens as their literal text).

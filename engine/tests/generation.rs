@@ -158,3 +158,100 @@ fn invalid_parameters_and_empty_prompt_are_rejected_with_the_field_named() {
     );
     assert_eq!(cache.num_sequences(), 0);
 }
+
+/// Feeds `ids` to `g` as its samples (one-hot logits with greedy sampling); returns the text
+/// emitted and whether the last token finished the generation.
+fn feed(g: &mut duet_engine::Generation, ids: &[u32]) -> (String, bool) {
+    let tok = &common::model(1).tokenizer;
+    let mut text = String::new();
+    for &id in ids {
+        let mut logits = vec![0.0f32; tok.vocab_size()];
+        logits[id as usize] = 1.0;
+        let step = g.step(tok, &mut logits, usize::MAX);
+        assert_eq!(step.id, id);
+        text.push_str(&step.text);
+        if step.finished.is_some() {
+            return (text, true);
+        }
+    }
+    (text, false)
+}
+
+/// Samples the end-of-stream token: what the generation flushes.
+fn end_of_stream(g: &mut duet_engine::Generation) -> String {
+    let tok = &common::model(1).tokenizer;
+    let mut logits = vec![0.0f32; tok.vocab_size()];
+    logits[tok.stop_token_ids()[0] as usize] = 1.0;
+    let step = g.step(tok, &mut logits, usize::MAX);
+    assert!(step.finished.is_some());
+    step.text
+}
+
+/// A stream migrated after any token (a new generation that resumes the tokens sent so far)
+/// gives the client exactly the text of an undisturbed run: nothing held back before the
+/// migration (an unfinished character, a possible stop string) is lost, nothing is repeated.
+#[test]
+fn a_generation_resumed_after_any_token_continues_the_same_text() {
+    let tok = &common::model(1).tokenizer;
+    let prompt = tok.encode("Say it:", false).expect("encode");
+    // Multi-byte characters split across byte tokens, and a stop string whose prefixes
+    // occur (and are held back) several times before it completes.
+    let generated = tok
+        .encode(
+            " caf\u{e9} \u{1f469}\u{200d}\u{1f52c} ends; end. The END",
+            false,
+        )
+        .expect("encode");
+    for stop in [
+        vec![],
+        vec!["END".to_string()],
+        vec!["ends;".to_string(), "\u{1f52c}".to_string()],
+    ] {
+        let params = GenerationParams {
+            max_tokens: 64,
+            stop: stop.clone(),
+            ..Default::default()
+        };
+        let mut whole = duet_engine::Generation::new(tok, &prompt, params.clone()).expect("new");
+        let (reference, finished) = feed(&mut whole, &generated);
+        let reference = if finished {
+            reference
+        } else {
+            // The end of the stream flushes what was held back.
+            reference + &end_of_stream(&mut whole)
+        };
+        for k in 1..generated.len() {
+            let mut before =
+                duet_engine::Generation::new(tok, &prompt, params.clone()).expect("new");
+            let (sent, done) = feed(&mut before, &generated[..k]);
+            if done {
+                break;
+            }
+            let extended: Vec<u32> = prompt.iter().chain(&generated[..k]).copied().collect();
+            let mut after = duet_engine::Generation::new(
+                tok,
+                &extended,
+                GenerationParams {
+                    max_tokens: 64 - k,
+                    ..params.clone()
+                },
+            )
+            .expect("new");
+            assert_eq!(
+                after.resume(tok, &generated[..k]),
+                sent,
+                "stop {stop:?}, k {k}"
+            );
+            let (mut rest, done) = feed(&mut after, &generated[k..]);
+            if !done {
+                rest.push_str(&end_of_stream(&mut after));
+            }
+            assert_eq!(
+                format!("{sent}{rest}"),
+                reference,
+                "migrated after {k} tokens with stop strings {stop:?}"
+            );
+            assert!(after.generated().len() <= generated.len() - k + 1);
+        }
+    }
+}

@@ -46,6 +46,13 @@ impl SharedSecret {
             .map_err(|_| Error::Internal("HMAC rejected the key length".into()))
     }
 
+    /// A key derived from the secret for another purpose, named by `label` (e.g. the token
+    /// internal RPCs carry): HMAC-SHA256(secret, label). Knowing it reveals nothing of the
+    /// secret, nor of keys with other labels.
+    pub fn derive(&self, label: &[u8]) -> Result<[u8; 32]> {
+        self.mac(label, &[])
+    }
+
     /// HMAC-SHA256(secret, label || parts...).
     pub(crate) fn mac(&self, label: &[u8], parts: &[&[u8]]) -> Result<[u8; 32]> {
         let mut m = self.keyed()?;

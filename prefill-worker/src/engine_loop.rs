@@ -15,6 +15,7 @@
 //! forward. A finished prompt's blocks are registered and stay cached for the next request.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -104,6 +105,29 @@ pub struct PrefillStatus {
     pub tokens_per_second: f64,
 }
 
+/// Prefills sent to the engine thread that it has not taken from its channel yet (they
+/// arrived during a forward). The status counts them, so a worker busy with a long forward
+/// never reads idle while work waits for it.
+#[derive(Debug, Default)]
+struct Pending {
+    requests: AtomicU64,
+    tokens: AtomicU64,
+}
+
+impl Pending {
+    fn sent(&self, job: &PrefillJob) {
+        self.requests.fetch_add(1, Ordering::SeqCst);
+        self.tokens
+            .fetch_add(job.prompt.len() as u64, Ordering::SeqCst);
+    }
+
+    fn taken(&self, job: &PrefillJob) {
+        self.requests.fetch_sub(1, Ordering::SeqCst);
+        self.tokens
+            .fetch_sub(job.prompt.len() as u64, Ordering::SeqCst);
+    }
+}
+
 enum Cmd {
     Prefill(PrefillJob, Reply),
     Cancel(u64),
@@ -115,6 +139,7 @@ enum Cmd {
 pub struct PrefillHandle {
     tx: std_mpsc::Sender<Cmd>,
     status: Arc<Mutex<PrefillStatus>>,
+    pending: Arc<Pending>,
     connector: Arc<Connector>,
     kv_events: KvEventHub,
 }
@@ -131,6 +156,7 @@ impl PrefillHandle {
     ) -> Result<PrefillHandle, PrefillError> {
         let (tx, rx) = std_mpsc::channel();
         let status = Arc::new(Mutex::new(PrefillStatus::default()));
+        let pending = Arc::new(Pending::default());
         let layout = model.kv_layout(kv.block_size, kv.dtype);
         let mut cache = KvCache::new(layout, kv.num_blocks);
         let kv_events = KvEventHub::new(cfg.id.clone(), kv.block_size);
@@ -149,6 +175,7 @@ impl PrefillHandle {
             cfg: cfg.clone(),
             rx,
             status: status.clone(),
+            pending: pending.clone(),
             connector: connector.clone(),
             rt,
             cancel,
@@ -169,6 +196,7 @@ impl PrefillHandle {
         Ok(PrefillHandle {
             tx,
             status,
+            pending,
             connector,
             kv_events,
         })
@@ -177,9 +205,13 @@ impl PrefillHandle {
     /// Queues a prefill; resolves when the decode worker holds the KV.
     pub async fn prefill(&self, job: PrefillJob) -> Result<PrefillResult, PrefillError> {
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Cmd::Prefill(job, reply))
-            .map_err(|_| PrefillError::ShuttingDown)?;
+        self.pending.sent(&job);
+        if let Err(std_mpsc::SendError(Cmd::Prefill(job, _))) =
+            self.tx.send(Cmd::Prefill(job, reply))
+        {
+            self.pending.taken(&job);
+            return Err(PrefillError::ShuttingDown);
+        }
         rx.await.map_err(|_| PrefillError::ShuttingDown)?
     }
 
@@ -198,9 +230,13 @@ impl PrefillHandle {
         &self.kv_events
     }
 
-    /// Latest status.
+    /// Latest status: the engine's (published when work is admitted, before and after
+    /// every forward) plus what waits in its channel.
     pub fn status(&self) -> PrefillStatus {
-        self.status.lock().map(|s| s.clone()).unwrap_or_default()
+        let mut s = self.status.lock().map(|s| s.clone()).unwrap_or_default();
+        s.queued += self.pending.requests.load(Ordering::SeqCst) as u32;
+        s.queued_prefill_tokens += self.pending.tokens.load(Ordering::SeqCst);
+        s
     }
 
     /// The connector (endpoint choice).
@@ -239,6 +275,7 @@ struct Engine {
     cfg: PrefillConfig,
     rx: std_mpsc::Receiver<Cmd>,
     status: Arc<Mutex<PrefillStatus>>,
+    pending: Arc<Pending>,
     connector: Arc<Connector>,
     rt: tokio::runtime::Handle,
     cancel: CancellationToken,
@@ -326,7 +363,23 @@ impl Engine {
             Cmd::Prefill(job, reply) => {
                 let blocks = self.cache.blocks_for(job.prompt.len());
                 let bs = self.cache.block_size();
-                if job.prompt.is_empty() || blocks > self.cache.total_blocks() {
+                self.pending.taken(&job);
+                let ctx = self.model.config.context_length;
+                let bad_ids =
+                    duet_engine::check_token_ids(&job.prompt, self.model.config.vocab_size);
+                if let Err(e) = bad_ids {
+                    let _ = reply.send(Err(e.into()));
+                } else if job.prompt.len() >= ctx {
+                    let _ = reply.send(Err(PrefillError::Engine(
+                        duet_engine::EngineError::invalid(
+                            "prompt",
+                            format!(
+                                "{} tokens (must be below the context length {ctx})",
+                                job.prompt.len()
+                            ),
+                        ),
+                    )));
+                } else if job.prompt.is_empty() || blocks > self.cache.total_blocks() {
                     let _ = reply.send(Err(PrefillError::TooLong {
                         tokens: job.prompt.len(),
                         blocks,
@@ -567,11 +620,43 @@ impl Engine {
         }
     }
 
+    /// After a forward over `plan` failed with `e`: ends the requests whose chunk is
+    /// `blamed` with their own error, and leaves the others running (their KV is untouched:
+    /// the forward refused before computing). With none to blame (this worker's fault, not
+    /// a request's), every request of the forward ends as unavailable here, and is retried
+    /// elsewhere.
+    fn fail_step(
+        &mut self,
+        plan: &[(usize, usize, usize)],
+        blamed: Vec<Option<duet_engine::EngineError>>,
+        e: &duet_engine::EngineError,
+    ) {
+        let any = blamed.iter().any(Option::is_some);
+        let mut ended: Vec<(usize, PrefillError)> = plan
+            .iter()
+            .zip(blamed.into_iter().chain(std::iter::repeat_with(|| None)))
+            .filter_map(|(p, b)| match (any, b) {
+                (true, Some(b)) => Some((p.0, PrefillError::Engine(b))),
+                (true, None) => None,
+                (false, _) => Some((p.0, PrefillError::StepFailed(e.to_string()))),
+            })
+            .collect();
+        tracing::warn!(error = %e, ended = ended.len(), forward = plan.len(), "prefill forward failed");
+        ended.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
+        for (i, err) in ended {
+            let r = self.running.swap_remove(i);
+            self.end(&r);
+            let _ = r.tx.send(Msg::Fail(err));
+        }
+    }
+
     fn step(&mut self) {
         self.start_queued();
         if self.running.is_empty() {
             return;
         }
+        // Live status while the forward runs: what it computes shows as running.
+        self.publish();
         let bs = self.cache.block_size();
         let mut budget = self.cfg.max_batch_tokens.max(bs);
         // (running index, start, len)
@@ -671,6 +756,15 @@ impl Engine {
             }
         };
         let result = self.model.forward_with(&mut self.cache, &chunks, &mut hook);
+        // On failure, the chunks to blame (the forward checks them all before it changes
+        // anything): their requests end, the others go on.
+        let blamed: Vec<Option<duet_engine::EngineError>> = match &result {
+            Ok(_) => Vec::new(),
+            Err(_) => chunks
+                .iter()
+                .map(|ch| self.model.check_chunk(&self.cache, ch).err())
+                .collect(),
+        };
         drop(chunks);
         let elapsed = t0.elapsed();
         let dt = elapsed.as_secs_f64();
@@ -681,15 +775,7 @@ impl Engine {
         let mut logits = match result {
             Ok(l) => l,
             Err(e) => {
-                let mut idx: Vec<usize> = plan.iter().map(|p| p.0).collect();
-                idx.sort_unstable_by_key(|x| std::cmp::Reverse(*x));
-                for i in idx {
-                    let r = self.running.swap_remove(i);
-                    self.end(&r);
-                    let _ = r.tx.send(Msg::Fail(PrefillError::Engine(
-                        duet_engine::EngineError::invalid("forward", e.to_string()),
-                    )));
-                }
+                self.fail_step(&plan, blamed, &e);
                 return;
             }
         };

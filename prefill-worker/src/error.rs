@@ -21,6 +21,9 @@ pub enum PrefillError {
     Cancelled(u64),
     #[error("the worker is shutting down")]
     ShuttingDown,
+    /// A forward failed with no request to blame: this worker's fault.
+    #[error("the prefill step failed on this worker: {0}")]
+    StepFailed(String),
 }
 
 impl PrefillError {
@@ -36,7 +39,9 @@ impl PrefillError {
             },
             PrefillError::QueueFull(_) => ErrorClass::ResourceExhausted,
             PrefillError::TooLong { .. } => ErrorClass::InvalidArgument,
-            PrefillError::Cancelled(_) | PrefillError::ShuttingDown => ErrorClass::Unavailable,
+            PrefillError::Cancelled(_)
+            | PrefillError::ShuttingDown
+            | PrefillError::StepFailed(_) => ErrorClass::Unavailable,
         }
     }
 

@@ -1,5 +1,8 @@
 //! The internal `duet.v1.Prefill` gRPC service over a [`PrefillHandle`].
 
+use std::time::Duration;
+
+use duet_discovery::{ClusterView, Role};
 use duet_kv_transfer::Endpoint;
 use duet_proto::v1 as pb;
 use duet_serving::convert::sampling_from_proto;
@@ -9,16 +12,56 @@ use tonic::{Request, Response, Status};
 use crate::engine_loop::{PrefillHandle, PrefillJob};
 use crate::error::PrefillError;
 
+/// How long a KV endpoint a request names may take to appear in this worker's view of the
+/// registry (the decode worker that named it registered a moment ago).
+const PEER_WAIT: Duration = Duration::from_secs(2);
+
 /// `duet.v1.Prefill` backed by one engine thread.
 #[derive(Clone)]
 pub struct PrefillService {
     handle: PrefillHandle,
     id: String,
+    /// The cluster as the registry shows it: KV goes only to endpoints registered decode
+    /// workers advertise (this worker never connects to an address a caller made up).
+    peers: ClusterView,
 }
 
 impl PrefillService {
-    pub fn new(handle: PrefillHandle, id: String) -> Self {
-        PrefillService { handle, id }
+    pub fn new(handle: PrefillHandle, id: String, peers: ClusterView) -> Self {
+        PrefillService { handle, id, peers }
+    }
+
+    /// Refuses a request whose KV endpoints are not all a registered decode worker's.
+    async fn check_endpoints(
+        &self,
+        all: &[pb::KvEndpoint],
+        picked: Option<&pb::KvEndpoint>,
+    ) -> Result<(), Status> {
+        for e in all.iter().chain(picked.filter(|_| all.is_empty())) {
+            let known = self
+                .peers
+                .has_worker(Role::Decode, PEER_WAIT, |w| {
+                    w.kv_endpoints
+                        .iter()
+                        .any(|k| k.transport == e.transport && k.address == e.address)
+                })
+                .await;
+            if !known {
+                return Err(duet_serving::status::engine_status(
+                    &duet_engine::EngineError::invalid(
+                        "kv_endpoints",
+                        format!(
+                            "{}://{} is not a registered decode worker's KV endpoint in \
+                             cluster {}",
+                            e.transport,
+                            e.address,
+                            self.peers.cluster()
+                        ),
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The tonic server wrapper.
@@ -68,6 +111,8 @@ impl pb::prefill_server::Prefill for PrefillService {
     ) -> Result<Response<pb::PrefillResponse>, Status> {
         let trace = TraceContext::extract(req.metadata());
         let r = req.into_inner();
+        self.check_endpoints(&r.kv_endpoints, r.kv_endpoint.as_ref())
+            .await?;
         let route = self
             .handle
             .connector()

@@ -68,6 +68,11 @@ pub struct RouterConfig {
     /// In a decode worker's routing cost, what one running or waiting sequence weighs, in
     /// prompt tokens to prefill (the cost's other part).
     pub decode_seq_cost_tokens: u64,
+    /// The HTTP door's connection limits and timeouts.
+    pub http: crate::http::HttpLimits,
+    /// What the router's calls to workers carry (derived from the cluster secret; workers
+    /// refuse calls without it). `None`: nothing (stand-in workers only).
+    pub cluster_token: Option<duet_serving::cluster_auth::ClusterToken>,
 }
 
 impl RouterConfig {
@@ -102,6 +107,8 @@ impl Default for RouterConfig {
             worker_tls: None,
             kv_routing: true,
             decode_seq_cost_tokens: 256,
+            http: crate::http::HttpLimits::default(),
+            cluster_token: None,
         }
     }
 }

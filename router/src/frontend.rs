@@ -16,6 +16,44 @@ pub struct Prepared {
     pub priority: pb::Priority,
 }
 
+/// Refuses, before tokenizing it, a text prompt too long for the context whatever its
+/// tokens: decoding is lossless, so a text of `n` bytes has at least
+/// `n / max_token_bytes` tokens. Only for `truncation: error` (a truncating request needs
+/// its tokens; the request size limit bounds it). Chat messages count their contents
+/// alone (the template only adds to them).
+fn check_prompt_bytes(
+    front: &TextFrontend,
+    ctx: usize,
+    req: &pb::GenerateRequest,
+) -> Result<(), RouterError> {
+    let truncation = pb::Truncation::try_from(req.truncation).unwrap_or(pb::Truncation::Error);
+    if !matches!(
+        truncation,
+        pb::Truncation::Error | pb::Truncation::Unspecified
+    ) {
+        return Ok(());
+    }
+    let bytes = match &req.prompt {
+        Some(pb::generate_request::Prompt::Text(t)) => t.len(),
+        Some(pb::generate_request::Prompt::Chat(c)) => {
+            c.messages.iter().map(|m| m.content.len()).sum()
+        }
+        _ => return Ok(()),
+    };
+    let room = ctx.saturating_sub(1);
+    let per_token = front.tokenizer.max_token_bytes();
+    let most = room.saturating_mul(per_token);
+    if bytes > most {
+        return Err(RouterError::invalid(
+            "prompt",
+            format!(
+                "{bytes} bytes cannot fit the context: it holds {ctx} tokens, so a prompt may                  have at most {room} tokens of at most {per_token} bytes each ({most} bytes;                  truncation: error)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Validates and tokenizes `req` against the served model.
 /// `ctx`: the context length requests are held to.
 pub fn prepare(
@@ -27,6 +65,7 @@ pub fn prepare(
     if !req.model.is_empty() && req.model != model_name {
         return Err(RouterError::UnknownModel(req.model.clone()));
     }
+    check_prompt_bytes(front, ctx, req)?;
     let mut prompt = match &req.prompt {
         None => {
             return Err(RouterError::invalid(

@@ -128,9 +128,10 @@ pub struct Job {
 #[derive(Default)]
 struct Progress {
     first_token_at: Option<Instant>,
-    /// The tokens sent (ids and text): after a migration they extend the prompt.
+    /// The tokens sent: after a migration they extend the prompt.
     sent_ids: Vec<u32>,
-    sent_text: String,
+    /// Attempts started (retries and migrations included).
+    attempts: u32,
 }
 
 enum Outcome {
@@ -405,7 +406,6 @@ async fn attempt_once(
     // After a migration the tokens already sent extend the prompt, and only the rest of
     // the budget remains.
     let resumed = progress.sent_ids.len();
-    let resumed_text_len = progress.sent_text.len();
     let prompt: Vec<u32> = job
         .prep
         .prompt
@@ -414,6 +414,21 @@ async fn attempt_once(
         .copied()
         .collect();
     let max_tokens = job.prep.params.max_tokens.saturating_sub(resumed).max(1);
+    // Each attempt has its own id on the workers: whatever an earlier attempt left behind
+    // there (a reservation expiring, a late KV failure, a prefill being cancelled) can only
+    // ever touch that attempt, never this one. The first attempt uses the request's id.
+    progress.attempts += 1;
+    let request_id = match progress.attempts {
+        1 => job.request_id,
+        _ => rand::random(),
+    };
+    if progress.attempts > 1 {
+        tracing::debug!(
+            attempt = progress.attempts,
+            worker_request_id = request_id,
+            "new attempt"
+        );
+    }
     let prefix = PromptPrefix::new(&prompt, &shared.kv_index, shared.cfg.kv_routing);
     let Some(mut decoders) = wait_for_decode(shared, job, &prefix, out).await? else {
         return Ok(Outcome::ClientGone);
@@ -507,7 +522,7 @@ async fn attempt_once(
     // (`ViaPrefill`), so the router makes one call per request whatever the placement.
     let sampling = Some(sampling_to_proto(&job.prep.params.sampling));
     let decode_request = |prefill: pb::decode_request::Prefill| pb::DecodeRequest {
-        request_id: job.request_id,
+        request_id,
         prompt: prompt.clone(),
         sampling,
         max_tokens: max_tokens as u32,
@@ -537,7 +552,7 @@ async fn attempt_once(
                 prefetch(
                     &shared.workers,
                     &p.grpc_addr,
-                    job.request_id,
+                    request_id,
                     &prefix.hashes(&p),
                 );
             }
@@ -565,7 +580,7 @@ async fn attempt_once(
                 r.unwrap_or_else(|_| Err(no_answer("generate", CONTROL_TIMEOUT)))
             }
             _ = out.closed() => {
-                release_decode(&shared.workers, &d.grpc_addr, job.request_id).await;
+                release_decode(&shared.workers, &d.grpc_addr, request_id).await;
                 return Ok(Outcome::ClientGone);
             }
         };
@@ -595,7 +610,6 @@ async fn attempt_once(
     job.slot.release();
     job.metrics.placed(placement_label(placement));
     let queue_seconds = job.arrival.elapsed().as_secs_f64();
-    let request_id = job.request_id;
     // Frees whatever the decode worker holds for this request (idempotent there).
     let release = || release_decode(&shared.workers, &decoder.grpc_addr, request_id);
 
@@ -679,7 +693,6 @@ async fn attempt_once(
                 }
                 streaming = true;
                 progress.sent_ids.push(t.id);
-                progress.sent_text.push_str(&t.text);
                 let r = response(&job.client_id, pb::generate_response::Event::Token(t));
                 if out.send(Ok(r)).await.is_err() {
                     drop(stream);
@@ -720,7 +733,10 @@ async fn attempt_once(
                         cached_tokens,
                     }),
                     timings: Some(timings),
-                    text: format!("{}{}", &progress.sent_text[..resumed_text_len], d.text),
+                    // Only what the client has not received: the decode worker's held-back
+                    // tail (a migrated stream's worker resumed the text state of the tokens
+                    // sent before, so the tail is that of an undisturbed run).
+                    text: d.text,
                 };
                 tracing::info!(
                     decode = %decoder.id,

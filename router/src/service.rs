@@ -69,7 +69,7 @@ impl GenerationService {
     pub fn new(front: Arc<TextFrontend>, cfg: RouterConfig, view: ClusterView) -> Self {
         let admission = Admission::new(cfg.max_queued_per_priority);
         let claims = Claims::new(cfg.max_in_flight_per_client);
-        let workers = Workers::new(cfg.worker_tls.clone());
+        let workers = Workers::new(cfg.worker_tls.clone(), cfg.cluster_token.clone());
         let kv_index = Arc::new(KvIndex::new());
         if cfg.kv_routing {
             // Follows the view until it closes (the router's shutdown).
@@ -110,6 +110,11 @@ impl GenerationService {
     /// The largest request body the doors accept.
     pub fn max_request_bytes(&self) -> usize {
         self.shared.cfg.max_request_bytes
+    }
+
+    /// The HTTP door's connection limits and timeouts.
+    pub fn http_limits(&self) -> crate::http::HttpLimits {
+        self.shared.cfg.http
     }
 
     /// The context length requests are held to.

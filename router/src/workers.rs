@@ -8,16 +8,15 @@ use std::time::{Duration, Instant};
 use duet_proto::v1::decode_client::DecodeClient;
 use duet_proto::v1::kv_cache_client::KvCacheClient;
 use duet_proto::v1::prefill_client::PrefillClient;
-use tonic::transport::Channel;
-
 use duet_serving::channels::Channels;
+use duet_serving::cluster_auth::{AuthChannel, ClusterToken};
 use duet_serving::tls::ClientTls;
 
 use crate::error::RouterError;
 use crate::placement::InFlight;
 
 /// Channels and counters shared by every request.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Workers {
     /// One channel per worker address (TLS for `https://` workers).
     channels: Channels,
@@ -30,29 +29,33 @@ pub struct Workers {
 }
 
 impl Workers {
-    pub fn new(tls: Option<ClientTls>) -> Arc<Workers> {
+    /// `tls` and `token`: what calls to the workers carry (see [`Channels`]).
+    pub fn new(tls: Option<ClientTls>, token: Option<ClusterToken>) -> Arc<Workers> {
         Arc::new(Workers {
-            channels: Channels::new(tls),
-            ..Workers::default()
+            channels: Channels::new(tls, token),
+            inflight: Default::default(),
+            prefill_tokens: Default::default(),
+            suspects: Default::default(),
+            bad_links: Default::default(),
         })
     }
 
-    fn channel(&self, addr: &str) -> Result<Channel, RouterError> {
+    fn channel(&self, addr: &str) -> Result<AuthChannel, RouterError> {
         self.channels.get(addr).map_err(|e| RouterError::NoWorker {
             role: "any",
             reason: e.to_string(),
         })
     }
 
-    pub fn decode(&self, addr: &str) -> Result<DecodeClient<Channel>, RouterError> {
+    pub fn decode(&self, addr: &str) -> Result<DecodeClient<AuthChannel>, RouterError> {
         Ok(DecodeClient::new(self.channel(addr)?))
     }
 
-    pub fn prefill(&self, addr: &str) -> Result<PrefillClient<Channel>, RouterError> {
+    pub fn prefill(&self, addr: &str) -> Result<PrefillClient<AuthChannel>, RouterError> {
         Ok(PrefillClient::new(self.channel(addr)?))
     }
 
-    pub fn kv_cache(&self, addr: &str) -> Result<KvCacheClient<Channel>, RouterError> {
+    pub fn kv_cache(&self, addr: &str) -> Result<KvCacheClient<AuthChannel>, RouterError> {
         Ok(KvCacheClient::new(self.channel(addr)?))
     }
 
@@ -168,7 +171,7 @@ mod tests {
 
     #[test]
     fn a_suspect_is_remembered_for_its_period_only() {
-        let w = Workers::new(None);
+        let w = Workers::new(None, None);
         w.mark_suspect("p-1", Duration::from_millis(40));
         w.mark_suspect("p-2", Duration::from_secs(60));
         assert!(w.suspects().contains("p-1"));

@@ -10,30 +10,41 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::cluster_auth::{AuthChannel, ClusterToken, OutgoingToken};
 use crate::error::ServeError;
 use crate::tls::ClientTls;
 
-/// The channel table of one process.
+/// The channel table of one process (`Default`: plain text, no token).
 #[derive(Debug, Default)]
 pub struct Channels {
     tls: Option<ClientTls>,
+    /// Every call through these channels carries it (workers refuse calls without it).
+    token: OutgoingToken,
     table: Mutex<HashMap<String, Channel>>,
 }
 
 impl Channels {
-    /// `tls`: for `https://` addresses (`None`: plain text only).
-    pub fn new(tls: Option<ClientTls>) -> Channels {
+    /// `tls`: for `https://` addresses (`None`: plain text only); `token`: the cluster's
+    /// (`None`: calls carry none, and only servers that check nothing answer).
+    pub fn new(tls: Option<ClientTls>, token: Option<ClusterToken>) -> Channels {
         Channels {
             tls,
+            token: OutgoingToken(token),
             table: Mutex::new(HashMap::new()),
         }
     }
 
     /// The channel to `addr` (`http://host:port` or `https://host:port`), created on first
-    /// use; it connects lazily and reconnects on its own.
-    pub fn get(&self, addr: &str) -> Result<Channel, ServeError> {
+    /// use; it connects lazily and reconnects on its own. Its calls carry the cluster token.
+    pub fn get(&self, addr: &str) -> Result<AuthChannel, ServeError> {
+        self.channel(addr)
+            .map(|c| InterceptedService::new(c, self.token.clone()))
+    }
+
+    fn channel(&self, addr: &str) -> Result<Channel, ServeError> {
         let bad = |reason: String| ServeError::Address {
             addr: addr.to_string(),
             reason,
@@ -82,7 +93,8 @@ mod tests {
 
     #[tokio::test]
     async fn one_channel_per_address_and_plain_text_only_without_tls() {
-        let c = Channels::new(None);
+        let secret = duet_kv_transfer::SharedSecret::new(b"0123456789abcdef").unwrap();
+        let c = Channels::new(None, Some(ClusterToken::from_secret(&secret).unwrap()));
         assert!(c.get("http://127.0.0.1:1").is_ok());
         assert_eq!(c.table.lock().unwrap().len(), 1);
         assert!(c.get("http://127.0.0.1:1").is_ok());

@@ -22,4 +22,6 @@ pub enum ServeError {
     TlsConfig(#[source] rustls::Error),
     #[error("worker address {addr}: {reason}")]
     Address { addr: String, reason: String },
+    #[error("cluster token: {0}")]
+    Auth(String),
 }

@@ -2,6 +2,7 @@
 //!
 //! - [`error`]: the crate's one error type;
 //! - [`channels`]: lazily connected channels to other duet processes, one per address;
+//! - [`cluster_auth`]: the cluster token internal calls carry and workers check;
 //! - [`deadline`]: the caller's `grpc-timeout`, read once for every server;
 //! - [`convert`]: proto messages <-> engine types (sampling parameters, finish reasons) and
 //!   the engine's KV layout as kv-transfer describes it;
@@ -17,6 +18,7 @@
 //! The conversions live here once so that the router and both workers agree on them.
 
 pub mod channels;
+pub mod cluster_auth;
 pub mod convert;
 pub mod deadline;
 pub mod error;

@@ -13,6 +13,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 
+use crate::cluster_auth::RequireToken;
 pub use crate::error::ServeError;
 use crate::tls::ServerTls;
 
@@ -22,10 +23,12 @@ pub type Health = tonic_health::server::HealthReporter;
 /// Serves `routes` (built with `Routes::new(svc).add_service(...)`) on `listener`, with
 /// health (the named `services` and "" SERVING) and reflection, until `shutdown` fires; then
 /// drains for at most `drain`. With `tls`, every connection is TLS (mutual when `tls` names
-/// a client CA): health and reflection included.
+/// a client CA): health and reflection included. `auth` refuses every call but health that
+/// lacks the cluster token (workers; the router's public doors pass an open one).
 pub async fn serve(
     listener: TcpListener,
     tls: Option<&ServerTls>,
+    auth: RequireToken,
     routes: Routes,
     services: &[&str],
     shutdown: CancellationToken,
@@ -72,6 +75,7 @@ pub async fn serve(
             .map_err(ServeError::Transport)?;
     }
     let server = builder
+        .layer(auth)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))
         .add_routes(routes)

@@ -72,6 +72,10 @@ catalogue! {
         "Tokens streamed to clients.";
     Counter ROUTER_TLS_HANDSHAKE_FAILURES_TOTAL = "duet_router_tls_handshake_failures_total",
         "Connections to the HTTPS door dropped at the TLS handshake (not TLS, untrusted client certificate, timeout).";
+    Gauge ROUTER_HTTP_CONNECTIONS = "duet_router_http_connections",
+        "Connections open on the HTTP door.";
+    Counter ROUTER_HTTP_CONNECTIONS_REFUSED_TOTAL = "duet_router_http_connections_refused_total",
+        "Connections to the HTTP door answered 503 and closed at once: `--http-max-connections` were open.";
     Gauge ROUTER_WORKERS = "duet_router_workers",
         "Workers in the router's cluster view, by `role` and `state` (`ready`, `draining`).";
     Counter ROUTER_PREFIX_MATCH_TOKENS_TOTAL = "duet_router_prefix_match_tokens_total",

@@ -18,6 +18,19 @@ pub mod etcd;
 pub mod prometheus;
 pub mod reference;
 
+/// The cluster secret of every process these tests start (separate processes refuse to
+/// start without one).
+pub const TEST_SECRET: &str = "duet-test-cluster-secret-0123456789";
+
+/// A request to a worker's internal service, with the cluster token its members carry.
+pub fn internal<T>(msg: T) -> tonic::Request<T> {
+    let secret = duet_kv_transfer::SharedSecret::new(TEST_SECRET).expect("test secret");
+    let token = duet_serving::cluster_auth::ClusterToken::from_secret(&secret).expect("token");
+    let mut req = tonic::Request::new(msg);
+    token.attach(&mut req);
+    req
+}
+
 pub fn model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
@@ -73,6 +86,7 @@ impl Proc {
             // tcp between processes (as between hosts, or across cut network namespaces).
             // `kv_shm.rs` turns it back on.
             .env("DUET_KV_SHM", "off")
+            .env("DUET_KV_SECRET", TEST_SECRET)
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(if keep_stderr {
@@ -354,7 +368,7 @@ pub async fn decode_status(addr: &str) -> pb::WorkerStatus {
     let mut c = duet_proto::v1::decode_client::DecodeClient::connect(addr.to_string())
         .await
         .expect("connect decode");
-    c.status(pb::StatusRequest {})
+    c.status(internal(pb::StatusRequest {}))
         .await
         .expect("status")
         .into_inner()
@@ -364,7 +378,7 @@ pub async fn prefill_status(addr: &str) -> pb::WorkerStatus {
     let mut c = duet_proto::v1::prefill_client::PrefillClient::connect(addr.to_string())
         .await
         .expect("connect prefill");
-    c.status(pb::StatusRequest {})
+    c.status(internal(pb::StatusRequest {}))
         .await
         .expect("status")
         .into_inner()

@@ -8,7 +8,7 @@
 //! drops the event receiver, which cancels the request and frees its KV.
 
 use std::convert::Infallible;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Request, State};
@@ -135,9 +135,18 @@ pub(super) fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     })
 }
 
-/// Reads the whole body, refusing more than `limit` bytes with a 413.
-async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
+/// Reads the whole body within `timeout` (408 past it: a client trickling its body must
+/// not hold a connection and a task forever), refusing more than `limit` bytes with a 413.
+async fn read_body(body: Body, limit: usize, timeout: Duration) -> Result<Bytes, ApiError> {
+    let read = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit))
+        .await
+        .map_err(|_| ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!("the request body did not arrive within {timeout:?}"),
+            param: Some("body".into()),
+            retry_after: None,
+        })?;
+    read.map_err(|e| {
         let e = e.into_inner();
         if e.downcast_ref::<http_body_util::LengthLimitError>()
             .is_some()
@@ -187,9 +196,13 @@ async fn handle(
         authorize_http(&svc, &headers)?;
         check_content_type(&headers).map_err(refused)?;
         let id = request_id_of(&headers).map_err(refused)?;
-        let body = read_body(body, svc.max_request_bytes())
-            .await
-            .map_err(refused)?;
+        let body = read_body(
+            body,
+            svc.max_request_bytes(),
+            svc.http_limits().body_timeout,
+        )
+        .await
+        .map_err(refused)?;
         let mut p = read(&body, &svc).map_err(refused)?;
         if let Some(id) = &id {
             p.req.request_id.clone_from(id);

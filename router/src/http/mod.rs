@@ -6,21 +6,22 @@
 
 mod api_error;
 mod completions;
+pub mod connections;
 #[doc(hidden)]
 pub mod fuzzing;
 mod health;
 pub mod openai_request;
 pub mod tls_listener;
 
-use std::future::IntoFuture;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::service::GenerationService;
+pub use connections::HttpLimits;
 use duet_serving::tls::ServerTls;
-use tls_listener::{ClientAddr, DoorListener};
+use tls_listener::DoorListener;
 
 /// The HTTP door's routes; `extra` (e.g. `/metrics`) is merged in.
 pub fn app(svc: GenerationService, extra: axum::Router) -> axum::Router {
@@ -61,16 +62,17 @@ async fn unknown_route(uri: axum::http::Uri) -> api_error::ApiError {
     }
 }
 
-/// Serves `app` on `listener` (plain HTTP, or HTTPS with `tls`) until `shutdown` fires, then
-/// lets open responses finish for up to `drain` (long streams are cut at the deadline).
+/// Serves `app` on `listener` (plain HTTP, or HTTPS with `tls`) with `limits` until
+/// `shutdown` fires, then lets open responses finish for up to `drain` (long streams are cut
+/// at the deadline).
 pub async fn serve(
     listener: TcpListener,
     tls: Option<&ServerTls>,
     app: axum::Router,
+    limits: HttpLimits,
     shutdown: CancellationToken,
     drain: Duration,
 ) -> std::io::Result<()> {
-    let stop = shutdown.clone();
     let listener = match tls {
         Some(tls) => DoorListener::tls(
             listener,
@@ -80,17 +82,5 @@ pub async fn serve(
         )?,
         None => DoorListener::plain(listener),
     };
-    // The peer address feeds the per-client concurrency limit.
-    let app = app.into_make_service_with_connect_info::<ClientAddr>();
-    let server = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
-    tokio::select! {
-        r = server.into_future() => r,
-        _ = async {
-            shutdown.cancelled().await;
-            tokio::time::sleep(drain).await;
-        } => {
-            tracing::warn!("HTTP drain deadline passed: closing open responses");
-            Ok(())
-        }
-    }
+    connections::serve_connections(listener, app, limits, shutdown, drain).await
 }

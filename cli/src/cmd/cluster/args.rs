@@ -57,6 +57,72 @@ impl RegistryArgs {
     }
 }
 
+/// The cluster secret: every process of a cluster holds it. Workers prove it at the KV
+/// handshake, and every internal call carries a token derived from it (workers answer no
+/// one else). There is no default: `duet up` makes a random one for its own process;
+/// separate processes refuse to start without one.
+#[derive(Args, Debug, Clone, Default)]
+pub struct SecretArgs {
+    /// File holding the cluster secret (16 to 1024 bytes; one trailing newline is ignored).
+    /// Make one with `head -c 32 /dev/urandom | base64 > duet.secret`.
+    #[arg(long, env = "DUET_KV_SECRET_FILE")]
+    pub kv_secret_file: Option<std::path::PathBuf>,
+    /// The cluster secret itself (16 to 1024 bytes); prefer --kv-secret-file, which keeps
+    /// it out of process listings. Never printed.
+    #[arg(long, env = "DUET_KV_SECRET", hide_env_values = true)]
+    pub kv_secret: Option<String>,
+}
+
+/// What a separate process says when it has no secret.
+const NO_SECRET: &str = "the cluster secret is required: give every process of the cluster \
+    the same --kv-secret-file (or DUET_KV_SECRET), at least 16 bytes; make one with \
+    `head -c 32 /dev/urandom | base64 > duet.secret`";
+
+impl SecretArgs {
+    /// The secret given, if any (checked: 16 to 1024 bytes).
+    pub fn given(&self) -> anyhow::Result<Option<SharedSecret>> {
+        let bytes = match (&self.kv_secret_file, &self.kv_secret) {
+            (Some(_), Some(_)) => {
+                bail!("--kv-secret-file and --kv-secret (DUET_KV_SECRET): give one of them")
+            }
+            (Some(path), None) => {
+                let mut b = std::fs::read(path)
+                    .with_context(|| format!("--kv-secret-file: reading {}", path.display()))?;
+                if b.last() == Some(&b'\n') {
+                    b.pop();
+                    if b.last() == Some(&b'\r') {
+                        b.pop();
+                    }
+                }
+                b
+            }
+            (None, Some(s)) => s.as_bytes().to_vec(),
+            (None, None) => return Ok(None),
+        };
+        let which = match self.kv_secret_file {
+            Some(_) => "--kv-secret-file",
+            None => "--kv-secret (DUET_KV_SECRET)",
+        };
+        SharedSecret::new(&bytes)
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("{which}: {e}"))
+    }
+
+    /// A separate process's secret: refused when none is given.
+    pub fn required(&self) -> anyhow::Result<SharedSecret> {
+        self.given()?.ok_or_else(|| anyhow::anyhow!(NO_SECRET))
+    }
+
+    /// `duet up`'s: the one given, else a random one for this process alone (its router and
+    /// workers share it in memory; nothing outside can join).
+    pub fn or_random(&self) -> anyhow::Result<SharedSecret> {
+        match self.given()? {
+            Some(s) => Ok(s),
+            None => Ok(SharedSecret::new(rand::random::<[u8; 32]>())?),
+        }
+    }
+}
+
 /// KV cache and transfer flags.
 #[derive(Args, Debug, Clone)]
 pub struct KvArgs {
@@ -66,13 +132,8 @@ pub struct KvArgs {
     /// KV element type.
     #[arg(long, env = "DUET_KV_DTYPE", default_value = "f16")]
     pub kv_dtype: KvDtype,
-    /// Shared secret every worker of the cluster proves at the KV handshake.
-    #[arg(
-        long,
-        env = "DUET_KV_SECRET",
-        default_value = "duet-dev-secret-change-me"
-    )]
-    pub kv_secret: String,
+    #[command(flatten)]
+    pub secret: SecretArgs,
     /// Longest a KV transfer may make no progress (a write, a read, the wait for the
     /// receiver's verdict) before it fails; the router then avoids that prefill -> decode
     /// link for a while and retries.
@@ -208,16 +269,17 @@ impl KvArgs {
         }))
     }
 
-    pub fn transfer_config(&self, model: &Model) -> anyhow::Result<TransferConfig> {
-        if self.kv_secret.len() < 8 {
-            bail!("--kv-secret: at least 8 bytes");
-        }
+    pub fn transfer_config(
+        &self,
+        model: &Model,
+        secret: &SharedSecret,
+    ) -> anyhow::Result<TransferConfig> {
         let layout =
             duet_serving::convert::transfer_layout(&model.kv_layout(BLOCK_SIZE, self.kv_dtype))?;
         if self.kv_timeout < Duration::from_millis(100) {
             bail!("--kv-timeout: at least 100ms");
         }
-        let mut cfg = TransferConfig::new(layout, SharedSecret::new(&self.kv_secret)?);
+        let mut cfg = TransferConfig::new(layout, secret.clone());
         cfg.timeouts.io = self.kv_timeout;
         cfg.compression = self.kv_compression.into();
         Ok(cfg)
@@ -288,6 +350,45 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn secret(file: Option<&str>, value: Option<&str>) -> SecretArgs {
+        SecretArgs {
+            kv_secret_file: file.map(Into::into),
+            kv_secret: value.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn the_secret_is_required_checked_and_never_defaulted() {
+        let e = secret(None, None).required().unwrap_err().to_string();
+        assert!(
+            e.contains("--kv-secret-file") && e.contains("urandom"),
+            "{e}"
+        );
+        let e = secret(None, Some("eight888"))
+            .required()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("16"), "{e}");
+        assert!(secret(None, Some("sixteen-bytes-ok")).required().is_ok());
+        let dir = std::env::temp_dir().join(format!("duet-secret-{}", std::process::id()));
+        std::fs::write(&dir, "0123456789abcdef\n").unwrap();
+        let path = dir.to_string_lossy().into_owned();
+        let from_file = secret(Some(&path), None).required().unwrap();
+        let direct = SharedSecret::new(b"0123456789abcdef").unwrap();
+        assert_eq!(
+            from_file.derive(b"x").unwrap(),
+            direct.derive(b"x").unwrap(),
+            "the trailing newline is not part of the secret"
+        );
+        assert!(secret(Some(&path), Some("0123456789abcdef"))
+            .given()
+            .is_err());
+        std::fs::remove_file(&dir).unwrap();
+        let a = secret(None, None).or_random().unwrap();
+        let b = secret(None, None).or_random().unwrap();
+        assert_ne!(a.derive(b"x").unwrap(), b.derive(b"x").unwrap());
+    }
 
     #[test]
     fn units() {

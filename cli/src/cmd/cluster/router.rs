@@ -75,6 +75,17 @@ pub struct RoutingArgs {
     /// Largest request accepted on the public doors (gRPC message, HTTP body), in bytes.
     #[arg(long, env = "DUET_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
     pub max_request_bytes: usize,
+    /// HTTP door: time a client has to send a complete request head, from connecting and
+    /// from the end of its previous response (so also the idle keep-alive timeout).
+    #[arg(long, env = "DUET_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub http_header_timeout: Duration,
+    /// HTTP door: time a client has to send a request's whole body once its head arrived
+    /// (408 past it).
+    #[arg(long, env = "DUET_HTTP_BODY_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub http_body_timeout: Duration,
+    /// HTTP door: connections open at once; one more is answered 503 and closed.
+    #[arg(long, env = "DUET_HTTP_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub http_max_connections: usize,
     /// KV-aware routing: follow every worker's prefix-cache events and send a request where
     /// its prompt's prefix is cached (cost: tokens still to prefill plus load); `off` routes
     /// on load alone.
@@ -100,6 +111,15 @@ impl RoutingArgs {
         if self.max_request_bytes < 1024 {
             anyhow::bail!("--max-request-bytes: at least 1024");
         }
+        if self.http_header_timeout < Duration::from_millis(100) {
+            anyhow::bail!("--http-header-timeout: at least 100ms");
+        }
+        if self.http_body_timeout < Duration::from_millis(100) {
+            anyhow::bail!("--http-body-timeout: at least 100ms");
+        }
+        if self.http_max_connections == 0 {
+            anyhow::bail!("--http-max-connections: at least 1");
+        }
         Ok(())
     }
 
@@ -122,6 +142,11 @@ impl RoutingArgs {
             max_request_bytes: self.max_request_bytes,
             kv_routing: self.kv_routing == Switch::On,
             decode_seq_cost_tokens: self.decode_seq_cost_tokens,
+            http: duet_router::http::HttpLimits {
+                header_timeout: self.http_header_timeout,
+                body_timeout: self.http_body_timeout,
+                max_connections: self.http_max_connections,
+            },
             ..RouterConfig::default()
         }
     }
@@ -160,19 +185,23 @@ pub async fn run_router(
     duet_telemetry::spawn_upkeep(metrics.clone(), shutdown.clone());
     let view = ClusterView::start(registry, cluster, shutdown.child_token());
     let ops = ClusterService::new(view.clone(), cfg.api_keys.clone());
+    let limits = cfg.http;
     let svc = GenerationService::new(front, cfg, view);
     let app = duet_router::http::app(svc.clone(), duet_telemetry::metrics_router(metrics));
     let http = {
         let tls = listeners.tls.clone();
         let shutdown = shutdown.clone();
         tokio::spawn(async move {
-            duet_router::http::serve(listeners.http, tls.as_ref(), app, shutdown, drain).await
+            duet_router::http::serve(listeners.http, tls.as_ref(), app, limits, shutdown, drain)
+                .await
         })
     };
     let routes = tonic::service::Routes::new(svc.into_server()).add_service(ops.into_server());
     duet_serving::server::serve(
         listeners.grpc,
         listeners.tls.as_ref(),
+        // The public doors: clients are checked by API key, not by the cluster token.
+        duet_serving::cluster_auth::RequireToken::new(None),
         routes,
         &["duet.v1.Generation", "duet.v1.Cluster"],
         shutdown,

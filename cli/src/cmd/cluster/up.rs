@@ -18,7 +18,9 @@ use tokio_util::sync::CancellationToken;
 
 #[cfg(feature = "rdma")]
 use super::args::UcxArgs;
-use super::args::{default_shm_dir, parse_duration, KvArgs, RegistryArgs, ShmArgs, Switch};
+use super::args::{
+    default_shm_dir, parse_duration, KvArgs, RegistryArgs, SecretArgs, ShmArgs, Switch,
+};
 use super::router::{model_name, run_router, serve_metrics_on, RouterListeners, RoutingArgs};
 use super::tls_args::TlsArgs;
 #[cfg(feature = "rdma")]
@@ -155,6 +157,9 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         TextFrontend::load(&a.model.model)
             .with_context(|| format!("reading {}", a.model.model.display()))?,
     );
+    // One process: a secret of its own unless one is given (nothing outside can join).
+    let secret = a.kv.secret.or_random()?;
+    let token = duet_serving::cluster_auth::ClusterToken::from_secret(&secret)?;
     let rt = runtime()?;
     rt.block_on(async move {
         let shutdown = duet_serving::server::shutdown_on_signal();
@@ -187,6 +192,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             drain: a.drain,
             tls: server_tls.clone(),
             client_tls: client_tls.clone(),
+            secret: secret.clone(),
         };
         for i in 0..a.decode_workers {
             let model = load(&a.model)?;
@@ -236,6 +242,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         let http_addr = http.local_addr()?;
         let mut cfg = a.routing.config(name.clone());
         cfg.worker_tls = client_tls.clone();
+        cfg.cluster_token = Some(token);
         println!(
             "duet up: model {name}, {} prefill + {} decode workers, mode {:?}",
             a.prefill_workers, a.decode_workers, a.routing.mode
@@ -435,6 +442,8 @@ pub struct RouterCmd {
     /// free port, printed at start).
     #[arg(long, env = "DUET_HTTP_LISTEN", default_value = "127.0.0.1:0")]
     pub http_listen: SocketAddr,
+    #[command(flatten)]
+    pub secret: SecretArgs,
     /// GGUF model file (the router reads only its tokenizer and metadata).
     #[arg(long, env = "DUET_MODEL", default_value = crate::cmd::model_args::DEFAULT_MODEL)]
     pub model: std::path::PathBuf,
@@ -448,6 +457,7 @@ async fn worker_env(
 ) -> anyhow::Result<WorkerEnv> {
     let tls = p.tls.server()?;
     let client_tls = p.tls.client()?;
+    let secret = kv.secret.required()?;
     let registry = p.registry.connect().await?;
     let grpc = TcpListener::bind(p.listen)
         .await
@@ -455,6 +465,7 @@ async fn worker_env(
     Ok(WorkerEnv {
         tls,
         client_tls,
+        secret,
         model,
         model_name,
         kv,
@@ -540,6 +551,7 @@ pub fn router(a: RouterCmd) -> anyhow::Result<()> {
     let tls = a.process.tls.server()?;
     let scheme = duet_serving::tls::scheme(tls.is_some());
     let worker_tls = a.process.tls.client()?;
+    let token = duet_serving::cluster_auth::ClusterToken::from_secret(&a.secret.required()?)?;
     let front = Arc::new(
         TextFrontend::load(&a.model).with_context(|| format!("reading {}", a.model.display()))?,
     );
@@ -564,6 +576,7 @@ pub fn router(a: RouterCmd) -> anyhow::Result<()> {
         );
         let mut cfg = a.routing.config(name);
         cfg.worker_tls = worker_tls;
+        cfg.cluster_token = Some(token);
         run_router(
             front,
             cfg,

@@ -12,15 +12,17 @@ use std::time::Duration;
 use anyhow::Context;
 use duet_decode_worker::{kv_inbound, service::DecodeService, DecodeConfig, DecodeHandle};
 use duet_discovery::{
-    Capacity, KvEndpoint, Registration, RegistrationOptions, Registry, Role, WorkerRecord,
+    Capacity, ClusterView, KvEndpoint, Registration, RegistrationOptions, Registry, Role,
+    ViewOptions, WorkerRecord,
 };
 use duet_engine::Model;
 use duet_kv_transfer::backend::shm::{host_identity, SendArena, ShmOptions, ShmReceiver};
 use duet_kv_transfer::backend::tcp::TcpReceiver;
-use duet_kv_transfer::{Connector, Endpoint, Inbound, LocalHub, TransferConfig};
+use duet_kv_transfer::{Connector, Endpoint, Inbound, LocalHub, SharedSecret, TransferConfig};
 use duet_prefill_worker::{service::PrefillService, PrefillConfig, PrefillHandle};
 use duet_proto::v1 as pb;
 use duet_serving::channels::Channels;
+use duet_serving::cluster_auth::{ClusterToken, RequireToken};
 use duet_serving::kv_events::KvCacheService;
 use duet_serving::tls::{ClientTls, ServerTls};
 use tokio::net::TcpListener;
@@ -109,6 +111,29 @@ pub struct WorkerEnv {
     /// TLS of this worker's calls to other workers (a decode worker calls the prefill
     /// workers its remote prompts go to).
     pub client_tls: Option<ClientTls>,
+    /// The cluster secret: the KV handshake's, and the source of the token internal calls
+    /// carry (this worker's server refuses calls without it, health excepted).
+    pub secret: SharedSecret,
+}
+
+impl WorkerEnv {
+    fn token(&self) -> anyhow::Result<ClusterToken> {
+        Ok(ClusterToken::from_secret(&self.secret)?)
+    }
+
+    /// The cluster as the registry shows it, for checking the peers requests name.
+    fn peers(&self, stop: &CancellationToken) -> ClusterView {
+        let opts = ViewOptions {
+            export_gauges: false,
+            ..ViewOptions::default()
+        };
+        ClusterView::start_with(
+            self.registry.clone(),
+            self.cluster.clone(),
+            opts,
+            stop.clone(),
+        )
+    }
 }
 
 fn record(env: &WorkerEnv, role: Role, id: &str, grpc_addr: &str) -> WorkerRecord {
@@ -125,6 +150,7 @@ async fn serve_until(
     reg: Arc<Registration>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    let auth = RequireToken::new(Some(env.token()?));
     let stop_server = CancellationToken::new();
     let s = stop_server.clone();
     let r = reg;
@@ -138,6 +164,7 @@ async fn serve_until(
     duet_serving::server::serve(
         env.grpc,
         env.tls.as_ref(),
+        auth,
         routes,
         services,
         stop_server,
@@ -208,7 +235,7 @@ pub async fn run_decode(
         },
         engine_stop.clone(),
     )?;
-    let tcfg = env.kv.transfer_config(&env.model)?;
+    let tcfg = env.kv.transfer_config(&env.model, &env.secret)?;
     let grpc_addr = grpc_addr(&env)?;
     let kv_host = env
         .kv_advertise_host
@@ -309,7 +336,8 @@ pub async fn run_decode(
             })
             .collect(),
         id,
-        Arc::new(Channels::new(env.client_tls.clone())),
+        Arc::new(Channels::new(env.client_tls.clone(), Some(env.token()?))),
+        env.peers(&engine_stop),
     );
     let routes = tonic::service::Routes::new(svc.into_server()).add_service(kv_cache.into_server());
     let services = ["duet.v1.Decode", "duet.v1.KvCache"];
@@ -375,7 +403,7 @@ pub async fn run_prefill(
 ) -> anyhow::Result<()> {
     let engine_stop = CancellationToken::new();
     let _stop_engine = engine_stop.clone().drop_guard();
-    let tcfg = env.kv.transfer_config(&env.model)?;
+    let tcfg = env.kv.transfer_config(&env.model, &env.secret)?;
     let connector = Connector::new(tcfg, env.hub.as_ref().map(|(h, _)| h.clone()))
         .with_shm(env.kv_shm.is_some())
         .with_send_arena(send_arena(env.kv_shm.as_ref()));
@@ -425,7 +453,8 @@ pub async fn run_prefill(
         },
         shutdown.clone(),
     );
-    let routes = tonic::service::Routes::new(PrefillService::new(handle, id).into_server())
+    let peers = env.peers(&engine_stop);
+    let routes = tonic::service::Routes::new(PrefillService::new(handle, id, peers).into_server())
         .add_service(kv_cache.into_server());
     let services = ["duet.v1.Prefill", "duet.v1.KvCache"];
     serve_until(env, routes, &services, reg, shutdown).await

@@ -1,0 +1,219 @@
+//! What the decode worker's gRPC door lets through. Every field of an internal request is
+//! checked against this worker's model before the request reaches the engine thread, so a
+//! malformed request is refused alone (`INVALID_ARGUMENT`, naming the field) and never joins
+//! a batch that other requests share. The router checks the same things for its clients;
+//! this door does not rely on it (a worker port may be reached by other callers).
+
+use duet_engine::{check_token_ids, EngineError, GenerationParams};
+use duet_proto::v1 as pb;
+
+/// What requests are checked against: this worker's model and pool.
+#[derive(Debug, Clone, Copy)]
+pub struct DoorLimits {
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub block_size: usize,
+}
+
+/// A prompt this worker's model can hold: 1 to `context_length - 1` tokens (room for one
+/// generated token), every id inside the vocabulary.
+pub fn check_prompt(prompt: &[u32], l: &DoorLimits) -> Result<(), EngineError> {
+    let ctx = l.context_length;
+    if prompt.is_empty() || prompt.len() >= ctx {
+        return Err(EngineError::invalid(
+            "prompt",
+            format!("{} tokens (must be in 1..{ctx})", prompt.len()),
+        ));
+    }
+    check_token_ids(prompt, l.vocab_size)
+}
+
+/// More block hashes than the prompt has full blocks cannot describe its prefix.
+fn check_hashes(hashes: usize, prompt_tokens: usize, l: &DoorLimits) -> Result<(), EngineError> {
+    let full = prompt_tokens / l.block_size.max(1);
+    if hashes > full {
+        return Err(EngineError::invalid(
+            "block_hashes",
+            format!("{hashes} hashes for a prompt of {prompt_tokens} tokens ({full} full blocks)"),
+        ));
+    }
+    Ok(())
+}
+
+/// A `Decode.Reserve`.
+pub fn check_reserve(r: &pb::ReserveRequest, l: &DoorLimits) -> Result<(), EngineError> {
+    let (tokens, ctx) = (r.prompt_tokens as usize, l.context_length);
+    if tokens == 0 || tokens >= ctx {
+        return Err(EngineError::invalid(
+            "prompt_tokens",
+            format!("{tokens} (must be in 1..{ctx})"),
+        ));
+    }
+    check_hashes(r.block_hashes.len(), tokens, l)
+}
+
+/// A `Decode.Generate`, with the generation parameters it was converted to.
+pub fn check_generate(
+    r: &pb::DecodeRequest,
+    params: &GenerationParams,
+    l: &DoorLimits,
+) -> Result<(), EngineError> {
+    check_prompt(&r.prompt, l)?;
+    params.validate(l.context_length)?;
+    match &r.prefill {
+        Some(pb::decode_request::Prefill::Remote(p)) => {
+            check_token_ids(&[p.first_token], l.vocab_size).map_err(|_| {
+                EngineError::invalid(
+                    "first_token",
+                    format!(
+                        "{} outside the vocabulary of {}",
+                        p.first_token, l.vocab_size
+                    ),
+                )
+            })
+        }
+        Some(pb::decode_request::Prefill::Local(p)) => {
+            // At least one token is the prompt proper: a replay is what was generated after it.
+            if p.replay_tokens as usize >= r.prompt.len() {
+                return Err(EngineError::invalid(
+                    "replay_tokens",
+                    format!(
+                        "{} for a prompt of {} tokens (must be fewer)",
+                        p.replay_tokens,
+                        r.prompt.len()
+                    ),
+                ));
+            }
+            Ok(())
+        }
+        Some(pb::decode_request::Prefill::Via(v)) => {
+            if v.prefill_address.is_empty() {
+                return Err(EngineError::invalid("prefill_address", "empty"));
+            }
+            check_hashes(v.block_hashes.len(), r.prompt.len(), l)
+        }
+        None => Err(EngineError::invalid(
+            "prefill",
+            "missing (remote, local or via)",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const L: DoorLimits = DoorLimits {
+        vocab_size: 100,
+        context_length: 64,
+        block_size: 16,
+    };
+
+    fn req(prompt: Vec<u32>, prefill: pb::decode_request::Prefill) -> pb::DecodeRequest {
+        pb::DecodeRequest {
+            request_id: 1,
+            prompt,
+            max_tokens: 8,
+            prefill: Some(prefill),
+            ..Default::default()
+        }
+    }
+
+    fn params(max_tokens: usize) -> GenerationParams {
+        GenerationParams {
+            max_tokens,
+            ..Default::default()
+        }
+    }
+
+    fn local(replay: u32) -> pb::decode_request::Prefill {
+        pb::decode_request::Prefill::Local(pb::LocalPrefill {
+            replay_tokens: replay,
+        })
+    }
+
+    #[test]
+    fn a_well_formed_request_passes() {
+        assert!(check_generate(&req(vec![1, 2, 3], local(1)), &params(8), &L).is_ok());
+        let via = pb::decode_request::Prefill::Via(pb::ViaPrefill {
+            prefill_address: "http://127.0.0.1:1".into(),
+            block_hashes: vec![7],
+            ..Default::default()
+        });
+        assert!(check_generate(&req(vec![5; 16], via), &params(8), &L).is_ok());
+    }
+
+    #[test]
+    fn every_malformed_field_is_refused_by_name() {
+        let cases: Vec<(pb::DecodeRequest, GenerationParams, &str)> = vec![
+            (req(vec![1, 100, 3], local(0)), params(8), "token id 100"),
+            (req(vec![], local(0)), params(8), "prompt"),
+            (req(vec![1; 64], local(0)), params(8), "prompt"),
+            (req(vec![1, 2], local(2)), params(8), "replay_tokens"),
+            (req(vec![1, 2], local(0)), params(0), "max_tokens"),
+            (req(vec![1, 2], local(0)), params(65), "max_tokens"),
+            (
+                req(
+                    vec![1, 2],
+                    pb::decode_request::Prefill::Remote(pb::RemotePrefill { first_token: 100 }),
+                ),
+                params(8),
+                "first_token",
+            ),
+            (
+                req(
+                    vec![1; 20],
+                    pb::decode_request::Prefill::Via(pb::ViaPrefill {
+                        prefill_address: "http://127.0.0.1:1".into(),
+                        block_hashes: vec![1, 2],
+                        ..Default::default()
+                    }),
+                ),
+                params(8),
+                "block_hashes",
+            ),
+            (
+                req(
+                    vec![1; 20],
+                    pb::decode_request::Prefill::Via(pb::ViaPrefill::default()),
+                ),
+                params(8),
+                "prefill_address",
+            ),
+            (
+                pb::DecodeRequest {
+                    prefill: None,
+                    ..req(vec![1], local(0))
+                },
+                params(8),
+                "prefill",
+            ),
+        ];
+        for (r, p, want) in cases {
+            let e = check_generate(&r, &p, &L).expect_err(want);
+            assert!(e.to_string().contains(want), "{want}: {e}");
+            assert_eq!(
+                e.class(),
+                duet_engine::ErrorClass::InvalidArgument,
+                "{want}"
+            );
+        }
+        let mut p = params(8);
+        p.sampling.temperature = f32::NAN;
+        assert!(check_generate(&req(vec![1], local(0)), &p, &L).is_err());
+    }
+
+    #[test]
+    fn reservations_are_checked_against_the_context_and_the_prompt_blocks() {
+        let r = |tokens, hashes: usize| pb::ReserveRequest {
+            request_id: 1,
+            prompt_tokens: tokens,
+            block_hashes: vec![0; hashes],
+            ..Default::default()
+        };
+        assert!(check_reserve(&r(32, 2), &L).is_ok());
+        assert!(check_reserve(&r(0, 0), &L).is_err());
+        assert!(check_reserve(&r(64, 0), &L).is_err());
+        assert!(check_reserve(&r(31, 2), &L).is_err());
+    }
+}
