@@ -691,3 +691,50 @@ fn requests_wait_for_decode_workers_that_just_left() {
             .push(replacement.join().expect("replacement worker"));
     });
 }
+
+/// The prefill worker's published load is live: while one long prompt is being prefilled
+/// (one forward of ~800 tokens), its `Status` and its registry record, which the router
+/// places work by, show it running with its prompt tokens queued, not an idle worker.
+#[test]
+fn prefill_status_is_live_during_a_long_prefill() {
+    let (cl, _http) = cluster_with_metrics(1, 1, &["--local-prefill-max-tokens", "0"]);
+    let prefill = cl.prefill[0].workers_addr();
+    let rt = rt();
+    rt.block_on(async {
+        cl.wait_workers(1, 1, Duration::from_secs(20)).await;
+        let mut c = client(&cl.url).await;
+        let req = greedy(text(&long_prompt(800)), 2);
+        let task = tokio::spawn(async move { generate(&mut c, req).await });
+        let mut router = pb::cluster_client::ClusterClient::connect(cl.url.clone())
+            .await
+            .expect("connect");
+        let (mut status_seen, mut record_seen) = (None, None);
+        while !task.is_finished() && (status_seen.is_none() || record_seen.is_none()) {
+            let s = support::prefill_status(&prefill).await;
+            if s.running > 0 && s.queued_prefill_tokens > 0 {
+                status_seen.get_or_insert(s);
+            }
+            let listed = router
+                .list_workers(pb::ListWorkersRequest {})
+                .await
+                .expect("ListWorkers")
+                .into_inner();
+            for j in &listed.records_json {
+                let v: serde_json::Value = serde_json::from_str(j).expect("record");
+                if v["role"] == "prefill"
+                    && v["capacity"]["queued_prefill_tokens"].as_u64() > Some(0)
+                {
+                    record_seen.get_or_insert(v["capacity"].clone());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let done = task.await.expect("join").expect("the request completes");
+        assert_eq!(done.ids.len(), 2);
+        let s = status_seen.expect("Status showed the prefill running during its forward");
+        assert!(s.queued_prefill_tokens >= 700, "{s:?}");
+        let r = record_seen.expect("the registry record showed queued prompt tokens");
+        eprintln!("live prefill status {s:?}; record {r}");
+        router_sees_prefill_idle(&cl.url, Duration::from_secs(10)).await;
+    });
+}

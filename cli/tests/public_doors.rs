@@ -223,3 +223,110 @@ fn per_client_concurrency_limit() {
         }
     });
 }
+
+/// The HTTP door's limits, as a slow or greedy client meets them: a body trickled past
+/// `--http-body-timeout` is answered 408; a connection that sends no request head within
+/// `--http-header-timeout` (new, or idle after a response) is closed; one connection over
+/// `--http-max-connections` is answered 503 at once; a prompt too long for the context in
+/// bytes is refused before it is tokenized. The door still serves afterwards.
+#[test]
+fn http_door_limits_slow_idle_and_greedy_clients() {
+    use std::io::{Read, Write};
+    let (_p, _url, http) = up(&[
+        "--http-header-timeout",
+        "1s",
+        "--http-body-timeout",
+        "1s",
+        "--http-max-connections",
+        "8",
+    ]);
+    let host = http.strip_prefix("http://").expect("http url").to_string();
+    let connect = || {
+        let s = std::net::TcpStream::connect(&host).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        s
+    };
+    let read_all = |s: &mut std::net::TcpStream| {
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    };
+
+    // A body promised and trickled: 408 within about the body timeout.
+    let mut s = connect();
+    let t0 = Instant::now();
+    s.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\n\
+             content-length: 100\r\n\r\n{{\"prompt\""
+        )
+        .as_bytes(),
+    )
+    .expect("write head");
+    let reply = read_all(&mut s);
+    assert!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+
+    // Silent connections, new or kept alive after a response, are closed by the header timeout.
+    let mut silent = connect();
+    let t0 = Instant::now();
+    assert_eq!(read_all(&mut silent), "", "closed without an answer");
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_millis(800) && waited < Duration::from_secs(5),
+        "closed after {waited:?}"
+    );
+    let mut kept = connect();
+    kept.write_all(format!("GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
+        .expect("write");
+    let t0 = Instant::now();
+    let reply = read_all(&mut kept);
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "an idle keep-alive connection is closed"
+    );
+
+    // More connections than the cap: the extra one is answered 503 at once.
+    let held: Vec<_> = (0..8).map(|_| connect()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut extra = connect();
+    let t0 = Instant::now();
+    let reply = read_all(&mut extra);
+    assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
+    assert!(reply.contains("retry-after"), "{reply}");
+    assert!(
+        t0.elapsed() < Duration::from_millis(800),
+        "refused at once, not timed out"
+    );
+    drop(held);
+
+    // 4 MB of prompt: refused on its size in bytes, before the tokenizer sees it.
+    std::thread::sleep(Duration::from_millis(1500));
+    let prompt = "word ".repeat(800_000);
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 4}).to_string();
+    let t0 = Instant::now();
+    let r = support::http_raw(
+        "POST",
+        &format!("{http}/v1/completions"),
+        &[("content-type", "application/json")],
+        Some(body.as_bytes()),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        r.body.contains("bytes cannot fit the context"),
+        "{}",
+        r.body
+    );
+    eprintln!("4 MB prompt refused in {:?}", t0.elapsed());
+
+    // And the door still serves.
+    let r = support::http_raw(
+        "POST",
+        &format!("{http}/v1/completions"),
+        &[("content-type", "application/json")],
+        Some(br#"{"prompt": "Hello", "max_tokens": 2}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}
