@@ -198,8 +198,19 @@ pub async fn run(shared: Arc<Shared>, mut job: Job, out: Out) {
                 return;
             }
             metrics::counter!(duet_telemetry::names::ROUTER_RETRIES_TOTAL).increment(1);
+            // Backed off, so that a worker that refuses connections for a moment (restarting,
+            // its record not yet replaced) cannot use up every attempt within milliseconds.
+            tokio::select! {
+                _ = out.closed() => return,
+                _ = tokio::time::sleep(retry_backoff(attempt)) => {}
+            }
         }
     }
+}
+
+/// The pause before attempt `attempt + 1`: 100 ms, doubling, at most 1 s.
+fn retry_backoff(attempt: usize) -> Duration {
+    Duration::from_millis(100u64 << attempt.saturating_sub(1).min(4)).min(Duration::from_secs(1))
 }
 
 /// Whether `job` may still wait for room (`max_queue_wait` since arrival, and its deadline).
