@@ -33,11 +33,7 @@ const GRPC_CLIENTS: usize = 4;
 const SSE_CLIENTS: usize = 2;
 
 fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
+    support::runtime()
 }
 
 /// What one client received: token ids (gRPC only) and the text, as the client assembles it.

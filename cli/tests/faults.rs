@@ -14,11 +14,7 @@ use support::{client, generate, greedy, text, Cluster, Proc};
 use tonic::Code;
 
 fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
+    support::runtime()
 }
 
 /// A prompt of roughly `words` tokens.

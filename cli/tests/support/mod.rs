@@ -18,6 +18,15 @@ pub mod etcd;
 pub mod prometheus;
 pub mod reference;
 
+/// A runtime for a test's client side (two worker threads, as on the CI machines).
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
 /// The cluster secret of every process these tests start (separate processes refuse to
 /// start without one).
 pub const TEST_SECRET: &str = "duet-test-cluster-secret-0123456789";
