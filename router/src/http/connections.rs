@@ -51,14 +51,18 @@ impl Default for HttpLimits {
     }
 }
 
-/// What a refused connection reads before it is closed.
-const REFUSAL: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
-content-type: application/json\r\n\
-retry-after: 1\r\n\
-connection: close\r\n\
-content-length: 115\r\n\
-\r\n\
-{\"error\":{\"message\":\"too many open connections\",\"type\":\"service_unavailable\",\"param\":null,\"code\":\"unavailable\"}}";
+/// What a refused connection reads before it is closed (OpenAI's error shape, as every
+/// other refusal of this door).
+fn refusal() -> Vec<u8> {
+    const BODY: &str = "{\"error\":{\"code\":503,\"message\":\"too many open connections\",\
+                        \"param\":null,\"type\":\"service_unavailable_error\"}}";
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{BODY}",
+        BODY.len()
+    )
+    .into_bytes()
+}
 
 /// Serves `app` on `listener` with `limits` until `shutdown` fires, then drains for at most
 /// `drain`.
@@ -84,7 +88,7 @@ pub async fn serve_connections(
             tokio::spawn(async move {
                 let mut io = io;
                 let _ = tokio::time::timeout(Duration::from_secs(1), async {
-                    io.write_all(REFUSAL).await?;
+                    io.write_all(&refusal()).await?;
                     io.shutdown().await
                 })
                 .await;
@@ -123,4 +127,26 @@ pub async fn serve_connections(
         tracing::warn!("HTTP drain deadline passed: closing open responses");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_refusal_is_a_well_formed_response_in_openais_error_shape() {
+        let r = String::from_utf8(refusal()).unwrap();
+        let (head, body) = r.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 503 "));
+        let len: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(len, body.len());
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["error"]["code"], 503);
+        assert_eq!(v["error"]["type"], "service_unavailable_error");
+    }
 }
