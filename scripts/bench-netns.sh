@@ -45,6 +45,7 @@ cleanup() {
   ip netns del duet-p 2>/dev/null || true
   ip netns del duet-d 2>/dev/null || true
   ip link del br-duet 2>/dev/null || true
+  while iptables -D FORWARD -i br-duet -o br-duet -j ACCEPT 2>/dev/null; do :; done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -54,6 +55,8 @@ cleanup_links
 ip link add br-duet type bridge
 ip addr add 10.77.0.1/24 dev br-duet
 ip link set br-duet up
+# Host to host across the bridge is forwarded: where Docker runs, FORWARD drops it.
+if command -v iptables >/dev/null; then iptables -I FORWARD -i br-duet -o br-duet -j ACCEPT; fi
 i=2
 for ns in p d; do
   ip netns add "duet-$ns"

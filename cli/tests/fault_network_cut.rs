@@ -66,6 +66,10 @@ impl Hosts {
         ip(&["link", "add", &br, "type", "bridge"]);
         ip(&["addr", "add", &format!("{}/24", h.bridge_ip(1)), "dev", &br]);
         ip(&["link", "set", &br, "up"]);
+        // Host to host across the bridge is forwarded traffic: where Docker runs (every
+        // machine of this project) the FORWARD policy is DROP and bridged frames go through
+        // iptables, so the decode host could not reach the prefill host's gRPC port.
+        h.open_forwarding();
         for (role, host) in [('p', 2u8), ('d', 3u8)] {
             let ns = h.ns(role);
             let veth = format!("dv{role}{}", h.n);
@@ -108,7 +112,28 @@ impl Hosts {
         ip(&["-n", &self.ns('d'), "link", "set", &self.kv_link(), state]);
     }
 
+    /// Lets traffic between the hosts cross the bridge (removed in [`Hosts::remove`]).
+    /// Without iptables there is no filter to open.
+    fn open_forwarding(&self) {
+        let br = format!("dbr{}", self.n);
+        let rule = ["-I", "FORWARD", "-i", &br, "-o", &br, "-j", "ACCEPT"];
+        if let Ok(o) = Command::new("iptables").args(rule).output() {
+            assert!(
+                o.status.success(),
+                "iptables {}: {}",
+                rule.join(" "),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+    }
+
     fn remove(&self) {
+        while Command::new("iptables")
+            .args(["-D", "FORWARD", "-i", &format!("dbr{}", self.n)])
+            .args(["-o", &format!("dbr{}", self.n), "-j", "ACCEPT"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {}
         for role in ['p', 'd'] {
             let _ = Command::new("ip")
                 .args(["netns", "del", &self.ns(role)])
