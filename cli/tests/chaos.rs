@@ -13,7 +13,7 @@
 //! Per fault, what a user observes: no request fails, every client's text (and, over gRPC,
 //! token ids) equals an undisturbed run of the same prompts, and afterwards every KV block
 //! is free on every decode worker and the router holds nothing. The only settings changed
-//! are the hang detectors (`--stream-stall-timeout 3s`, `--prefill-timeout 15s`: above the
+//! are the hang detectors (`--stream-stall-timeout 3s`, `--prefill-timeout 20s`: above the
 //! longest queue and prefill here; their defaults, 30 s and 120 s, would only make the test
 //! slower) and the workers' lease.
 //! The figures it prints are in docs/cluster.md.
@@ -28,6 +28,13 @@ use support::{client, greedy, text, Cluster, Proc};
 
 /// Tokens each client asks for.
 const TOKENS: u32 = 24;
+/// Words of the prompts of the prefill faults (about 200 tokens each): long enough to be
+/// caught mid-prefill, short enough that all six prompts retried onto one prefill worker,
+/// which shares two cores with four other processes, finish well within
+/// [`PREFILL_TIMEOUT`] (250-word prompts with a 15 s timeout did not, in two runs of four).
+const PREFILL_WORDS: usize = 100;
+/// `--prefill-timeout`: how long a hung prefill worker takes to be given up.
+const PREFILL_TIMEOUT: Duration = Duration::from_secs(20);
 /// gRPC clients, then SSE clients, per phase.
 const GRPC_CLIENTS: usize = 4;
 const SSE_CLIENTS: usize = 2;
@@ -315,7 +322,7 @@ fn chaos_on_the_default_configuration_fails_no_request_and_changes_no_text() {
             "--stream-stall-timeout",
             "3s",
             "--prefill-timeout",
-            "15s",
+            &format!("{}s", PREFILL_TIMEOUT.as_secs()),
         ],
         &env,
     );
@@ -359,7 +366,7 @@ fn chaos_on_the_default_configuration_fails_no_request_and_changes_no_text() {
         chaos
             .phase(
                 "prefill worker killed mid-prefill",
-                250,
+                PREFILL_WORDS,
                 async |c: &mut Chaos| {
                     let i = busy_worker(&c.prefill_addrs(), false, Duration::from_secs(60)).await;
                     c.cl.prefill[i].kill9();
@@ -371,12 +378,12 @@ fn chaos_on_the_default_configuration_fails_no_request_and_changes_no_text() {
         chaos
             .phase(
                 "prefill worker hung mid-prefill",
-                250,
+                PREFILL_WORDS,
                 async |c: &mut Chaos| {
                     let i = busy_worker(&c.prefill_addrs(), false, Duration::from_secs(60)).await;
                     c.cl.prefill[i].signal("-STOP");
                     // Past --prefill-timeout: the router gives it up and retries elsewhere.
-                    tokio::time::sleep(Duration::from_secs(17)).await;
+                    tokio::time::sleep(PREFILL_TIMEOUT + Duration::from_secs(2)).await;
                     c.cl.prefill[i].signal("-CONT");
                 },
             )
