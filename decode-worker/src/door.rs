@@ -4,7 +4,7 @@
 //! a batch that other requests share. The router checks the same things for its clients;
 //! this door does not rely on it (a worker port may be reached by other callers).
 
-use duet_engine::{check_token_ids, EngineError, GenerationParams};
+use duet_engine::{check_prompt, check_token_ids, EngineError, GenerationParams};
 use duet_proto::v1 as pb;
 
 /// What requests are checked against: this worker's model and pool.
@@ -13,19 +13,6 @@ pub struct DoorLimits {
     pub vocab_size: usize,
     pub context_length: usize,
     pub block_size: usize,
-}
-
-/// A prompt this worker's model can hold: 1 to `context_length - 1` tokens (room for one
-/// generated token), every id inside the vocabulary.
-pub fn check_prompt(prompt: &[u32], l: &DoorLimits) -> Result<(), EngineError> {
-    let ctx = l.context_length;
-    if prompt.is_empty() || prompt.len() >= ctx {
-        return Err(EngineError::invalid(
-            "prompt",
-            format!("{} tokens (must be in 1..{ctx})", prompt.len()),
-        ));
-    }
-    check_token_ids(prompt, l.vocab_size)
 }
 
 /// More block hashes than the prompt has full blocks cannot describe its prefix.
@@ -58,7 +45,7 @@ pub fn check_generate(
     params: &GenerationParams,
     l: &DoorLimits,
 ) -> Result<(), EngineError> {
-    check_prompt(&r.prompt, l)?;
+    check_prompt(&r.prompt, l.vocab_size, l.context_length)?;
     params.validate(l.context_length)?;
     match &r.prefill {
         Some(pb::decode_request::Prefill::Remote(p)) => {

@@ -21,10 +21,6 @@ use crate::door::{self, DoorLimits};
 use crate::handle::{DecodeHandle, Event, GenerateJob, PrefillSource, Priority};
 use crate::via_prefill::{legacy_endpoint, Pending, ViaCall};
 
-/// How long a prefill address a request names may take to appear in this worker's view of
-/// the registry (the router may have seen the worker register a moment earlier).
-const PEER_WAIT: Duration = Duration::from_secs(2);
-
 /// `duet.v1.Decode` backed by one engine thread.
 #[derive(Clone)]
 pub struct DecodeService {
@@ -149,7 +145,7 @@ impl pb::decode_server::Decode for DecodeService {
                 let addr = v.prefill_address.as_str();
                 let known = self
                     .peers
-                    .has_worker(Role::Prefill, PEER_WAIT, |w| w.grpc_addr == addr)
+                    .has_worker(Role::Prefill, |w| w.grpc_addr == addr)
                     .await;
                 if !known {
                     return Err(engine_status(&EngineError::invalid(

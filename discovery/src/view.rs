@@ -29,6 +29,9 @@ use crate::record::{parse_worker_key, workers_prefix, Role, WorkerRecord};
 use crate::registry::{with_timeout, Listing, Registry, WatchEvent, WatchStream};
 use duet_telemetry::names::{ROUTER_WORKERS, VIEW_STALE, WATCH_RESTARTS_TOTAL};
 
+/// How long [`ClusterView::has_worker`] waits for a worker a caller names to appear.
+pub const PEER_WAIT: Duration = Duration::from_secs(2);
+
 /// Tuning of a [`ClusterView`].
 #[derive(Debug, Clone)]
 pub struct ViewOptions {
@@ -198,16 +201,11 @@ impl ClusterView {
     }
 
     /// Whether a worker of `role` that satisfies `pred` is in the view, waiting up to
-    /// `within` for one to appear (a worker that just registered may reach a caller's view
-    /// before this one's).
-    pub async fn has_worker(
-        &self,
-        role: Role,
-        within: Duration,
-        pred: impl Fn(&WorkerRecord) -> bool,
-    ) -> bool {
+    /// [`PEER_WAIT`] for one to appear (a worker that just registered may reach a caller's
+    /// view before this one's).
+    pub async fn has_worker(&self, role: Role, pred: impl Fn(&WorkerRecord) -> bool) -> bool {
         let mut rx = self.rx.clone();
-        let found = tokio::time::timeout(within, async {
+        let found = tokio::time::timeout(PEER_WAIT, async {
             rx.wait_for(|s| s.workers(role).any(&pred)).await.is_ok()
         })
         .await;

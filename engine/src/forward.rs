@@ -510,3 +510,16 @@ pub fn check_token_ids(tokens: &[u32], vocab_size: usize) -> Result<()> {
         None => Ok(()),
     }
 }
+
+/// A prompt a model of `context_length` can hold with room for one generated token (1 to
+/// `context_length - 1` tokens), every id inside the vocabulary: what both workers check at
+/// their doors.
+pub fn check_prompt(prompt: &[u32], vocab_size: usize, context_length: usize) -> Result<()> {
+    if prompt.is_empty() || prompt.len() >= context_length {
+        return Err(EngineError::invalid(
+            "prompt",
+            format!("{} tokens (must be in 1..{context_length})", prompt.len()),
+        ));
+    }
+    check_token_ids(prompt, vocab_size)
+}

@@ -26,7 +26,7 @@ pub mod tokenizer;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::ModelConfig;
 pub use error::{EngineError, ErrorClass, Result};
-pub use forward::{check_token_ids, SeqChunk};
+pub use forward::{check_prompt, check_token_ids, SeqChunk};
 pub use generate::{
     generate, FinishReason, Generation, GenerationOutput, GenerationParams, TokenStep,
 };

@@ -364,22 +364,12 @@ impl Engine {
                 let blocks = self.cache.blocks_for(job.prompt.len());
                 let bs = self.cache.block_size();
                 self.pending.taken(&job);
-                let ctx = self.model.config.context_length;
-                let bad_ids =
-                    duet_engine::check_token_ids(&job.prompt, self.model.config.vocab_size);
-                if let Err(e) = bad_ids {
+                let c = &self.model.config;
+                if let Err(e) =
+                    duet_engine::check_prompt(&job.prompt, c.vocab_size, c.context_length)
+                {
                     let _ = reply.send(Err(e.into()));
-                } else if job.prompt.len() >= ctx {
-                    let _ = reply.send(Err(PrefillError::Engine(
-                        duet_engine::EngineError::invalid(
-                            "prompt",
-                            format!(
-                                "{} tokens (must be below the context length {ctx})",
-                                job.prompt.len()
-                            ),
-                        ),
-                    )));
-                } else if job.prompt.is_empty() || blocks > self.cache.total_blocks() {
+                } else if blocks > self.cache.total_blocks() {
                     let _ = reply.send(Err(PrefillError::TooLong {
                         tokens: job.prompt.len(),
                         blocks,
@@ -628,19 +618,16 @@ impl Engine {
     fn fail_step(
         &mut self,
         plan: &[(usize, usize, usize)],
-        blamed: Vec<Option<duet_engine::EngineError>>,
+        blamed: Vec<(usize, duet_engine::EngineError)>,
         e: &duet_engine::EngineError,
     ) {
-        let any = blamed.iter().any(Option::is_some);
-        let mut ended: Vec<(usize, PrefillError)> = plan
-            .iter()
-            .zip(blamed.into_iter().chain(std::iter::repeat_with(|| None)))
-            .filter_map(|(p, b)| match (any, b) {
-                (true, Some(b)) => Some((p.0, PrefillError::Engine(b))),
-                (true, None) => None,
-                (false, _) => Some((p.0, PrefillError::StepFailed(e.to_string()))),
-            })
-            .collect();
+        let mut ended: Vec<(usize, PrefillError)> = if blamed.is_empty() {
+            plan.iter()
+                .map(|p| (p.0, PrefillError::StepFailed(e.to_string())))
+                .collect()
+        } else {
+            blamed.into_iter().map(|(i, b)| (i, b.into())).collect()
+        };
         tracing::warn!(error = %e, ended = ended.len(), forward = plan.len(), "prefill forward failed");
         ended.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
         for (i, err) in ended {
@@ -758,11 +745,17 @@ impl Engine {
         let result = self.model.forward_with(&mut self.cache, &chunks, &mut hook);
         // On failure, the chunks to blame (the forward checks them all before it changes
         // anything): their requests end, the others go on.
-        let blamed: Vec<Option<duet_engine::EngineError>> = match &result {
+        let blamed: Vec<(usize, duet_engine::EngineError)> = match &result {
             Ok(_) => Vec::new(),
-            Err(_) => chunks
+            Err(_) => plan
                 .iter()
-                .map(|ch| self.model.check_chunk(&self.cache, ch).err())
+                .zip(&chunks)
+                .filter_map(|(p, ch)| {
+                    self.model
+                        .check_chunk(&self.cache, ch)
+                        .err()
+                        .map(|e| (p.0, e))
+                })
                 .collect(),
         };
         drop(chunks);

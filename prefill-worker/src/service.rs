@@ -1,7 +1,5 @@
 //! The internal `duet.v1.Prefill` gRPC service over a [`PrefillHandle`].
 
-use std::time::Duration;
-
 use duet_discovery::{ClusterView, Role};
 use duet_kv_transfer::Endpoint;
 use duet_proto::v1 as pb;
@@ -11,10 +9,6 @@ use tonic::{Request, Response, Status};
 
 use crate::engine_loop::{PrefillHandle, PrefillJob};
 use crate::error::PrefillError;
-
-/// How long a KV endpoint a request names may take to appear in this worker's view of the
-/// registry (the decode worker that named it registered a moment ago).
-const PEER_WAIT: Duration = Duration::from_secs(2);
 
 /// `duet.v1.Prefill` backed by one engine thread.
 #[derive(Clone)]
@@ -40,7 +34,7 @@ impl PrefillService {
         for e in all.iter().chain(picked.filter(|_| all.is_empty())) {
             let known = self
                 .peers
-                .has_worker(Role::Decode, PEER_WAIT, |w| {
+                .has_worker(Role::Decode, |w| {
                     w.kv_endpoints
                         .iter()
                         .any(|k| k.transport == e.transport && k.address == e.address)

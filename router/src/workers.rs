@@ -16,7 +16,7 @@ use crate::error::RouterError;
 use crate::placement::InFlight;
 
 /// Channels and counters shared by every request.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Workers {
     /// One channel per worker address (TLS for `https://` workers).
     channels: Channels,
@@ -33,10 +33,7 @@ impl Workers {
     pub fn new(tls: Option<ClientTls>, token: Option<ClusterToken>) -> Arc<Workers> {
         Arc::new(Workers {
             channels: Channels::new(tls, token),
-            inflight: Default::default(),
-            prefill_tokens: Default::default(),
-            suspects: Default::default(),
-            bad_links: Default::default(),
+            ..Workers::default()
         })
     }
 
