@@ -10,6 +10,8 @@
 //!
 //! The `duet` CLI only parses flags into a [`config::ServeConfig`] and prints results.
 
+#![forbid(unsafe_code)]
+
 pub mod arrival;
 pub mod backend;
 pub mod config;

@@ -3,6 +3,7 @@
 //! across writes, packing two tokens into one chunk, and refusing some prompts with 503.
 //! Checks what the records and the summary must say about it, and that the concurrency cap
 //! and the arrival schedule hold.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,5 +1,7 @@
 //! The `duet` command line: argument parsing and wiring only.
 
+#![forbid(unsafe_code)]
+
 mod cmd;
 
 use clap::{Parser, Subcommand};

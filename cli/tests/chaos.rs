@@ -17,6 +17,7 @@
 //! longest queue and prefill here; their defaults, 30 s and 120 s, would only make the test
 //! slower) and the workers' lease.
 //! The figures it prints are in docs/cluster.md.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;
 

@@ -3,6 +3,7 @@
 //!
 //! All tests share ONE `duet up` process (started on first use; loading the model twice per
 //! test would dominate the run). Each test has its own runtime and client.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;
 

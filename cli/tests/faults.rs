@@ -2,6 +2,7 @@
 //! long requests, a thousand requests cancelled at random points. Each test checks what a
 //! client sees (tokens, status codes) and what the workers are left holding (KV blocks,
 //! sequences, the router's in-flight gauges).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;
 

@@ -11,6 +11,7 @@
 //! An f32 cache is what `f16` compression is for; its prompt attention goes through candle's
 //! GEMM, whose kernels depend on the CPU, so there only the wire fraction and a loose token
 //! bound are asserted.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;
 

@@ -7,6 +7,7 @@
 //! none under tcp, and every block is free afterwards. A prefill worker started with
 //! `--kv-rdma off` sends to the same decode worker over tcp.
 #![cfg(feature = "rdma")]
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;
 

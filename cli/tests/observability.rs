@@ -2,6 +2,7 @@
 //! metrics`, and a real Prometheus scraping a real cluster (router, prefill worker, decode
 //! worker registered in etcd) reports the counts, histograms and gauges that this test's
 //! own requests produced.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;
 

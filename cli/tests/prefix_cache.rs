@@ -3,6 +3,7 @@
 //! cache); blocks evicted to the host and disk tiers come back on a hit with identical
 //! tokens; and the router sends a conversation's turns to the prefill worker holding its
 //! prefix, and elsewhere, still correct, when that worker dies.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;
 
@@ -73,7 +74,25 @@ fn a_shared_system_prompt_is_prefilled_once_with_the_tokens_of_an_uncached_run()
 
         let first = generate(&mut c, greedy(text(&a), 16)).await.expect("first");
         assert_eq!(usage(&first).cached_tokens, 0, "nothing cached yet");
-        let before = scrape(&metrics);
+        // The router learns what the workers cache from their KV event streams: it may lag
+        // them by a moment (docs of `router::kv_index`). Once both workers' blocks of the
+        // first prompt reached it, its expectation must be exact.
+        let index = |m: &str, name: &str| scrape_sum(m, name, &[]);
+        let want_blocks = (2 * (ids_a.len() / 16)) as f64;
+        let t0 = std::time::Instant::now();
+        let mut before = scrape(&metrics);
+        while index(&before, "duet_router_kv_index_blocks") < want_blocks {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the router's KV index holds {} blocks after 10 s, want {want_blocks} \
+                 (resyncs: {})",
+                index(&before, "duet_router_kv_index_blocks"),
+                index(&before, "duet_router_kv_index_resyncs_total"),
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            before = scrape(&metrics);
+        }
+        let waited = t0.elapsed();
         let second = generate(&mut c, greedy(text(&b), 16))
             .await
             .expect("second");
@@ -84,8 +103,14 @@ fn a_shared_system_prompt_is_prefilled_once_with_the_tokens_of_an_uncached_run()
         let cached = usage(&second).cached_tokens as usize;
         assert_eq!(cached, reusable(shared, ids_b.len()), "{t:?}");
         assert_eq!(
-            t.prefix_match_tokens as usize, cached,
-            "the router expected it"
+            t.prefix_match_tokens as usize,
+            cached,
+            "the router expected it (index caught up in {waited:?}; before/after: {} / {} \
+             blocks, resyncs {} / {})",
+            index(&before, "duet_router_kv_index_blocks"),
+            index(&after, "duet_router_kv_index_blocks"),
+            index(&before, "duet_router_kv_index_resyncs_total"),
+            index(&after, "duet_router_kv_index_resyncs_total"),
         );
         // The prefill worker computed only the suffix...
         let computed = |m: &str| scrape_sum(m, "duet_prefill_prompt_tokens_total", &[]);

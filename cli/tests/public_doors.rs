@@ -2,6 +2,7 @@
 //! never logged; the per-client concurrency limit (`--max-in-flight-per-client`).
 //!
 //! Each test runs its own `duet up` with the flags it needs.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;
 

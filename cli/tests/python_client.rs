@@ -5,6 +5,7 @@
 //! Needs grpcio, grpcio-tools, protobuf and grpcio-health-checking for python3: installed by
 //! scripts/install-test-deps.sh. Without them the test fails (it is never skipped).
 //! `DUET_TEST_PYTHON` names another interpreter (default: python3 on PATH).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;
 

@@ -11,6 +11,7 @@
 //!
 //! Certificates are made for the test with rcgen (a CA, a node certificate for
 //! `localhost`/127.0.0.1 good for server and client use, and a foreign CA's certificate).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;
 

@@ -19,8 +19,6 @@ pub enum DecodeError {
     TransferTimeout(u64),
     #[error("the worker is shutting down")]
     ShuttingDown,
-    #[error("KV transfer endpoint: {0}")]
-    Transfer(#[source] duet_kv_transfer::Error),
     #[error(
         "request {0}: the prompt does not start with the cached blocks its reservation \
          attached (block hashes from another prompt)"
@@ -44,7 +42,7 @@ impl DecodeError {
             | DecodeError::ShuttingDown
             | DecodeError::StepFailed(_) => ErrorClass::Unavailable,
             DecodeError::TransferTimeout(_) => ErrorClass::DeadlineExceeded,
-            DecodeError::Transfer(_) | DecodeError::PrefixMismatch(_) => ErrorClass::Internal,
+            DecodeError::PrefixMismatch(_) => ErrorClass::Internal,
         }
     }
 

@@ -173,7 +173,7 @@ pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: Can
                     metrics::counter!(
                         KV_TRANSFER_FAILURES_TOTAL,
                         "direction" => "received",
-                        "reason" => e.class().as_str()
+                        "reason" => e.class().label()
                     )
                     .increment(1);
                 }

@@ -13,6 +13,8 @@
 //! deadline; every path that ends a request (finish, error, cancel, client gone, expiry)
 //! frees them in the engine thread.
 
+#![forbid(unsafe_code)]
+
 pub mod config;
 pub mod door;
 pub mod error;

@@ -110,36 +110,7 @@ pub enum Error {
     Stopped,
 }
 
-/// A small, bounded classification of [`Error`], shared with the rest of duet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ErrorClass {
-    /// Transient: retry later (registry down, lease lost, watch broken).
-    Unavailable,
-    /// A deadline elapsed.
-    DeadlineExceeded,
-    /// The caller supplied something invalid (bad record, unsupported version).
-    InvalidArgument,
-    /// A bug or an unexpected backend answer.
-    Internal,
-}
-
-impl ErrorClass {
-    /// Stable lower-case name, suitable as a metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorClass::Unavailable => "unavailable",
-            ErrorClass::DeadlineExceeded => "deadline_exceeded",
-            ErrorClass::InvalidArgument => "invalid_argument",
-            ErrorClass::Internal => "internal",
-        }
-    }
-}
-
-impl std::fmt::Display for ErrorClass {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use duet_error_class::ErrorClass;
 
 impl Error {
     /// The bounded class of this error.
@@ -228,6 +199,6 @@ mod tests {
         };
         assert_eq!(etcd.class(), ErrorClass::Unavailable);
         assert!(etcd.is_retryable());
-        assert_eq!(ErrorClass::DeadlineExceeded.as_str(), "deadline_exceeded");
+        assert_eq!(ErrorClass::DeadlineExceeded.label(), "deadline_exceeded");
     }
 }

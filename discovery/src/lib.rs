@@ -18,6 +18,8 @@
 //! - This crate never installs a metrics exporter; it records through the `metrics` facade
 //!   under the names in `duet_telemetry::names`.
 
+#![forbid(unsafe_code)]
+
 mod error;
 mod etcd;
 mod memory;

@@ -1,7 +1,9 @@
 //! Integration tests against a real etcd (see `support/mod.rs`): the etcd backend's contract,
 //! and registration + cluster view through kill, graceful shutdown, outage, restart and
 //! compaction. Leases use a 2 s TTL to keep the suite fast.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
+mod contract;
 mod support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use duet_discovery::*;
-use futures::StreamExt;
 use support::EtcdServer;
 use tokio::sync::oneshot;
 use tokio::time::{sleep, timeout};
@@ -87,82 +88,22 @@ async fn wait_view(
 async fn etcd_backend_keeps_the_registry_contract() {
     let etcd = EtcdServer::start();
     let reg = connect(&etcd).await;
-    let prefix = "/duet/contract/";
-
     let lease = reg.grant_lease(Duration::from_millis(1500)).await.unwrap();
     assert_eq!(
         lease.ttl,
         Duration::from_secs(2),
         "etcd rounds TTLs up to seconds"
     );
-    let listing = reg.list(prefix).await.unwrap();
-    assert!(listing.kvs.is_empty());
-    let mut watch = reg.watch(prefix, listing.revision + 1).await.unwrap();
-
-    let r1 = reg
-        .put("/duet/contract/a", b"1".to_vec(), Some(lease.id))
-        .await
-        .unwrap();
-    assert!(r1 > listing.revision);
-    reg.keep_alive(lease.id).await.unwrap();
-    reg.delete("/duet/contract/a").await.unwrap();
-    let ev = timeout(Duration::from_secs(2), watch.next())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    assert_eq!(
-        ev,
-        WatchEvent::Put(KeyValue {
-            key: "/duet/contract/a".into(),
-            value: b"1".to_vec(),
-            mod_revision: r1
-        })
-    );
-    let ev = timeout(Duration::from_secs(2), watch.next())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    assert!(
-        matches!(ev, WatchEvent::Delete { ref key, revision } if key == "/duet/contract/a" && revision == r1 + 1)
-    );
-
-    // Revoked leases are reported as such by every call that uses them.
-    reg.put("/duet/contract/b", b"2".to_vec(), Some(lease.id))
-        .await
-        .unwrap();
     reg.revoke_lease(lease.id).await.unwrap();
-    reg.revoke_lease(lease.id).await.unwrap();
-    assert!(
-        reg.list(prefix).await.unwrap().kvs.is_empty(),
-        "revoke deletes the lease's keys"
-    );
-    assert!(matches!(
-        reg.keep_alive(lease.id).await,
-        Err(Error::LeaseNotFound { .. })
-    ));
-    assert!(matches!(
-        reg.put("/duet/contract/c", vec![], Some(lease.id)).await,
-        Err(Error::LeaseNotFound { .. })
-    ));
-
-    // Compacted history: the watch refuses to start from it.
-    for i in 0..5 {
-        reg.put("/duet/contract/x", vec![i], None).await.unwrap();
-    }
-    let now = reg.probe().await.unwrap();
-    reg.compact(now).await.unwrap();
-    let stale_from = listing.revision + 1;
-    let err = match reg.watch(prefix, stale_from).await {
-        Err(e) => e,
-        Ok(mut s) => s.next().await.expect("an item").expect_err("compacted"),
-    };
-    assert!(
-        matches!(err, Error::Compacted { compact_revision, .. } if compact_revision == now),
-        "{err:?}"
-    );
-    assert_eq!(err.class(), ErrorClass::Unavailable);
+    let compact_on = reg.clone();
+    contract::registry_keeps_the_contract(
+        reg.as_ref(),
+        Box::new(move |rev| {
+            let r = compact_on.clone();
+            Box::pin(async move { r.compact(rev).await.unwrap() })
+        }),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

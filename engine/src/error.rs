@@ -4,36 +4,7 @@
 
 use std::path::PathBuf;
 
-/// The small, stable set of failure classes shared across duet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ErrorClass {
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    Unavailable,
-    DeadlineExceeded,
-    Internal,
-    /// A request id already in flight.
-    AlreadyExists,
-    /// No valid credential (API key) on a public door.
-    Unauthenticated,
-}
-
-impl ErrorClass {
-    /// A bounded label for metrics.
-    pub fn label(self) -> &'static str {
-        match self {
-            ErrorClass::InvalidArgument => "invalid_argument",
-            ErrorClass::NotFound => "not_found",
-            ErrorClass::ResourceExhausted => "resource_exhausted",
-            ErrorClass::Unavailable => "unavailable",
-            ErrorClass::DeadlineExceeded => "deadline_exceeded",
-            ErrorClass::Internal => "internal",
-            ErrorClass::AlreadyExists => "already_exists",
-            ErrorClass::Unauthenticated => "unauthenticated",
-        }
-    }
-}
+pub use duet_error_class::ErrorClass;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

@@ -8,6 +8,9 @@
 //!   steps of different sequences;
 //! - [`Generation`]: sampling and stop conditions of one sequence.
 
+// Unsafe code only in the SIMD kernels (`kernels::avx2`), each block with its SAFETY.
+#![deny(unsafe_code)]
+
 mod attention_gemm;
 mod bpe;
 pub mod chat;

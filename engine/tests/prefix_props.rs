@@ -4,6 +4,7 @@
 //! tokens it holds, so the test sees any block that was handed to another sequence while
 //! in use, any cached block whose content does not match its hash, and any block lost from
 //! the accounting.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 use duet_engine::{KvCache, KvDtype, KvKind, KvLayout, PrefixCacheConfig};
 use proptest::prelude::*;

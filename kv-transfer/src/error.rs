@@ -2,96 +2,45 @@
 //!
 //! Invariants:
 //! - every fallible public function returns [`Error`]; causes are kept as `#[source]`;
-//! - [`Error::class`] maps every variant onto one of seven classes, and
+//! - [`Error::class`] maps every variant onto duet's one [`ErrorClass`], and
 //!   [`Error::metric_label`] onto a fixed set of `&'static str` (safe as a metric label);
 //! - an error that happens after a receiver accepted a transfer header is wrapped in
 //!   [`Error::Aborted`], which lists the reserved blocks the caller must release.
 
-use std::fmt;
 use std::time::Duration;
-
-use serde::{Deserialize, Serialize};
 
 use crate::layout::LayoutMismatch;
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Coarse classification of an [`Error`], stable enough to map onto gRPC/HTTP codes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorClass {
-    /// The caller or the peer supplied something malformed or incompatible.
-    InvalidArgument,
-    /// A referenced object (e.g. a reserved block) does not exist.
-    NotFound,
-    /// A size limit or a capacity was exceeded.
-    ResourceExhausted,
-    /// The peer or a backend is not reachable (closed connection, I/O error, missing library).
-    Unavailable,
-    /// A wait ran past its configured timeout.
-    DeadlineExceeded,
-    /// A bug or an unexpected state inside this process.
-    Internal,
-    /// The peer failed authentication.
-    Unauthenticated,
-}
+pub use duet_error_class::ErrorClass;
 
-impl ErrorClass {
-    /// All classes, in wire-code order (code = index + 1).
-    pub const ALL: [ErrorClass; 7] = [
-        ErrorClass::InvalidArgument,
-        ErrorClass::NotFound,
-        ErrorClass::ResourceExhausted,
-        ErrorClass::Unavailable,
-        ErrorClass::DeadlineExceeded,
-        ErrorClass::Internal,
-        ErrorClass::Unauthenticated,
-    ];
-
-    /// Stable `snake_case` name (bounded; usable as a metric label).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorClass::InvalidArgument => "invalid_argument",
-            ErrorClass::NotFound => "not_found",
-            ErrorClass::ResourceExhausted => "resource_exhausted",
-            ErrorClass::Unavailable => "unavailable",
-            ErrorClass::DeadlineExceeded => "deadline_exceeded",
-            ErrorClass::Internal => "internal",
-            ErrorClass::Unauthenticated => "unauthenticated",
-        }
-    }
-
-    /// Code used on the wire in a receiver verdict (never 0; 0 means success).
-    pub(crate) fn wire_code(self) -> u8 {
-        match self {
-            ErrorClass::InvalidArgument => 1,
-            ErrorClass::NotFound => 2,
-            ErrorClass::ResourceExhausted => 3,
-            ErrorClass::Unavailable => 4,
-            ErrorClass::DeadlineExceeded => 5,
-            ErrorClass::Internal => 6,
-            ErrorClass::Unauthenticated => 7,
-        }
-    }
-
-    /// Inverse of [`ErrorClass::wire_code`]; unknown codes map to `Internal`.
-    pub(crate) fn from_wire_code(code: u8) -> ErrorClass {
-        match code {
-            1 => ErrorClass::InvalidArgument,
-            2 => ErrorClass::NotFound,
-            3 => ErrorClass::ResourceExhausted,
-            4 => ErrorClass::Unavailable,
-            5 => ErrorClass::DeadlineExceeded,
-            7 => ErrorClass::Unauthenticated,
-            _ => ErrorClass::Internal,
-        }
+/// An [`ErrorClass`] on the wire: the code of a receiver verdict or an abort (never 0; 0
+/// means success). The numbers are part of the protocol and never change; classes that
+/// cannot occur in a transfer (cancelled, already exists) travel as internal.
+pub(crate) fn wire_code(class: ErrorClass) -> u8 {
+    match class {
+        ErrorClass::InvalidArgument => 1,
+        ErrorClass::NotFound => 2,
+        ErrorClass::ResourceExhausted => 3,
+        ErrorClass::Unavailable => 4,
+        ErrorClass::DeadlineExceeded => 5,
+        ErrorClass::Unauthenticated => 7,
+        ErrorClass::Internal | ErrorClass::Cancelled | ErrorClass::AlreadyExists => 6,
     }
 }
 
-impl fmt::Display for ErrorClass {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+/// Inverse of [`wire_code`]; unknown codes map to `Internal`.
+pub(crate) fn from_wire_code(code: u8) -> ErrorClass {
+    match code {
+        1 => ErrorClass::InvalidArgument,
+        2 => ErrorClass::NotFound,
+        3 => ErrorClass::ResourceExhausted,
+        4 => ErrorClass::Unavailable,
+        5 => ErrorClass::DeadlineExceeded,
+        7 => ErrorClass::Unauthenticated,
+        _ => ErrorClass::Internal,
     }
 }
 
@@ -472,12 +421,18 @@ mod tests {
     #[test]
     fn wire_codes_round_trip_and_labels_are_distinct() {
         for c in ErrorClass::ALL {
-            assert_ne!(c.wire_code(), 0);
-            assert_eq!(ErrorClass::from_wire_code(c.wire_code()), c);
+            assert_ne!(wire_code(c), 0);
+            let back = from_wire_code(wire_code(c));
+            match c {
+                ErrorClass::Cancelled | ErrorClass::AlreadyExists => {
+                    assert_eq!(back, ErrorClass::Internal)
+                }
+                _ => assert_eq!(back, c),
+            }
         }
-        let labels: std::collections::HashSet<_> =
-            ErrorClass::ALL.iter().map(|c| c.as_str()).collect();
-        assert_eq!(labels.len(), ErrorClass::ALL.len());
+        // The protocol's numbers (a peer of another build reads them).
+        assert_eq!(wire_code(ErrorClass::Unavailable), 4);
+        assert_eq!(wire_code(ErrorClass::Unauthenticated), 7);
     }
 
     #[test]

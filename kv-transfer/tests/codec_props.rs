@@ -1,6 +1,7 @@
 //! Property tests of the frame encoder/decoder over arbitrary layouts and block lists, and a
 //! short random-input fuzz of the decoder (must never panic or write outside reserved
 //! blocks).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod common;
 

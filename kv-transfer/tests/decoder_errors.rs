@@ -1,5 +1,6 @@
 //! Each kind of bad input to the frame decoder yields its typed error, and nothing is written
 //! outside the reserved blocks.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod common;
 

@@ -2,6 +2,7 @@
 //! fuzzer starts from) and every input a fuzzing run found to crash or hang
 //! (`fuzz/regressions/kv_frames/`, added by `scripts/fuzz.sh`). Each must run through the
 //! decoder without a panic and without writing outside the reserved blocks.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod common;
 

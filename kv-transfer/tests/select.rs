@@ -1,4 +1,5 @@
 //! Table test of `select_backend`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 use duet_kv_transfer::{select_backend, BackendCaps, BackendKind, EndpointInfo, ErrorClass};
 

@@ -31,12 +31,8 @@ impl PrefillError {
     pub fn class(&self) -> ErrorClass {
         match self {
             PrefillError::Engine(e) => e.class(),
-            PrefillError::Transfer(e) => match e.class() {
-                duet_kv_transfer::ErrorClass::InvalidArgument => ErrorClass::InvalidArgument,
-                duet_kv_transfer::ErrorClass::DeadlineExceeded => ErrorClass::DeadlineExceeded,
-                duet_kv_transfer::ErrorClass::ResourceExhausted => ErrorClass::ResourceExhausted,
-                _ => ErrorClass::Unavailable,
-            },
+            // kv-transfer classified it, nearest the cause.
+            PrefillError::Transfer(e) => e.class(),
             PrefillError::QueueFull(_) => ErrorClass::ResourceExhausted,
             PrefillError::TooLong { .. } => ErrorClass::InvalidArgument,
             PrefillError::Cancelled(_)

@@ -10,6 +10,8 @@
 //! Invariant: a request's scratch KV lives in this worker only while its prefill runs; it is
 //! freed after the forward of its last chunk, whatever happens to the transfer.
 
+#![forbid(unsafe_code)]
+
 pub mod engine_loop;
 pub mod error;
 mod layer_buffer;

@@ -3,6 +3,8 @@
 //! services (`duet/v1/worker.proto`). The `.proto` files are the source of
 //! truth for clients in other languages; this crate only compiles them.
 
+#![forbid(unsafe_code)]
+
 #[allow(clippy::all, missing_docs)]
 pub mod v1 {
     tonic::include_proto!("duet.v1");

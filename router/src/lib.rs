@@ -11,6 +11,8 @@
 //! (finish, error, deadline, client gone); a request is retried on another pair only
 //! before its first token reached the client.
 
+#![forbid(unsafe_code)]
+
 pub mod admission;
 pub mod api_keys;
 pub mod claims;
@@ -21,6 +23,7 @@ pub mod http;
 pub mod kv_index;
 pub mod kv_subscriber;
 pub mod placement;
+pub mod prompt_prefix;
 pub mod relay;
 pub mod request_metrics;
 pub mod service;

@@ -19,11 +19,12 @@ use tonic::Status;
 
 use crate::admission::QueueSlot;
 use crate::claims::Claim;
-use crate::config::{Mode, RouterConfig};
+use crate::config::RouterConfig;
 use crate::error::RouterError;
 use crate::frontend::Prepared;
-use crate::kv_index::{KvIndex, PrefixMatch};
-use crate::placement::{decode_candidates, prefill_candidates, CachedTokens};
+use crate::kv_index::KvIndex;
+use crate::placement::{decide, Decision, Placement, Policy, Request, RouterView};
+use crate::prompt_prefix::PromptPrefix;
 use crate::request_metrics::RequestMetrics;
 use crate::workers::Workers;
 
@@ -43,68 +44,6 @@ pub struct Shared {
     pub workers: Arc<Workers>,
     /// What each worker's prefix cache holds (KV-aware routing).
     pub kv_index: Arc<KvIndex>,
-}
-
-/// One prompt seen through the KV index: its block hashes per (fingerprint, block size) of
-/// the workers asked about (computed once each), and the prefix each worker holds.
-struct PromptPrefix<'a> {
-    prompt: &'a [u32],
-    index: &'a KvIndex,
-    /// `false`: every worker reads as holding nothing (routing on load alone).
-    routing: bool,
-    /// Usually one entry, so a scan without allocating.
-    hashes: std::sync::Mutex<Vec<LayoutHashes>>,
-}
-
-/// A prompt's block hashes for one (model fingerprint, block size).
-type LayoutHashes = (String, usize, Arc<Vec<u64>>);
-
-impl<'a> PromptPrefix<'a> {
-    fn new(prompt: &'a [u32], index: &'a KvIndex, routing: bool) -> Self {
-        PromptPrefix {
-            prompt,
-            index,
-            routing,
-            hashes: Default::default(),
-        }
-    }
-
-    fn block_size(w: &WorkerRecord) -> usize {
-        (w.capacity.block_size as usize).max(1)
-    }
-
-    /// The prompt's block hashes as worker `w` computes them.
-    fn hashes(&self, w: &WorkerRecord) -> Arc<Vec<u64>> {
-        let bs = Self::block_size(w);
-        if self.prompt.len() < bs {
-            return Arc::default();
-        }
-        let Ok(mut m) = self.hashes.lock() else {
-            return Arc::default();
-        };
-        if let Some((_, _, h)) = m.iter().find(|(f, b, _)| *b == bs && *f == w.fingerprint) {
-            return h.clone();
-        }
-        let h = Arc::new(duet_engine::PrefixHasher::new(&w.fingerprint, bs).hashes(self.prompt));
-        m.push((w.fingerprint.clone(), bs, h.clone()));
-        h
-    }
-
-    /// The leading blocks `w` holds, as far as the index knows.
-    fn matched(&self, w: &WorkerRecord) -> PrefixMatch {
-        if !self.routing || self.prompt.len() < Self::block_size(w) {
-            return PrefixMatch::default();
-        }
-        self.index.matched(&w.key(), &self.hashes(w))
-    }
-}
-
-impl CachedTokens for PromptPrefix<'_> {
-    /// Tokens `w` would not compute: its matched blocks, as far as a worker reuses them.
-    fn cached_tokens(&self, w: &WorkerRecord) -> usize {
-        let bs = Self::block_size(w);
-        (self.matched(w).blocks * bs).min(duet_engine::reusable_tokens(self.prompt.len(), bs))
-    }
 }
 
 pub type Out = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
@@ -231,43 +170,40 @@ fn response(id: &str, ev: pb::generate_response::Event) -> pb::GenerateResponse 
 /// again once etcd answers).
 const WORKERS_RETURN_WINDOW: Duration = Duration::from_secs(10);
 
-/// Waits for a decode worker with room (the queue), bounded by the deadline and
-/// `max_queue_wait`. `None`: the client went away.
-async fn wait_for_decode(
+/// Waits until [`decide`] places the request (the queue: a decode worker with room),
+/// bounded by the deadline and `max_queue_wait`. `None`: the client went away.
+async fn wait_for_placement(
     shared: &Shared,
     job: &Job,
     prefix: &PromptPrefix<'_>,
+    req: &Request,
     out: &Out,
-) -> Result<Option<Vec<WorkerRecord>>, RouterError> {
-    let prompt_len = prefix.prompt.len();
+) -> Result<Option<Placement>, RouterError> {
+    let prompt_len = req.prompt_tokens;
+    let policy = Policy::of(&shared.cfg);
     let mut view = shared.view.clone();
     let started = Instant::now();
     // The wait is counted from arrival, across re-queues.
     let give_up = job.arrival + shared.cfg.max_queue_wait;
     loop {
         let snap = view.snapshot();
-        let inflight = shared.workers.inflight();
-        let c: Vec<WorkerRecord> = decode_candidates(
-            &snap,
-            &shared.cfg.model_name,
-            prompt_len,
-            shared.cfg.decode_headroom_tokens,
-            &inflight,
-            prefix,
-            shared.cfg.decode_seq_cost_tokens,
-        )
-        .into_iter()
-        .cloned()
-        .collect();
-        if !c.is_empty() {
-            return Ok(Some(c));
-        }
+        let load = shared.workers.load();
+        let decision = decide(
+            &RouterView {
+                snapshot: &snap,
+                load: &load,
+                cached: prefix,
+            },
+            req,
+            &policy,
+        );
+        let largest = match decision {
+            Decision::Place(p) => return Ok(Some(p)),
+            Decision::Wait {
+                largest_pool_tokens,
+            } => largest_pool_tokens,
+        };
         // A prompt no decode worker could ever hold fails at once instead of waiting.
-        let largest = snap
-            .workers(Role::Decode)
-            .filter(|w| w.model == shared.cfg.model_name)
-            .map(|w| w.capacity.kv_blocks_total * u64::from(w.capacity.block_size.max(1)))
-            .max();
         if let Some(largest) = largest {
             let need = prompt_len + 1;
             if need as u64 > largest {
@@ -371,15 +307,6 @@ fn connection_broke(status: &Status) -> bool {
     std::error::Error::source(status).is_some()
 }
 
-/// The bounded metric label of a placement.
-fn placement_label(p: pb::PrefillPlacement) -> &'static str {
-    match p {
-        pb::PrefillPlacement::Local => "local",
-        pb::PrefillPlacement::Colocated => "colocated",
-        _ => "remote",
-    }
-}
-
 /// Asks decode worker `addr` to free request `id` (bounded wait; errors are ignored: the
 /// worker also frees sequences whose stream closed and reservations that expire).
 async fn release_decode(workers: &Workers, addr: &str, id: u64) {
@@ -441,92 +368,19 @@ async fn attempt_once(
         );
     }
     let prefix = PromptPrefix::new(&prompt, &shared.kv_index, shared.cfg.kv_routing);
-    let Some(mut decoders) = wait_for_decode(shared, job, &prefix, out).await? else {
+    let req = Request {
+        prompt_tokens: prompt.len(),
+        resumed_tokens: resumed,
+    };
+    let Some(placed) = wait_for_placement(shared, job, &prefix, &req, out).await? else {
         return Ok(Outcome::ClientGone);
     };
-    // Workers that just failed to answer go last (a dead one stays registered until its
-    // lease expires; a hung one forever).
-    let suspects = shared.workers.suspects();
-    decoders.sort_by_key(|d| suspects.contains(&d.id));
+    let Placement {
+        kind,
+        reason,
+        candidates,
+    } = placed;
     let prompt_len = prompt.len();
-    let snap = shared.view.snapshot();
-    // Conditional disaggregation counts what the first decode worker would compute itself:
-    // the prompt minus the prefix its cache holds.
-    let local_cached = decoders.first().map_or(0, |d| prefix.cached_tokens(d));
-    let to_compute = prompt_len - local_cached.min(prompt_len);
-    let placement = match shared.cfg.mode {
-        Mode::Colocated => pb::PrefillPlacement::Colocated,
-        Mode::Disaggregated if to_compute <= shared.cfg.local_prefill_max_tokens => {
-            pb::PrefillPlacement::Local
-        }
-        Mode::Disaggregated => pb::PrefillPlacement::Remote,
-    };
-    let mut reason = match placement {
-        pb::PrefillPlacement::Colocated => "colocated mode".to_string(),
-        pb::PrefillPlacement::Local if local_cached > 0 => format!(
-            "prompt of {prompt_len} tokens, {local_cached} cached on the decode worker: \
-             {to_compute} to prefill <= local prefill limit {}",
-            shared.cfg.local_prefill_max_tokens
-        ),
-        pb::PrefillPlacement::Local => format!(
-            "prompt of {prompt_len} tokens <= local prefill limit {}",
-            shared.cfg.local_prefill_max_tokens
-        ),
-        _ => format!("prompt of {prompt_len} tokens prefilled remotely"),
-    };
-    let mut placement = placement;
-    // A migrated stream is prefilled on its new decode worker, which replays the tokens
-    // already sent one per step so the greedy continuation is exact (a prefill worker would
-    // compute them as one chunk, whose sums round differently).
-    if resumed > 0 && placement == pb::PrefillPlacement::Remote {
-        placement = pb::PrefillPlacement::Local;
-        reason = format!("migrated stream: {resumed} sent tokens replayed on the decode worker");
-    }
-    // Remote prefill: for each decode worker, the prefill workers with its model
-    // fingerprint, suspects last, without the pairs whose KV link failed recently. When no
-    // decode worker has such a prefill worker, the decode worker prefills locally.
-    let tokens = shared.workers.prefill_tokens();
-    let prefill_for = |d: &WorkerRecord| -> Vec<WorkerRecord> {
-        let mut v: Vec<WorkerRecord> = prefill_candidates(
-            &snap,
-            &shared.cfg.model_name,
-            &d.fingerprint,
-            prompt_len,
-            &tokens,
-            &prefix,
-        )
-        .into_iter()
-        .filter(|p| !shared.workers.is_bad_link(&p.id, &d.id))
-        .cloned()
-        .collect();
-        v.sort_by_key(|p| suspects.contains(&p.id));
-        v
-    };
-    if placement == pb::PrefillPlacement::Remote {
-        let any_prefill = decoders.iter().any(|d| {
-            !prefill_candidates(
-                &snap,
-                &shared.cfg.model_name,
-                &d.fingerprint,
-                prompt_len,
-                &tokens,
-                &crate::placement::NoCache,
-            )
-            .is_empty()
-        });
-        if !any_prefill {
-            placement = pb::PrefillPlacement::Local;
-            reason = "no prefill worker with the decode worker's model: prefilled locally".into();
-        } else if decoders.iter().all(|d| prefill_for(d).is_empty()) {
-            placement = pb::PrefillPlacement::Local;
-            reason = "the KV links from the prefill workers to the decode workers failed \
-                      recently: prefilled locally"
-                .into();
-        } else {
-            // Decode workers some prefill worker reaches come first.
-            decoders.sort_by_key(|d| prefill_for(d).is_empty());
-        }
-    }
     // Open the token stream on the first decode worker that accepts. For a remote prefill
     // the decode worker reserves blocks for the prompt (its headers say it did; a refusal
     // is the call's status) and then calls the prefill worker picked here itself
@@ -544,19 +398,16 @@ async fn attempt_once(
     };
     let mut chosen = None;
     let mut last_err = None;
-    for d in &decoders {
+    for c in candidates {
+        let d = &c.decode;
         // Counted before any await, so that concurrent requests spread across workers.
         let tracked = shared.workers.track_decode(&d.id);
-        let (prefill, prefill_pick) = if placement == pb::PrefillPlacement::Remote {
-            let Some(p) = prefill_for(d).into_iter().next() else {
-                continue;
-            };
+        let (prefill, prefill_pick) = if let Some(p) = c.prefill {
             // Counted before the await too, so that concurrent requests spread across
             // prefill workers before their records update.
-            let prefill_tracked = shared.workers.track_prefill(
-                &p.id,
-                (prompt_len - prefix.cached_tokens(&p).min(prompt_len)) as u64,
-            );
+            let prefill_tracked = shared
+                .workers
+                .track_prefill(&p.id, (prompt_len - c.cached_tokens.min(prompt_len)) as u64);
             // Announced before the reservation: the prefill worker starts bringing the
             // prompt's blocks up from its lower tiers while the decode worker reserves.
             if prefix.matched(&p).lower > 0 {
@@ -597,7 +448,8 @@ async fn attempt_once(
         };
         match opened {
             Ok(stream) => {
-                chosen = Some((d.clone(), stream.into_inner(), prefill_pick, tracked));
+                let (decode, cached) = (c.decode, c.cached_tokens);
+                chosen = Some((decode, cached, stream.into_inner(), prefill_pick, tracked));
                 break;
             }
             // A decode worker that could not even reach the prefill worker says so: that
@@ -608,7 +460,7 @@ async fn attempt_once(
             Err(s) => last_err = Some(worker_err(d, s)),
         }
     }
-    let Some((decoder, mut stream, prefill_pick, _decode_tracked)) = chosen else {
+    let Some((decoder, predicted, mut stream, prefill_pick, _decode_tracked)) = chosen else {
         return Err(last_err.unwrap_or(RouterError::NoWorker {
             role: "decode",
             reason: "no decode worker accepted the request".into(),
@@ -619,18 +471,15 @@ async fn attempt_once(
         None => (None, None),
     };
     job.slot.release();
-    job.metrics.placed(placement_label(placement));
+    let placement = kind.to_proto();
+    job.metrics.placed(kind.label());
     let queue_seconds = job.arrival.elapsed().as_secs_f64();
     // Frees whatever the decode worker holds for this request (idempotent there).
     let release = || release_decode(&shared.workers, &decoder.grpc_addr, request_id);
 
-    let predicted = match &prefill_choice {
-        Some(p) => prefix.cached_tokens(p),
-        None => prefix.cached_tokens(&decoder),
-    };
     metrics::counter!(
         duet_telemetry::names::ROUTER_PREFIX_MATCH_TOKENS_TOTAL,
-        "placement" => placement_label(placement)
+        "placement" => kind.label()
     )
     .increment(predicted as u64);
     let span = tracing::Span::current();

@@ -1,7 +1,7 @@
 //! gRPC clients of the workers (one lazily connected channel per address) and the router's
 //! own in-flight accounting per worker, which placement adds to the published load.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,7 +13,7 @@ use duet_serving::cluster_auth::{AuthChannel, ClusterToken};
 use duet_serving::tls::ClientTls;
 
 use crate::error::RouterError;
-use crate::placement::InFlight;
+use crate::placement::{InFlight, RouterLoad};
 
 /// Channels and counters shared by every request.
 #[derive(Debug, Default)]
@@ -74,43 +74,39 @@ impl Workers {
         }
     }
 
-    /// Whether the KV link from `prefill` to `decode` failed recently.
-    pub fn is_bad_link(&self, prefill: &str, decode: &str) -> bool {
+    /// What placement needs of this router's own state, as of now: in-flight counts and
+    /// the suspects and failed links that have not expired.
+    pub fn load(&self) -> RouterLoad {
         let now = Instant::now();
-        self.bad_links
-            .lock()
-            .map(|m| {
-                m.get(&(prefill.to_string(), decode.to_string()))
-                    .is_some_and(|until| *until > now)
-            })
-            .unwrap_or(false)
-    }
-
-    /// The workers currently suspect.
-    pub fn suspects(&self) -> HashSet<String> {
-        let now = Instant::now();
-        self.suspects
-            .lock()
-            .map(|m| {
-                m.iter()
-                    .filter(|(_, until)| **until > now)
-                    .map(|(id, _)| id.clone())
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
-    /// Snapshot of in-flight requests per decode worker.
-    pub fn inflight(&self) -> InFlight {
-        self.inflight.lock().map(|m| m.clone()).unwrap_or_default()
-    }
-
-    /// Snapshot of prompt tokens in flight per prefill worker.
-    pub fn prefill_tokens(&self) -> HashMap<String, u64> {
-        self.prefill_tokens
-            .lock()
-            .map(|m| m.clone())
-            .unwrap_or_default()
+        let live = |until: &Instant| *until > now;
+        RouterLoad {
+            decode_inflight: self.inflight.lock().map(|m| m.clone()).unwrap_or_default(),
+            prefill_tokens: self
+                .prefill_tokens
+                .lock()
+                .map(|m| m.clone())
+                .unwrap_or_default(),
+            suspects: self
+                .suspects
+                .lock()
+                .map(|m| {
+                    m.iter()
+                        .filter(|(_, u)| live(u))
+                        .map(|(id, _)| id.clone())
+                        .collect()
+                })
+                .unwrap_or_default(),
+            bad_links: self
+                .bad_links
+                .lock()
+                .map(|m| {
+                    m.iter()
+                        .filter(|(_, u)| live(u))
+                        .map(|(k, _)| k.clone())
+                        .collect()
+                })
+                .unwrap_or_default(),
+        }
     }
 
     /// Counts a request on decode worker `id` until the guard drops.
@@ -167,13 +163,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_suspect_is_remembered_for_its_period_only() {
+    fn suspects_and_failed_links_are_remembered_for_their_period_only() {
         let w = Workers::new(None, None);
         w.mark_suspect("p-1", Duration::from_millis(40));
         w.mark_suspect("p-2", Duration::from_secs(60));
-        assert!(w.suspects().contains("p-1"));
+        w.mark_bad_link("p-1", "d-1", Duration::from_millis(40));
+        w.mark_bad_link("p-2", "d-1", Duration::from_secs(60));
+        let load = w.load();
+        assert!(load.suspects.contains("p-1"));
+        assert!(load.bad_links.contains(&("p-1".into(), "d-1".into())));
         std::thread::sleep(Duration::from_millis(60));
-        let now: Vec<String> = w.suspects().into_iter().collect();
+        let load = w.load();
+        let now: Vec<String> = load.suspects.into_iter().collect();
         assert_eq!(now, ["p-2"]);
+        let links: Vec<(String, String)> = load.bad_links.into_iter().collect();
+        assert_eq!(links, [("p-2".to_string(), "d-1".to_string())]);
+    }
+
+    #[test]
+    fn in_flight_counts_last_as_long_as_their_guards() {
+        let w = Workers::new(None, None);
+        let d = w.track_decode("d-1");
+        let p = w.track_prefill("p-1", 300);
+        let load = w.load();
+        assert_eq!(load.decode_inflight.get("d-1"), Some(&1));
+        assert_eq!(load.prefill_tokens.get("p-1"), Some(&300));
+        drop((d, p));
+        let load = w.load();
+        assert_eq!(load.decode_inflight.get("d-1"), Some(&0));
+        assert_eq!(load.prefill_tokens.get("p-1"), Some(&0));
     }
 }

@@ -1,6 +1,7 @@
 //! The `openai_request` fuzz target's inputs replayed as ordinary tests: its seeds and every
 //! input a fuzzing run found to crash or hang (`fuzz/regressions/openai_request/`, added by
 //! `scripts/fuzz.sh`). None may panic.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 use std::path::PathBuf;
 

@@ -17,6 +17,8 @@
 //!
 //! The conversions live here once so that the router and both workers agree on them.
 
+#![forbid(unsafe_code)]
+
 pub mod channels;
 pub mod cluster_auth;
 pub mod convert;

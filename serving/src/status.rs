@@ -1,36 +1,17 @@
-//! Error class -> gRPC status: the one mapping every duet server uses.
+//! Error class <-> gRPC status for every duet server and client (the numbers are
+//! [`ErrorClass`]'s own), and the failure flags peers set on statuses.
 
 use duet_engine::{EngineError, ErrorClass};
 use tonic::{Code, Status};
 
 /// gRPC code of an error class.
 pub fn code(class: ErrorClass) -> Code {
-    match class {
-        ErrorClass::InvalidArgument => Code::InvalidArgument,
-        ErrorClass::NotFound => Code::NotFound,
-        ErrorClass::ResourceExhausted => Code::ResourceExhausted,
-        ErrorClass::Unavailable => Code::Unavailable,
-        ErrorClass::DeadlineExceeded => Code::DeadlineExceeded,
-        ErrorClass::Internal => Code::Internal,
-        ErrorClass::AlreadyExists => Code::AlreadyExists,
-        ErrorClass::Unauthenticated => Code::Unauthenticated,
-    }
+    Code::from_i32(class.grpc_code())
 }
 
 /// Error class of a gRPC code received from a peer (for retry decisions and metrics).
 pub fn class_of(code: Code) -> ErrorClass {
-    match code {
-        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
-            ErrorClass::InvalidArgument
-        }
-        Code::NotFound => ErrorClass::NotFound,
-        Code::ResourceExhausted => ErrorClass::ResourceExhausted,
-        Code::Unavailable | Code::Cancelled | Code::Aborted => ErrorClass::Unavailable,
-        Code::DeadlineExceeded => ErrorClass::DeadlineExceeded,
-        Code::AlreadyExists => ErrorClass::AlreadyExists,
-        Code::Unauthenticated => ErrorClass::Unauthenticated,
-        _ => ErrorClass::Internal,
-    }
+    ErrorClass::from_grpc_code(code as i32)
 }
 
 /// A status for an error of `class` with `message`.

@@ -11,6 +11,8 @@
 //! - Label values are bounded (see [`names`]); nothing derived from request content is a
 //!   label.
 
+#![forbid(unsafe_code)]
+
 mod describe;
 mod error;
 pub mod exporter;
@@ -23,16 +25,3 @@ pub use describe::describe_all;
 pub use error::Error;
 pub use exporter::{install, metrics_router, serve_metrics, spawn_upkeep};
 pub use logs::{init_logs, link_remote_parent, span_ids, LogFormat, LogGuard};
-
-/// Outcome label values: `ok` plus one per error class. Every failure is classified once by
-/// its crate; the classes are the same set as the gRPC status mapping.
-pub const OUTCOMES: &[&str] = &[
-    "ok",
-    "cancelled",
-    "invalid_argument",
-    "not_found",
-    "resource_exhausted",
-    "unavailable",
-    "deadline_exceeded",
-    "internal",
-];

@@ -2,8 +2,9 @@
 //!
 //! Naming: `duet_<subsystem>_<name>_<unit>`; `_total` only on counters; units are `_seconds`
 //! and `_bytes` (counts carry no unit suffix). Labels are bounded:
-//! - `outcome`: `ok` or an [error class](crate::OUTCOMES) (`invalid_argument`, `not_found`,
-//!   `resource_exhausted`, `unavailable`, `deadline_exceeded`, `cancelled`, `internal`);
+//! - `outcome`: `ok` or the label of duet's one error class (`duet_error_class::ErrorClass`:
+//!   `cancelled`, `invalid_argument`, `not_found`, `already_exists`, `resource_exhausted`,
+//!   `unauthenticated`, `unavailable`, `deadline_exceeded`, `internal`);
 //! - `door`: `grpc` or `http`; `priority`: `interactive` or `batch`;
 //! - `placement`: `remote` (disaggregated), `local` (decode worker prefills), `colocated`;
 //! - `role`: `prefill` or `decode`; `state`: `ready` or `draining`;

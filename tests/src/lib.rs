@@ -1,1 +1,3 @@
 //! End-to-end tests live in `tests/`; this crate has no library code.
+
+#![forbid(unsafe_code)]

@@ -56,14 +56,38 @@ pub fn dot_tile_rows(
                 // the assert above bounds every read to the slices' lengths
                 // (blocks `i < nb` of each weight row, `R = t.rows` rows) and
                 // every write to `out`.
-                1 => unsafe { each_row::<1>(tile::<1, $q41>, w, row_bytes, nb, t, out, stride) },
-                2 => unsafe { each_row::<2>(tile::<2, $q41>, w, row_bytes, nb, t, out, stride) },
-                3 => unsafe { each_row::<3>(tile::<3, $q41>, w, row_bytes, nb, t, out, stride) },
-                4 => unsafe { each_row::<4>(tile::<4, $q41>, w, row_bytes, nb, t, out, stride) },
-                5 => unsafe { each_row::<5>(tile::<5, $q41>, w, row_bytes, nb, t, out, stride) },
-                6 => unsafe { each_row::<6>(tile::<6, $q41>, w, row_bytes, nb, t, out, stride) },
-                7 => unsafe { each_row::<7>(tile::<7, $q41>, w, row_bytes, nb, t, out, stride) },
-                _ => unsafe { each_row::<8>(tile::<8, $q41>, w, row_bytes, nb, t, out, stride) },
+                1 => {
+                    // SAFETY: this match's comment above.
+                    unsafe { each_row::<1>(tile::<1, $q41>, w, row_bytes, nb, t, out, stride) }
+                }
+                2 => {
+                    // SAFETY: this match's comment above.
+                    unsafe { each_row::<2>(tile::<2, $q41>, w, row_bytes, nb, t, out, stride) }
+                }
+                3 => {
+                    // SAFETY: this match's comment above.
+                    unsafe { each_row::<3>(tile::<3, $q41>, w, row_bytes, nb, t, out, stride) }
+                }
+                4 => {
+                    // SAFETY: this match's comment above.
+                    unsafe { each_row::<4>(tile::<4, $q41>, w, row_bytes, nb, t, out, stride) }
+                }
+                5 => {
+                    // SAFETY: this match's comment above.
+                    unsafe { each_row::<5>(tile::<5, $q41>, w, row_bytes, nb, t, out, stride) }
+                }
+                6 => {
+                    // SAFETY: this match's comment above.
+                    unsafe { each_row::<6>(tile::<6, $q41>, w, row_bytes, nb, t, out, stride) }
+                }
+                7 => {
+                    // SAFETY: this match's comment above.
+                    unsafe { each_row::<7>(tile::<7, $q41>, w, row_bytes, nb, t, out, stride) }
+                }
+                _ => {
+                    // SAFETY: this match's comment above.
+                    unsafe { each_row::<8>(tile::<8, $q41>, w, row_bytes, nb, t, out, stride) }
+                }
             }
         };
     }
@@ -77,6 +101,11 @@ pub fn dot_tile_rows(
 /// A tile kernel over every weight row of `w`.
 type TileKernel = unsafe fn(&[u8], usize, &Q8Tile, &mut [f32]);
 
+/// Runs `kernel` over every weight row of `w`, `out[r * stride + j]` for row `j`.
+///
+/// # Safety
+/// AVX2/FMA/F16C must be available; `w` must hold `nb` blocks per `row_bytes` row, the
+/// tile must cover `R` rows of `nb` blocks, and `out` every `(R - 1) * stride + j`.
 #[inline(always)]
 unsafe fn each_row<const R: usize>(
     kernel: TileKernel,
@@ -165,6 +194,10 @@ unsafe fn scales<const BB: usize, const M: bool>(
 /// each row keeps its own 8-lane accumulator: the chain of ggml's
 /// `ggml_vec_dot_q4_1_q8_1` / `ggml_vec_dot_q8_0_q8_0`, so every output is
 /// bit-identical to it.
+///
+/// # Safety
+/// AVX2/FMA/F16C must be available; `w` must hold `nb` blocks and the tile must cover
+/// `R` rows of `nb` blocks; `out` holds at least `R` values.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const R: usize, const Q41: bool>(w: &[u8], nb: usize, t: &Q8Tile, out: &mut [f32]) {
     let bb = if Q41 { 20 } else { 34 };
@@ -235,6 +268,9 @@ pub fn dot_lanes64(a: &[f32], b: &[f32]) -> Option<f32> {
     Some(unsafe { lanes64(a.as_ptr(), b.as_ptr(), n) })
 }
 
+/// # Safety
+/// AVX2/FMA must be available and `n` floats readable at `a` and at `b` (`n` a multiple
+/// of 64).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn lanes64(a: *const f32, b: *const f32, n: usize) -> f32 {
     let mut s = [_mm256_setzero_ps(); 8];
@@ -277,6 +313,9 @@ pub fn dot_lanes16(a: &[f32], b: &[f32]) -> Option<f32> {
     Some(unsafe { lanes16(a.as_ptr(), b.as_ptr(), n) })
 }
 
+/// # Safety
+/// AVX2/FMA must be available and `n` floats readable at `a` and at `b` (`n` a multiple
+/// of 16).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn lanes16(a: *const f32, b: *const f32, n: usize) -> f32 {
     let mut s = [_mm256_setzero_ps(); 2];
@@ -338,14 +377,24 @@ pub fn scores<T: KvLoad>(
     // SAFETY (both arms): `available()` confirmed AVX2/FMA/F16C; `q` has
     // `8 * N` elements and `k` at least `rows * 8 * N`.
     match q.len() {
-        64 => unsafe { scores_n::<T, 8>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out) },
-        128 => unsafe { scores_n::<T, 16>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out) },
+        64 => {
+            // SAFETY: this match's comment above.
+            unsafe { scores_n::<T, 8>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out) }
+        }
+        128 => {
+            // SAFETY: this match's comment above.
+            unsafe { scores_n::<T, 16>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out) }
+        }
         _ => return false,
     }
     true
 }
 
 /// Head size `8 * N` (`N` a multiple of 8).
+///
+/// # Safety
+/// AVX2/FMA/F16C must be available; `8 * N` elements readable at `q` and
+/// `rows * 8 * N` at `k`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scores_n<T: KvLoad, const N: usize>(
     lanes64: bool,
@@ -413,12 +462,22 @@ pub fn pv<T: KvLoad>(
     // SAFETY (both arms): `available()` confirmed AVX2/FMA/F16C; the assert
     // bounds every row `t < p.len()` to `v`, and `acc` has `lanes` rows.
     match hd {
-        64 => unsafe { pv_n::<T, 8>(lanes, p, v.as_ptr(), bases, bs, acc) },
-        _ => unsafe { pv_n::<T, 16>(lanes, p, v.as_ptr(), bases, bs, acc) },
+        64 => {
+            // SAFETY: this match's comment above.
+            unsafe { pv_n::<T, 8>(lanes, p, v.as_ptr(), bases, bs, acc) }
+        }
+        _ => {
+            // SAFETY: this match's comment above.
+            unsafe { pv_n::<T, 16>(lanes, p, v.as_ptr(), bases, bs, acc) }
+        }
     }
     true
 }
 
+/// # Safety
+/// AVX2/FMA/F16C must be available; for every position `t < p.len()` the row
+/// `bases[t / bs] + (t % bs) * 8 * N` of `8 * N` elements must be readable at `v`, and
+/// `acc` must hold `lanes` rows of `8 * N`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pv_n<T: KvLoad, const N: usize>(
     lanes: usize,

@@ -3,7 +3,7 @@
 //! Invariant: `FrameHeader::decode` accepts only known tags, known flag bits and zero reserved
 //! bits, so every accepted header is one this crate could have produced.
 
-use crate::error::{Error, ErrorClass, Result};
+use crate::error::{from_wire_code, wire_code, Error, ErrorClass, Result};
 use crate::layout::MAX_BLOCKS_PER_TRANSFER;
 use crate::protocol::compress::Compression;
 use crate::protocol::{HEADER_LEN, MAX_REASON_LEN};
@@ -181,12 +181,12 @@ pub(crate) fn decode_end(b: &[u8; END_LEN]) -> Result<(u64, u32)> {
 pub(crate) fn encode_abort(request_id: u64, class: ErrorClass) -> [u8; ABORT_LEN] {
     let mut b = [0u8; ABORT_LEN];
     b[0..8].copy_from_slice(&request_id.to_le_bytes());
-    b[8] = class.wire_code();
+    b[8] = wire_code(class);
     b
 }
 
 pub(crate) fn decode_abort(b: &[u8; ABORT_LEN]) -> (u64, ErrorClass) {
-    (u64_at(b, 0), ErrorClass::from_wire_code(b[8]))
+    (u64_at(b, 0), from_wire_code(b[8]))
 }
 
 /// A receiver's answer to one transfer.
@@ -218,7 +218,7 @@ impl Verdict {
         let mut out = Vec::with_capacity(HEADER_LEN + len);
         out.extend_from_slice(&FrameHeader::new(TAG_VERDICT, false, 0, len as u64).encode());
         out.extend_from_slice(&self.request_id.to_le_bytes());
-        out.push(self.error.map_or(0, |c| c.wire_code()));
+        out.push(self.error.map_or(0, wire_code));
         out.push(0);
         out.extend_from_slice(&(reason.len() as u16).to_le_bytes());
         out.extend_from_slice(&[0u8; 4]);
@@ -264,7 +264,7 @@ impl Verdict {
             request_id: u64_at(b, 0),
             error: match b[8] {
                 0 => None,
-                c => Some(ErrorClass::from_wire_code(c)),
+                c => Some(from_wire_code(c)),
             },
             reason,
         })

@@ -477,7 +477,7 @@ impl<T: FrameTransport> ReceiverCore<T> {
                 tracing::warn!(
                     error = %e,
                     cause = %e.root(),
-                    class = e.class().as_str(),
+                    class = e.class().label(),
                     release = ?e.blocks_to_release(),
                     "kv transfer failed"
                 );

@@ -20,18 +20,9 @@ pub struct ApiError {
     pub retry_after: Option<u64>,
 }
 
-/// The HTTP status of an error class.
+/// The HTTP status of an error class ([`ErrorClass::http_status`]).
 pub fn http_status(class: ErrorClass) -> StatusCode {
-    match class {
-        ErrorClass::InvalidArgument => StatusCode::BAD_REQUEST,
-        ErrorClass::NotFound => StatusCode::NOT_FOUND,
-        ErrorClass::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
-        ErrorClass::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-        ErrorClass::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
-        ErrorClass::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-        ErrorClass::AlreadyExists => StatusCode::CONFLICT,
-        ErrorClass::Unauthenticated => StatusCode::UNAUTHORIZED,
-    }
+    StatusCode::from_u16(class.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
 }
 
 impl ApiError {

@@ -1,5 +1,6 @@
-//! Choosing workers from the registry snapshot. Pure functions over worker records plus
-//! the router's own count of requests it sent each worker since (records lag a little).
+//! The two orderings placement is made of: decode workers and prefill workers, each by
+//! cost. Pure functions over worker records plus the router's own count of requests it
+//! sent each worker since (records lag a little).
 //!
 //! Decode worker: same model, not draining, enough free KV blocks for the prompt plus
 //! some generated tokens; cheapest first, where a running or waiting sequence costs
@@ -14,28 +15,7 @@ use std::collections::HashMap;
 
 use duet_discovery::{Role, Snapshot, WorkerRecord};
 
-/// Requests this router placed on a worker that are still running, by worker id.
-pub type InFlight = HashMap<String, u32>;
-
-/// Prompt tokens a worker's prefix cache holds, as the router believes.
-pub trait CachedTokens {
-    fn cached_tokens(&self, w: &WorkerRecord) -> usize;
-}
-
-/// No prefix is known anywhere (KV-aware routing off).
-pub struct NoCache;
-
-impl CachedTokens for NoCache {
-    fn cached_tokens(&self, _: &WorkerRecord) -> usize {
-        0
-    }
-}
-
-impl<F: Fn(&WorkerRecord) -> usize> CachedTokens for F {
-    fn cached_tokens(&self, w: &WorkerRecord) -> usize {
-        self(w)
-    }
-}
+use super::{CachedTokens, InFlight};
 
 /// Decode candidates in preference order.
 pub fn decode_candidates<'a>(
@@ -99,6 +79,7 @@ pub fn prefill_candidates<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::placement::NoCache;
     use duet_discovery::{Capacity, WorkerRecord};
 
     fn worker(role: Role, id: &str, free: u64, load: u32, queued: u64) -> WorkerRecord {

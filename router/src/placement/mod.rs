@@ -1,0 +1,308 @@
+//! Where a request runs: [`decide`], a pure function of the cluster as the router sees it
+//! ([`RouterView`]), the request ([`Request`]) and the routing [`Policy`]. No I/O, no clock,
+//! no channels: the relay calls it before each attempt, and the planner's simulator calls
+//! the same function over simulated records.
+//!
+//! The rules, in order:
+//! 1. **Decode workers** with the served model, not draining, with free KV blocks for the
+//!    prompt plus `decode_headroom_tokens` (never more than their pool), cheapest first:
+//!    `load x decode_seq_cost_tokens + prompt tokens they would prefill themselves` (load:
+//!    the larger of the record's running + waiting and this router's own in-flight count;
+//!    with KV-aware routing a prefix the worker caches is not counted). Workers that
+//!    recently failed to answer (suspects) go last. None: [`Decision::Wait`].
+//! 2. **Kind.** Colocated mode: always colocated. Disaggregated mode (conditional
+//!    disaggregation): local when what the first decode worker would compute (prompt minus
+//!    its cached prefix) is at most `local_prefill_max_tokens`, else remote. A migrated
+//!    stream is never prefilled remotely (its sent tokens are replayed one per step on the
+//!    decode worker so that the greedy continuation is exact).
+//! 3. **Prefill workers** for a remote prefill, per decode worker: same model and model
+//!    fingerprint, not draining, cheapest first (queued prefill tokens, or this router's
+//!    own count if larger, plus the prompt tokens not cached there), without pairs whose
+//!    KV link failed recently, suspects last. No prefill worker with the model: local. Every
+//!    pair's link failed: local. Otherwise decode workers some prefill worker reaches come
+//!    first, and those no prefill worker reaches are dropped.
+//!
+//! Invariants: every [`Candidate`] of a remote placement names a prefill worker whose
+//! fingerprint equals its decode worker's; no other placement names one; the reason string
+//! says which rule decided.
+
+mod candidates;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, HashSet};
+
+use duet_discovery::{Role, Snapshot, WorkerRecord};
+use duet_proto::v1 as pb;
+
+pub use candidates::{decode_candidates, prefill_candidates};
+
+use crate::config::{Mode, RouterConfig};
+
+/// Requests this router placed on a worker that are still running, by worker id.
+pub type InFlight = HashMap<String, u32>;
+
+/// Prompt tokens a worker's prefix cache holds, as the router believes.
+pub trait CachedTokens {
+    fn cached_tokens(&self, w: &WorkerRecord) -> usize;
+}
+
+/// No prefix is known anywhere (KV-aware routing off).
+pub struct NoCache;
+
+impl CachedTokens for NoCache {
+    fn cached_tokens(&self, _: &WorkerRecord) -> usize {
+        0
+    }
+}
+
+impl<F: Fn(&WorkerRecord) -> usize> CachedTokens for F {
+    fn cached_tokens(&self, w: &WorkerRecord) -> usize {
+        self(w)
+    }
+}
+
+/// The routing settings placement reads (a part of [`RouterConfig`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    pub mode: Mode,
+    /// Served model name: workers serving another are never chosen.
+    pub model: String,
+    /// Prompts that leave at most this many tokens to compute are prefilled on the decode
+    /// worker (0: never).
+    pub local_prefill_max_tokens: usize,
+    /// Generated tokens counted when checking a decode worker's free blocks.
+    pub decode_headroom_tokens: usize,
+    /// What one running or waiting sequence weighs in a decode worker's cost, in tokens.
+    pub decode_seq_cost_tokens: u64,
+}
+
+impl Policy {
+    /// The placement settings of `cfg`.
+    pub fn of(cfg: &RouterConfig) -> Policy {
+        Policy {
+            mode: cfg.mode,
+            model: cfg.model_name.clone(),
+            local_prefill_max_tokens: cfg.local_prefill_max_tokens,
+            decode_headroom_tokens: cfg.decode_headroom_tokens,
+            decode_seq_cost_tokens: cfg.decode_seq_cost_tokens,
+        }
+    }
+}
+
+/// What this router knows beyond the registry: its own placements still running and the
+/// failures it saw (both expire outside this module; here they are plain sets).
+#[derive(Debug, Clone, Default)]
+pub struct RouterLoad {
+    /// Requests in flight per decode worker id.
+    pub decode_inflight: InFlight,
+    /// Prompt tokens in flight per prefill worker id.
+    pub prefill_tokens: HashMap<String, u64>,
+    /// Worker ids that recently failed to answer: placed last.
+    pub suspects: HashSet<String>,
+    /// (prefill id, decode id) pairs whose KV link recently failed: not used.
+    pub bad_links: HashSet<(String, String)>,
+}
+
+/// The cluster as placement sees it.
+pub struct RouterView<'a> {
+    /// The registry's workers and their published capacity.
+    pub snapshot: &'a Snapshot,
+    pub load: &'a RouterLoad,
+    /// The prefix of this request's prompt each worker caches ([`NoCache`]: load only).
+    pub cached: &'a dyn CachedTokens,
+}
+
+/// The request, as far as placement cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    /// Prompt tokens, including tokens already sent by a migrated stream.
+    pub prompt_tokens: usize,
+    /// Tokens already sent to the client (a migrated stream; 0 otherwise).
+    pub resumed_tokens: usize,
+}
+
+/// Where the prompt is prefilled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// On the decode worker, before it decodes (conditional disaggregation).
+    Local,
+    /// On a prefill worker, KV moved to the decode worker.
+    Remote,
+    /// On the one worker of colocated mode, in chunks mixed into its decode steps.
+    Colocated,
+}
+
+impl Kind {
+    /// The bounded metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Kind::Local => "local",
+            Kind::Remote => "remote",
+            Kind::Colocated => "colocated",
+        }
+    }
+
+    pub fn to_proto(self) -> pb::PrefillPlacement {
+        match self {
+            Kind::Local => pb::PrefillPlacement::Local,
+            Kind::Remote => pb::PrefillPlacement::Remote,
+            Kind::Colocated => pb::PrefillPlacement::Colocated,
+        }
+    }
+}
+
+/// One decode worker to try, with the prefill worker it would use.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    pub decode: WorkerRecord,
+    /// The prefill worker (remote placements only).
+    pub prefill: Option<WorkerRecord>,
+    /// Prompt tokens the worker that prefills holds in its cache, as the router believes
+    /// (the prefill worker's for a remote placement, else the decode worker's).
+    pub cached_tokens: usize,
+}
+
+/// A placement: its kind, why, and the pairs to try in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Placement {
+    pub kind: Kind,
+    /// Which rule decided (shown to clients in the final message's timings).
+    pub reason: String,
+    /// Never empty.
+    pub candidates: Vec<Candidate>,
+}
+
+/// What [`decide`] concludes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    Place(Placement),
+    /// No decode worker has room now. `largest_pool_tokens`: the largest KV pool (in
+    /// tokens) of a decode worker with the model, `None` when no such worker is known; a
+    /// prompt longer than it can never be placed.
+    Wait {
+        largest_pool_tokens: Option<u64>,
+    },
+}
+
+/// Places `req` on `view` by `policy` (the rules are in this module's docs).
+pub fn decide(view: &RouterView<'_>, req: &Request, policy: &Policy) -> Decision {
+    let snap = view.snapshot;
+    let load = view.load;
+    let prompt_len = req.prompt_tokens;
+    let mut decoders: Vec<&WorkerRecord> = decode_candidates(
+        snap,
+        &policy.model,
+        prompt_len,
+        policy.decode_headroom_tokens,
+        &load.decode_inflight,
+        view.cached,
+        policy.decode_seq_cost_tokens,
+    );
+    if decoders.is_empty() {
+        let largest_pool_tokens = snap
+            .workers(Role::Decode)
+            .filter(|w| w.model == policy.model)
+            .map(|w| w.capacity.kv_blocks_total * u64::from(w.capacity.block_size.max(1)))
+            .max();
+        return Decision::Wait {
+            largest_pool_tokens,
+        };
+    }
+    // Workers that just failed to answer go last (a dead one stays registered until its
+    // lease expires; a hung one forever). The sort is stable: cost order otherwise.
+    decoders.sort_by_key(|d| load.suspects.contains(&d.id));
+    let local_cached = view.cached.cached_tokens(decoders[0]).min(prompt_len);
+    let to_compute = prompt_len - local_cached;
+    let limit = policy.local_prefill_max_tokens;
+    let (mut kind, mut reason) = match policy.mode {
+        Mode::Colocated => (Kind::Colocated, "colocated mode".to_string()),
+        Mode::Disaggregated if to_compute <= limit && local_cached > 0 => (
+            Kind::Local,
+            format!(
+                "prompt of {prompt_len} tokens, {local_cached} cached on the decode worker: \
+                 {to_compute} to prefill <= local prefill limit {limit}"
+            ),
+        ),
+        Mode::Disaggregated if to_compute <= limit => (
+            Kind::Local,
+            format!("prompt of {prompt_len} tokens <= local prefill limit {limit}"),
+        ),
+        Mode::Disaggregated => (
+            Kind::Remote,
+            format!("prompt of {prompt_len} tokens prefilled remotely"),
+        ),
+    };
+    if req.resumed_tokens > 0 && kind == Kind::Remote {
+        kind = Kind::Local;
+        reason = format!(
+            "migrated stream: {} sent tokens replayed on the decode worker",
+            req.resumed_tokens
+        );
+    }
+    let local = |d: &WorkerRecord| Candidate {
+        decode: d.clone(),
+        prefill: None,
+        cached_tokens: view.cached.cached_tokens(d),
+    };
+    if kind != Kind::Remote {
+        return place(kind, reason, decoders.into_iter().map(local).collect());
+    }
+    // For each decode worker, its usable prefill workers in order.
+    let prefill_for = |d: &WorkerRecord| -> Vec<&WorkerRecord> {
+        let mut v: Vec<&WorkerRecord> = prefill_candidates(
+            snap,
+            &policy.model,
+            &d.fingerprint,
+            prompt_len,
+            &load.prefill_tokens,
+            view.cached,
+        )
+        .into_iter()
+        .filter(|p| !load.bad_links.contains(&(p.id.clone(), d.id.clone())))
+        .collect();
+        v.sort_by_key(|p| load.suspects.contains(&p.id));
+        v
+    };
+    let any_prefill = decoders.iter().any(|d| {
+        let none = HashMap::new();
+        !prefill_candidates(snap, &policy.model, &d.fingerprint, 0, &none, &NoCache).is_empty()
+    });
+    let pairs: Vec<Candidate> = decoders
+        .iter()
+        .filter_map(|d| {
+            let p = prefill_for(d).into_iter().next()?;
+            Some(Candidate {
+                decode: (*d).clone(),
+                cached_tokens: view.cached.cached_tokens(p),
+                prefill: Some(p.clone()),
+            })
+        })
+        .collect();
+    if !any_prefill {
+        let reason = "no prefill worker with the decode worker's model: prefilled locally";
+        return place(
+            Kind::Local,
+            reason.into(),
+            decoders.into_iter().map(local).collect(),
+        );
+    }
+    if pairs.is_empty() {
+        let reason = "the KV links from the prefill workers to the decode workers failed \
+                      recently: prefilled locally";
+        return place(
+            Kind::Local,
+            reason.into(),
+            decoders.into_iter().map(local).collect(),
+        );
+    }
+    place(Kind::Remote, reason, pairs)
+}
+
+fn place(kind: Kind, reason: String, candidates: Vec<Candidate>) -> Decision {
+    Decision::Place(Placement {
+        kind,
+        reason,
+        candidates,
+    })
+}
