@@ -4,7 +4,7 @@
 //! a batch that other requests share. The router checks the same things for its clients;
 //! this door does not rely on it (a worker port may be reached by other callers).
 
-use duet_engine::{check_prompt, check_token_ids, EngineError, GenerationParams};
+use duet_engine::{check_prompt, EngineError, GenerationParams};
 use duet_proto::v1 as pb;
 
 /// What requests are checked against: this worker's model and pool.
@@ -27,18 +27,6 @@ fn check_hashes(hashes: usize, prompt_tokens: usize, l: &DoorLimits) -> Result<(
     Ok(())
 }
 
-/// A `Decode.Reserve`.
-pub fn check_reserve(r: &pb::ReserveRequest, l: &DoorLimits) -> Result<(), EngineError> {
-    let (tokens, ctx) = (r.prompt_tokens as usize, l.context_length);
-    if tokens == 0 || tokens >= ctx {
-        return Err(EngineError::invalid(
-            "prompt_tokens",
-            format!("{tokens} (must be in 1..{ctx})"),
-        ));
-    }
-    check_hashes(r.block_hashes.len(), tokens, l)
-}
-
 /// A `Decode.Generate`, with the generation parameters it was converted to.
 pub fn check_generate(
     r: &pb::DecodeRequest,
@@ -48,17 +36,6 @@ pub fn check_generate(
     check_prompt(&r.prompt, l.vocab_size, l.context_length)?;
     params.validate(l.context_length)?;
     match &r.prefill {
-        Some(pb::decode_request::Prefill::Remote(p)) => {
-            check_token_ids(&[p.first_token], l.vocab_size).map_err(|_| {
-                EngineError::invalid(
-                    "first_token",
-                    format!(
-                        "{} outside the vocabulary of {}",
-                        p.first_token, l.vocab_size
-                    ),
-                )
-            })
-        }
         Some(pb::decode_request::Prefill::Local(p)) => {
             // At least one token is the prompt proper: a replay is what was generated after it.
             if p.replay_tokens as usize >= r.prompt.len() {
@@ -79,10 +56,7 @@ pub fn check_generate(
             }
             check_hashes(v.block_hashes.len(), r.prompt.len(), l)
         }
-        None => Err(EngineError::invalid(
-            "prefill",
-            "missing (remote, local or via)",
-        )),
+        None => Err(EngineError::invalid("prefill", "missing (local or via)")),
     }
 }
 
@@ -141,14 +115,6 @@ mod tests {
             (req(vec![1, 2], local(0)), params(65), "max_tokens"),
             (
                 req(
-                    vec![1, 2],
-                    pb::decode_request::Prefill::Remote(pb::RemotePrefill { first_token: 100 }),
-                ),
-                params(8),
-                "first_token",
-            ),
-            (
-                req(
                     vec![1; 20],
                     pb::decode_request::Prefill::Via(pb::ViaPrefill {
                         prefill_address: "http://127.0.0.1:1".into(),
@@ -188,19 +154,5 @@ mod tests {
         let mut p = params(8);
         p.sampling.temperature = f32::NAN;
         assert!(check_generate(&req(vec![1], local(0)), &p, &L).is_err());
-    }
-
-    #[test]
-    fn reservations_are_checked_against_the_context_and_the_prompt_blocks() {
-        let r = |tokens, hashes: usize| pb::ReserveRequest {
-            request_id: 1,
-            prompt_tokens: tokens,
-            block_hashes: vec![0; hashes],
-            ..Default::default()
-        };
-        assert!(check_reserve(&r(32, 2), &L).is_ok());
-        assert!(check_reserve(&r(0, 0), &L).is_err());
-        assert!(check_reserve(&r(64, 0), &L).is_err());
-        assert!(check_reserve(&r(31, 2), &L).is_err());
     }
 }

@@ -115,6 +115,8 @@ pub(crate) enum Cmd {
     Prefetch {
         block_hashes: Vec<BlockHash>,
     },
+    /// Wakes the engine thread (its cancellation fired).
+    Wake,
 }
 
 /// A reservation: the leading prompt tokens the worker already holds (prefix cache) and
@@ -164,17 +166,20 @@ impl DecodeHandle {
             model,
             kv,
             cfg.clone(),
-            rx,
             status.clone(),
             reserved.clone(),
             kv_events.clone(),
-            cancel,
         )?;
+        // Started from the worker's runtime, cancellation wakes an idle engine at once;
+        // without one (unit tests) the engine ends with its handles.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            duet_serving::engine_thread::wake_on_cancel(&rt, tx.clone(), cancel.clone(), Cmd::Wake);
+        }
         let flag = stopped.clone();
         std::thread::Builder::new()
             .name(format!("{}-engine", cfg.id))
             .spawn(move || {
-                sched.run();
+                duet_serving::engine_thread::run(sched, rx, &cancel);
                 flag.store(true, Ordering::SeqCst);
             })
             .map_err(|e| {

@@ -23,7 +23,6 @@
 //!   already gone.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,10 +30,10 @@ use duet_engine::{
     reusable_tokens, BlockHash, EngineError, FinishReason, Generation, KvCache, KvCacheConfig,
     Model, PrefixHasher, SeqChunk, TokenStep,
 };
+use duet_serving::engine_thread::{EngineLoop, Wait};
 use duet_serving::kv_events::KvEventHub;
 use duet_serving::prefix_cache::PrefixCacheBook;
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 use crate::config::DecodeConfig;
 use crate::error::DecodeError;
@@ -44,8 +43,43 @@ use crate::handle::{
 };
 use crate::metrics::DecodeMetrics;
 
-/// How long the idle engine thread waits for a command before re-checking deadlines.
+/// How long the engine thread sleeps, with no command, while it holds reservations or
+/// waiting sequences: their expiry and their clients going away announce themselves by no
+/// command. With nothing held it sleeps until a command arrives.
 const IDLE_POLL: Duration = Duration::from_millis(20);
+
+impl EngineLoop for Scheduler {
+    type Cmd = Cmd;
+
+    fn idle_wait(&self) -> Wait {
+        if !self.active.is_empty() || self.can_admit() {
+            Wait::Busy
+        } else if self.waiting.is_empty() && self.reservations.is_empty() {
+            Wait::Forever
+        } else {
+            Wait::At(IDLE_POLL)
+        }
+    }
+
+    fn command(&mut self, c: Cmd) {
+        self.handle(c);
+    }
+
+    fn tick(&mut self) {
+        self.expire(Instant::now());
+        self.start_ready_transfers();
+        self.drop_abandoned();
+        self.admit();
+        if !self.active.is_empty() {
+            self.step();
+        }
+        self.publish();
+    }
+
+    fn stop(&mut self) {
+        self.shutdown();
+    }
+}
 
 enum Phase {
     /// Prompt (or, after preemption, prompt + generated) tokens being computed here.
@@ -111,10 +145,8 @@ pub(crate) struct Scheduler {
     model: Arc<Model>,
     cache: KvCache,
     cfg: DecodeConfig,
-    rx: std_mpsc::Receiver<Cmd>,
     status: Arc<Mutex<DecodeStatus>>,
     reserved: ReservedBlocks,
-    cancel: CancellationToken,
     reservations: HashMap<u64, Reservation>,
     active: Vec<Seq>,
     waiting: VecDeque<Seq>,
@@ -126,16 +158,13 @@ pub(crate) struct Scheduler {
 }
 
 impl Scheduler {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         model: Arc<Model>,
         kv: KvCacheConfig,
         cfg: DecodeConfig,
-        rx: std_mpsc::Receiver<Cmd>,
         status: Arc<Mutex<DecodeStatus>>,
         reserved: ReservedBlocks,
         hub: KvEventHub,
-        cancel: CancellationToken,
     ) -> Result<Scheduler, DecodeError> {
         let layout = model.kv_layout(kv.block_size, kv.dtype);
         let mut cache = KvCache::new(layout, kv.num_blocks);
@@ -152,10 +181,8 @@ impl Scheduler {
             model,
             cache,
             cfg,
-            rx,
             status,
             reserved,
-            cancel,
             reservations: HashMap::new(),
             active: Vec::new(),
             waiting: VecDeque::new(),
@@ -167,33 +194,6 @@ impl Scheduler {
         let mut s = s;
         s.publish();
         Ok(s)
-    }
-
-    pub(crate) fn run(mut self) {
-        loop {
-            if self.cancel.is_cancelled() {
-                break;
-            }
-            if self.active.is_empty() && !self.can_admit() {
-                match self.rx.recv_timeout(IDLE_POLL) {
-                    Ok(c) => self.handle(c),
-                    Err(std_mpsc::RecvTimeoutError::Timeout) => {}
-                    Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
-                }
-            }
-            while let Ok(c) = self.rx.try_recv() {
-                self.handle(c);
-            }
-            self.expire(Instant::now());
-            self.start_ready_transfers();
-            self.drop_abandoned();
-            self.admit();
-            if !self.active.is_empty() {
-                self.step();
-            }
-            self.publish();
-        }
-        self.shutdown();
     }
 
     fn shutdown(&mut self) {
@@ -300,6 +300,7 @@ impl Scheduler {
                     b.prefetched(moved);
                 }
             }
+            Cmd::Wake => {}
         }
     }
 

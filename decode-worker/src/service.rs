@@ -19,7 +19,7 @@ use tonic::{Request, Response, Status};
 
 use crate::door::{self, DoorLimits};
 use crate::handle::{DecodeHandle, Event, GenerateJob, PrefillSource, Priority};
-use crate::via_prefill::{legacy_endpoint, Pending, ViaCall};
+use crate::via_prefill::{Pending, ViaCall};
 
 /// `duet.v1.Decode` backed by one engine thread.
 #[derive(Clone)]
@@ -81,26 +81,6 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<pb::DecodeEvent, Status>> + 
 
 #[tonic::async_trait]
 impl pb::decode_server::Decode for DecodeService {
-    async fn reserve(
-        &self,
-        req: Request<pb::ReserveRequest>,
-    ) -> Result<Response<pb::ReserveResponse>, Status> {
-        let r = req.into_inner();
-        door::check_reserve(&r, &self.limits()).map_err(|e| engine_status(&e))?;
-        let ttl = Duration::from_millis(u64::from(r.ttl_ms.max(1)));
-        let reserved = self
-            .handle
-            .reserve(r.request_id, r.prompt_tokens as usize, ttl, r.block_hashes)
-            .await
-            .map_err(|e| e.status())?;
-        Ok(Response::new(pb::ReserveResponse {
-            block_ids: reserved.blocks,
-            kv_endpoints: self.kv_endpoints.clone(),
-            block_size: self.handle.layout().block_size as u32,
-            cached_tokens: reserved.cached_tokens as u32,
-        }))
-    }
-
     type GenerateStream = EventStream;
 
     async fn generate(
@@ -128,12 +108,6 @@ impl pb::decode_server::Decode for DecodeService {
         );
         duet_serving::trace_context::join_caller_trace(&span, trace);
         let (prefill, via) = match r.prefill {
-            Some(pb::decode_request::Prefill::Remote(p)) => (
-                PrefillSource::Remote {
-                    first_token: p.first_token,
-                },
-                None,
-            ),
             Some(pb::decode_request::Prefill::Local(l)) => (
                 PrefillSource::Local {
                     replay: l.replay_tokens as usize,
@@ -176,7 +150,6 @@ impl pb::decode_server::Decode for DecodeService {
                         request_id: r.request_id,
                         prompt: r.prompt.clone(),
                         sampling: r.sampling,
-                        kv_endpoint: legacy_endpoint(&self.kv_endpoints),
                         kv_endpoints: self.kv_endpoints.clone(),
                         dst_blocks: reserved.blocks,
                         priority: r.priority,
@@ -193,7 +166,7 @@ impl pb::decode_server::Decode for DecodeService {
             None => {
                 return Err(engine_status(&EngineError::invalid(
                     "prefill",
-                    "missing (remote, local or via)",
+                    "missing (local or via)",
                 )))
             }
         };

@@ -144,16 +144,6 @@ fn answered_or_lost(s: Status) -> Status {
     }
 }
 
-/// The KV endpoint for prefill workers that predate `PrefillRequest.kv_endpoints`: tcp,
-/// else the first offered (newer ones pick among all of them, local and shm included).
-pub fn legacy_endpoint(offered: &[pb::KvEndpoint]) -> Option<pb::KvEndpoint> {
-    offered
-        .iter()
-        .find(|e| e.transport == "tcp")
-        .or_else(|| offered.first())
-        .cloned()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,22 +160,5 @@ mod tests {
         assert!(lost.metadata().contains_key("duet-kv-link-failed"));
         let answered = answered_or_lost(Status::invalid_argument("bad prompt"));
         assert_eq!(answered.code(), tonic::Code::InvalidArgument);
-    }
-
-    #[test]
-    fn legacy_endpoint_prefers_tcp() {
-        let e = |t: &str| pb::KvEndpoint {
-            transport: t.into(),
-            address: "a".into(),
-        };
-        assert_eq!(
-            legacy_endpoint(&[e("shm"), e("tcp")]).map(|e| e.transport),
-            Some("tcp".to_string())
-        );
-        assert_eq!(
-            legacy_endpoint(&[e("local")]).map(|e| e.transport),
-            Some("local".to_string())
-        );
-        assert_eq!(legacy_endpoint(&[]), None);
     }
 }

@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use duet_engine::{
     BlockHash, KvCache, KvCacheConfig, KvKind, Model, PrefixCacheConfig, PrefixHasher, Sampler,
@@ -26,6 +26,7 @@ use duet_engine::{
 };
 use duet_kv_transfer::backend::shm::SendArena;
 use duet_kv_transfer::{Connector, Route, TransferDesc};
+use duet_serving::engine_thread::{EngineLoop, Wait};
 use duet_serving::kv_events::KvEventHub;
 use duet_serving::prefix_cache::PrefixCacheBook;
 use tokio::sync::{mpsc, oneshot};
@@ -132,6 +133,8 @@ enum Cmd {
     Prefill(PrefillJob, Reply),
     Cancel(u64),
     Prefetch(Vec<BlockHash>),
+    /// Wakes the engine thread (its cancellation fired).
+    Wake,
 }
 
 /// Cloneable handle to the prefill engine thread.
@@ -173,20 +176,19 @@ impl PrefillHandle {
             book,
             model,
             cfg: cfg.clone(),
-            rx,
             status: status.clone(),
             pending: pending.clone(),
             connector: connector.clone(),
-            rt,
-            cancel,
+            rt: rt.clone(),
             queue: VecDeque::new(),
             running: Vec::new(),
             tokens_per_second: 0.0,
             metrics: PrefillMetrics::new(&cfg.id),
         };
+        duet_serving::engine_thread::wake_on_cancel(&rt, tx.clone(), cancel.clone(), Cmd::Wake);
         std::thread::Builder::new()
             .name(format!("{}-engine", cfg.id))
-            .spawn(move || eng.run())
+            .spawn(move || duet_serving::engine_thread::run(eng, rx, &cancel))
             .map_err(|e| {
                 PrefillError::Engine(duet_engine::EngineError::invalid(
                     "engine thread",
@@ -273,49 +275,52 @@ struct Engine {
     book: Option<PrefixCacheBook>,
     hasher: PrefixHasher,
     cfg: PrefillConfig,
-    rx: std_mpsc::Receiver<Cmd>,
     status: Arc<Mutex<PrefillStatus>>,
     pending: Arc<Pending>,
     connector: Arc<Connector>,
     rt: tokio::runtime::Handle,
-    cancel: CancellationToken,
     queue: VecDeque<Queued>,
     running: Vec<Running>,
     tokens_per_second: f64,
     metrics: PrefillMetrics,
 }
 
-const IDLE_POLL: Duration = Duration::from_millis(20);
+impl EngineLoop for Engine {
+    type Cmd = Cmd;
 
-impl Engine {
-    fn run(mut self) {
-        loop {
-            if self.cancel.is_cancelled() {
-                break;
-            }
-            if self.queue.is_empty() && self.running.is_empty() {
-                match self.rx.recv_timeout(IDLE_POLL) {
-                    Ok(c) => self.handle(c),
-                    Err(std_mpsc::RecvTimeoutError::Timeout) => {}
-                    Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
-                }
-            }
-            while let Ok(c) = self.rx.try_recv() {
-                self.handle(c);
-            }
-            self.drop_abandoned();
-            self.step();
-            self.publish();
+    /// Busy while anything is queued or running; otherwise asleep until a command (nothing
+    /// here expires on its own).
+    fn idle_wait(&self) -> Wait {
+        if self.queue.is_empty() && self.running.is_empty() {
+            Wait::Forever
+        } else {
+            Wait::Busy
         }
+    }
+
+    fn command(&mut self, c: Cmd) {
+        self.handle(c);
+    }
+
+    fn tick(&mut self) {
+        self.drop_abandoned();
+        self.step();
+        self.publish();
+    }
+
+    fn stop(&mut self) {
         for q in self.queue.drain(..) {
             let _ = q.reply.send(Err(PrefillError::ShuttingDown));
         }
-        for r in self.running.drain(..) {
+        let running: Vec<Running> = self.running.drain(..).collect();
+        for r in running {
             self.cache.free_sequence(r.job.request_id);
             let _ = r.tx.send(Msg::Fail(PrefillError::ShuttingDown));
         }
     }
+}
 
+impl Engine {
     /// Frees a running request's KV, keeping its complete blocks in the prefix cache.
     fn end(&mut self, r: &Running) {
         if self.book.is_some() {
@@ -439,6 +444,7 @@ impl Engine {
                     b.prefetched(moved);
                 }
             }
+            Cmd::Wake => {}
         }
     }
 

@@ -26,12 +26,8 @@ impl PrefillService {
     }
 
     /// Refuses a request whose KV endpoints are not all a registered decode worker's.
-    async fn check_endpoints(
-        &self,
-        all: &[pb::KvEndpoint],
-        picked: Option<&pb::KvEndpoint>,
-    ) -> Result<(), Status> {
-        for e in all.iter().chain(picked.filter(|_| all.is_empty())) {
+    async fn check_endpoints(&self, all: &[pb::KvEndpoint]) -> Result<(), Status> {
+        for e in all {
             let known = self
                 .peers
                 .has_worker(Role::Decode, |w| {
@@ -66,16 +62,7 @@ impl PrefillService {
 
 /// The decode worker's endpoints this build understands (others, from a newer peer, are
 /// skipped); only the router's single pick when the list is empty (an older router).
-fn offered_endpoints(
-    all: &[pb::KvEndpoint],
-    picked: Option<&pb::KvEndpoint>,
-) -> Result<Vec<Endpoint>, Status> {
-    if all.is_empty() {
-        let ep = picked.cloned().unwrap_or_default();
-        return Endpoint::parse(&ep.transport, &ep.address)
-            .map(|e| vec![e])
-            .map_err(|e| PrefillError::Transfer(e).status());
-    }
+fn offered_endpoints(all: &[pb::KvEndpoint]) -> Result<Vec<Endpoint>, Status> {
     let parsed: Vec<Endpoint> = all
         .iter()
         .filter_map(|e| match Endpoint::parse(&e.transport, &e.address) {
@@ -105,12 +92,11 @@ impl pb::prefill_server::Prefill for PrefillService {
     ) -> Result<Response<pb::PrefillResponse>, Status> {
         let trace = TraceContext::extract(req.metadata());
         let r = req.into_inner();
-        self.check_endpoints(&r.kv_endpoints, r.kv_endpoint.as_ref())
-            .await?;
+        self.check_endpoints(&r.kv_endpoints).await?;
         let route = self
             .handle
             .connector()
-            .route(&offered_endpoints(&r.kv_endpoints, r.kv_endpoint.as_ref())?)
+            .route(&offered_endpoints(&r.kv_endpoints)?)
             .map_err(|e| PrefillError::Transfer(e).status())?;
         let sampling = sampling_from_proto(r.sampling.as_ref());
         sampling

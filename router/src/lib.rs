@@ -27,6 +27,7 @@ pub mod prompt_prefix;
 pub mod relay;
 pub mod request_metrics;
 pub mod service;
+mod worker_calls;
 pub mod workers;
 
 pub use api_keys::ApiKeys;

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use duet_proto::v1::decode_client::DecodeClient;
 use duet_proto::v1::kv_cache_client::KvCacheClient;
-use duet_proto::v1::prefill_client::PrefillClient;
 use duet_serving::channels::Channels;
 use duet_serving::cluster_auth::{AuthChannel, ClusterToken};
 use duet_serving::tls::ClientTls;
@@ -46,10 +45,6 @@ impl Workers {
 
     pub fn decode(&self, addr: &str) -> Result<DecodeClient<AuthChannel>, RouterError> {
         Ok(DecodeClient::new(self.channel(addr)?))
-    }
-
-    pub fn prefill(&self, addr: &str) -> Result<PrefillClient<AuthChannel>, RouterError> {
-        Ok(PrefillClient::new(self.channel(addr)?))
     }
 
     pub fn kv_cache(&self, addr: &str) -> Result<KvCacheClient<AuthChannel>, RouterError> {

@@ -23,6 +23,7 @@ pub mod channels;
 pub mod cluster_auth;
 pub mod convert;
 pub mod deadline;
+pub mod engine_thread;
 pub mod error;
 pub mod kv_events;
 pub mod prefix_cache;

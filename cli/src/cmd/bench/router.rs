@@ -14,7 +14,6 @@
 //! the absolute rate; rounds interleave the targets and each row reports its median round.
 //! Write system calls per request come from /proc's `syscw` count, which noise does not move.
 
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,18 +21,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use duet_discovery::{
-    Capacity, ClusterView, KvEndpoint, MemoryRegistry, Registration, RegistrationOptions, Registry,
-    Role, WorkerRecord,
-};
+use duet_discovery::ClusterView;
 use duet_engine::TextFrontend;
 use duet_proto::v1 as pb;
 use duet_router::{GenerationService, Mode, RouterConfig};
 use futures::{Stream, StreamExt};
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use super::fake_workers::{fake_workers, serve_fake};
 use crate::cmd::cluster::args::parse_duration;
 use crate::cmd::model_args::DEFAULT_MODEL;
 
@@ -76,101 +72,6 @@ pub struct RouterBenchArgs {
 /// A decode worker that answers at once; for a `ViaPrefill` request it calls the prefill
 /// worker first, as a real one does (that call is the decode worker's work, not the
 /// router's, and runs on the fake workers' runtime).
-#[derive(Clone, Default)]
-struct FakeDecode {
-    prefill: Arc<duet_serving::channels::Channels>,
-}
-
-type Events = Pin<Box<dyn Stream<Item = Result<pb::DecodeEvent, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl pb::decode_server::Decode for FakeDecode {
-    async fn reserve(
-        &self,
-        r: Request<pb::ReserveRequest>,
-    ) -> Result<Response<pb::ReserveResponse>, Status> {
-        let n = r.into_inner().prompt_tokens.div_ceil(16);
-        Ok(Response::new(pb::ReserveResponse {
-            block_ids: (0..n).collect(),
-            kv_endpoints: vec![pb::KvEndpoint {
-                transport: "tcp".into(),
-                address: "127.0.0.1:9".into(),
-            }],
-            block_size: 16,
-            cached_tokens: 0,
-        }))
-    }
-    type GenerateStream = Events;
-    async fn generate(&self, r: Request<pb::DecodeRequest>) -> Result<Response<Events>, Status> {
-        if let Some(pb::decode_request::Prefill::Via(v)) = r.into_inner().prefill {
-            let channel = self
-                .prefill
-                .get(&v.prefill_address)
-                .map_err(|e| Status::unavailable(e.to_string()))?;
-            pb::prefill_client::PrefillClient::new(channel)
-                .prefill(pb::PrefillRequest::default())
-                .await?;
-        }
-        let events = vec![
-            Ok(pb::DecodeEvent {
-                event: Some(pb::decode_event::Event::Token(pb::TokenChunk {
-                    id: 42,
-                    text: "x".into(),
-                })),
-            }),
-            Ok(pb::DecodeEvent {
-                event: Some(pb::decode_event::Event::Done(pb::DecodeDone {
-                    finish_reason: pb::FinishReason::Length as i32,
-                    completion_tokens: 1,
-                    ..Default::default()
-                })),
-            }),
-        ];
-        Ok(Response::new(Box::pin(futures::stream::iter(events))))
-    }
-    async fn release(
-        &self,
-        _: Request<pb::ReleaseRequest>,
-    ) -> Result<Response<pb::ReleaseResponse>, Status> {
-        Ok(Response::new(pb::ReleaseResponse { released: true }))
-    }
-    async fn status(
-        &self,
-        _: Request<pb::StatusRequest>,
-    ) -> Result<Response<pb::WorkerStatus>, Status> {
-        Ok(Response::new(pb::WorkerStatus::default()))
-    }
-}
-
-#[derive(Clone)]
-struct FakePrefill;
-
-#[tonic::async_trait]
-impl pb::prefill_server::Prefill for FakePrefill {
-    async fn prefill(
-        &self,
-        _: Request<pb::PrefillRequest>,
-    ) -> Result<Response<pb::PrefillResponse>, Status> {
-        Ok(Response::new(pb::PrefillResponse {
-            first_token: 42,
-            ..Default::default()
-        }))
-    }
-    async fn cancel(
-        &self,
-        _: Request<pb::ReleaseRequest>,
-    ) -> Result<Response<pb::ReleaseResponse>, Status> {
-        Ok(Response::new(pb::ReleaseResponse { released: true }))
-    }
-    async fn status(
-        &self,
-        _: Request<pb::StatusRequest>,
-    ) -> Result<Response<pb::WorkerStatus>, Status> {
-        Ok(Response::new(pb::WorkerStatus::default()))
-    }
-}
-
-/// What this process's threads whose name starts with `prefix` have used so far.
 #[derive(Debug, Clone, Copy, Default)]
 struct ThreadUsage {
     cpu_seconds: f64,
@@ -219,24 +120,6 @@ fn threads_usage(prefix: &str) -> anyhow::Result<ThreadUsage> {
         cpu_seconds: ticks as f64 / TICKS,
         write_syscalls: writes,
     })
-}
-
-async fn serve_fake(
-    routes: tonic::service::Routes,
-    cancel: CancellationToken,
-) -> anyhow::Result<SocketAddr> {
-    let l = TcpListener::bind("127.0.0.1:0").await?;
-    let addr = l.local_addr()?;
-    tokio::spawn(async move {
-        let _ = tonic::transport::Server::builder()
-            .add_routes(routes)
-            .serve_with_incoming_shutdown(
-                duet_serving::server::nodelay_incoming(l),
-                cancel.cancelled_owned(),
-            )
-            .await;
-    });
-    Ok(addr)
 }
 
 /// The reference measured in the same run: a gRPC server that relays each request to the
@@ -352,54 +235,6 @@ fn median(mut v: Vec<f64>) -> f64 {
         n if n % 2 == 1 => v[n / 2],
         n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
-}
-
-/// Starts the fake workers on the load runtime, registered in their own in-memory registry.
-async fn fake_workers(
-    cancel: &CancellationToken,
-) -> anyhow::Result<(Arc<dyn Registry>, SocketAddr, Vec<Registration>)> {
-    let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
-    let d = serve_fake(
-        tonic::service::Routes::new(pb::decode_server::DecodeServer::new(FakeDecode::default())),
-        cancel.clone(),
-    )
-    .await?;
-    let p = serve_fake(
-        tonic::service::Routes::new(pb::prefill_server::PrefillServer::new(FakePrefill)),
-        cancel.clone(),
-    )
-    .await?;
-    let mut regs = Vec::new();
-    for (role, addr) in [(Role::Decode, d), (Role::Prefill, p)] {
-        let mut r = WorkerRecord::new(
-            "bench",
-            role,
-            format!("fake-{}", role.as_str()),
-            format!("http://{addr}"),
-        );
-        r.model = "bench".into();
-        r.fingerprint = "f".into();
-        r.kv_endpoints = vec![KvEndpoint {
-            transport: "tcp".into(),
-            address: "127.0.0.1:9".into(),
-        }];
-        r.capacity = Capacity {
-            kv_blocks_total: 1 << 30,
-            kv_blocks_free: 1 << 30,
-            block_size: 16,
-            ..Capacity::default()
-        };
-        regs.push(
-            Registration::start(
-                registry.clone(),
-                r,
-                RegistrationOptions::default(),
-                cancel.clone(),
-            )
-            .await?,
-        );
-    }
-    Ok((registry, d, regs))
 }
 
 pub fn run(a: RouterBenchArgs) -> anyhow::Result<()> {

@@ -1,6 +1,9 @@
 //! Bindings to `shim.c` and [`Ucx`], the safe owner of one UCX context, worker and (sender
 //! side) endpoint.
 //!
+//! Longer than 600 lines on purpose: every `unsafe` call into UCX and the invariants that
+//! make them sound stay in this one file, so that a review of the FFI reads one place.
+//!
 //! Invariants that make the `unsafe` sound:
 //! - a posted operation's buffer and its completion record ([`Op`]) stay borrowed / in place
 //!   until UCX reports it complete, or UCX is gone: [`Posted`] holds both, and its `Drop`

@@ -1,0 +1,96 @@
+//! The router's calls to workers besides the token stream, and how their failures are
+//! read: a broken connection is an unavailable worker; a decode worker's report of a
+//! prefill failure blames that prefill worker (or their KV link), not itself. Every control
+//! call is bounded by [`CONTROL_TIMEOUT`], a hung worker included.
+
+use std::time::Duration;
+
+use duet_discovery::WorkerRecord;
+use duet_proto::v1 as pb;
+use tonic::Status;
+
+use crate::error::RouterError;
+use crate::workers::Workers;
+
+/// Bound on control calls to a worker (reserve, release, cancel): a worker that does not
+/// answer them within this is treated as unavailable.
+pub(crate) const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A worker call that got no answer within `limit`: the worker is hung or cut off.
+pub(crate) fn no_answer(what: &str, limit: Duration) -> Status {
+    Status::unavailable(format!("no answer to {what} within {limit:?}"))
+}
+
+pub(crate) fn worker_err(w: &WorkerRecord, status: Status) -> RouterError {
+    // A connection that broke mid-call (the worker died) reaches tonic's caller as UNKNOWN
+    // ("transport error", "h2 protocol error"): to the router that is a worker that became
+    // unavailable.
+    let status = if status.code() == tonic::Code::Unknown && connection_broke(&status) {
+        Status::unavailable(format!("connection lost: {}", status.message()))
+    } else {
+        status
+    };
+    RouterError::Worker {
+        worker: format!("{} {}", w.role, w.id),
+        worker_id: w.id.clone(),
+        status,
+    }
+}
+
+/// A failure on `decoder`'s stream: the prefill worker's (or its KV link's) when the decode
+/// worker says so, else the decode worker's own.
+pub(crate) fn stream_err(
+    decoder: &WorkerRecord,
+    prefill: Option<&WorkerRecord>,
+    s: Status,
+) -> RouterError {
+    match prefill {
+        Some(p) if duet_serving::status::is_prefill_failure(&s) => {
+            if duet_serving::status::is_kv_link_failure(&s) {
+                RouterError::KvLink {
+                    prefill_id: p.id.clone(),
+                    decode_id: decoder.id.clone(),
+                    status: s,
+                }
+            } else {
+                worker_err(p, s)
+            }
+        }
+        _ => worker_err(decoder, s),
+    }
+}
+
+/// Whether `status` came from a broken connection rather than from the worker's answer. A
+/// status the worker sent has no cause; one tonic made on this side from a transport, h2 or
+/// hyper error keeps that error as its source.
+fn connection_broke(status: &Status) -> bool {
+    std::error::Error::source(status).is_some()
+}
+
+/// Asks decode worker `addr` to free request `id` (bounded wait; errors are ignored: the
+/// worker also frees sequences whose stream closed and reservations that expire).
+pub(crate) async fn release_decode(workers: &Workers, addr: &str, id: u64) {
+    if let Ok(mut c) = workers.decode(addr) {
+        let mut req = tonic::Request::new(pb::ReleaseRequest { request_id: id });
+        req.set_timeout(CONTROL_TIMEOUT);
+        // Bounded here too: a hung worker (SIGSTOP) never answers, and tonic leaves the
+        // deadline to the server. Its reservation then expires on its own TTL.
+        let _ = tokio::time::timeout(CONTROL_TIMEOUT, c.release(req)).await;
+    }
+}
+
+/// Tells prefill worker `addr` that request `id` with these block hashes is coming (fire and
+/// forget, bounded: a prefetch is a hint).
+pub(crate) fn prefetch(workers: &Workers, addr: &str, id: u64, hashes: &[u64]) {
+    let Ok(mut c) = workers.kv_cache(addr) else {
+        return;
+    };
+    let mut req = tonic::Request::new(pb::PrefetchRequest {
+        request_id: id,
+        block_hashes: hashes.to_vec(),
+    });
+    req.set_timeout(CONTROL_TIMEOUT);
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(CONTROL_TIMEOUT, c.prefetch(req)).await;
+    });
+}
