@@ -4,6 +4,8 @@
 //!   batch: every step mixes one decode row per running sequence with chunks of prompts
 //!   being prefilled locally; sequences join and leave at every step; when the pool runs
 //!   out, the lowest-priority, newest sequence is preempted (freed, recomputed later).
+//! - [`policy`]: the scheduler's decisions as pure functions (waiting order, admission,
+//!   forward planning, preemption choice), unit-tested without a model.
 //! - [`handle`]: the cloneable async handle (commands over a channel, oneshot replies).
 //! - [`kv_inbound`]: receives KV from prefill workers straight into reserved blocks.
 //! - [`service`]: the internal `duet.v1.Decode` gRPC service.
@@ -21,6 +23,7 @@ pub mod error;
 pub mod handle;
 pub mod kv_inbound;
 mod metrics;
+pub mod policy;
 mod scheduler;
 pub mod service;
 pub mod via_prefill;

@@ -1,6 +1,9 @@
 //! The engine thread: continuous batching over one paged KV cache.
 //!
-//! Each iteration: take commands (blocking briefly only when nothing can run), expire
+//! The decisions (waiting order, admission, the next forward's rows, the preemption victim)
+//! are model-free functions in [`crate::policy`]; this file applies them to the engine.
+//!
+//! Each iteration: take commands (sleeping only when nothing can run), expire
 //! reservations, start sequences whose remote KV is complete, drop sequences whose client
 //! is gone, admit waiting local prefills while blocks allow, then run one forward over
 //! every running sequence's next token plus up to `prefill_chunk_tokens` prompt tokens of
@@ -42,6 +45,7 @@ use crate::handle::{
     ReservedBlocks,
 };
 use crate::metrics::DecodeMetrics;
+use crate::policy;
 
 /// How long the engine thread sleeps, with no command, while it holds reservations or
 /// waiting sequences: their expiry and their clients going away announce themselves by no
@@ -510,19 +514,10 @@ impl Scheduler {
         self.cache.free_sequence(s.id);
     }
 
-    /// Waiting order: interactive before batch; preempted sequences first in their class.
+    /// Into the waiting queue at [`policy::waiting_position`].
     fn enqueue(&mut self, seq: Seq, front: bool) {
-        let pos = if front {
-            self.waiting
-                .iter()
-                .position(|w| w.priority >= seq.priority)
-                .unwrap_or(self.waiting.len())
-        } else {
-            self.waiting
-                .iter()
-                .position(|w| w.priority > seq.priority)
-                .unwrap_or(self.waiting.len())
-        };
+        let pos =
+            policy::waiting_position(self.waiting.iter().map(|w| w.priority), seq.priority, front);
         self.waiting.insert(pos, seq);
     }
 
@@ -680,14 +675,17 @@ impl Scheduler {
 
     fn can_admit(&self) -> bool {
         self.waiting.front().is_some_and(|s| {
-            self.active.len() < self.cfg.max_batch
-                && self.cache.free_blocks()
-                    >= self.blocks_to_start(s)
-                        + self.cfg.admit_watermark_blocks.min(
-                            self.cache
-                                .total_blocks()
-                                .saturating_sub(self.blocks_to_start(s)),
-                        )
+            let pool = policy::Pool {
+                free_blocks: self.cache.free_blocks(),
+                total_blocks: self.cache.total_blocks(),
+                watermark_blocks: self.cfg.admit_watermark_blocks,
+            };
+            policy::admits(
+                self.active.len(),
+                self.cfg.max_batch,
+                self.blocks_to_start(s),
+                pool,
+            )
         })
     }
 
@@ -764,60 +762,49 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Blocks the next forward needs, per active sequence (with the tokens it will feed).
+    /// The next forward ([`policy::plan_forward`]) and the blocks it needs.
     fn plan(&self) -> (Vec<(usize, usize)>, usize) {
-        let mut budget = self.cfg.prefill_chunk_tokens.max(1);
-        let mut plan = Vec::new();
-        let mut need = 0;
-        // Decode rows first (they are what inter-token latency is made of), then prompt
-        // chunks in arrival order within the token budget.
-        let mut order: Vec<usize> = (0..self.active.len()).collect();
-        order.sort_by_key(|&i| {
-            let s = &self.active[i];
-            (
-                matches!(s.phase, Phase::Prefill { .. }),
-                s.priority,
-                s.arrival,
-            )
-        });
-        for i in order {
-            let s = &self.active[i];
-            let n = match &s.phase {
-                Phase::Decode { .. } => 1,
-                Phase::Prefill {
-                    tokens,
-                    done,
-                    exact_from,
-                    ..
-                } => {
-                    if budget == 0 {
-                        continue;
-                    }
-                    let n = if done >= exact_from {
-                        1
-                    } else {
-                        (tokens.len() - done).min(budget).min(exact_from - done)
-                    };
-                    budget -= n;
-                    n
-                }
-            };
-            let len = self.cache.sequence_len(s.id).unwrap_or(0);
-            let have = self.cache.sequence_blocks(s.id).map_or(0, |b| b.len());
-            need += self.cache.blocks_for(len + n).saturating_sub(have);
-            plan.push((i, n));
-        }
+        let rows: Vec<policy::Row> = self
+            .active
+            .iter()
+            .map(|s| policy::Row {
+                priority: s.priority,
+                arrival: s.arrival,
+                prefill: match &s.phase {
+                    Phase::Decode { .. } => None,
+                    Phase::Prefill {
+                        tokens,
+                        done,
+                        exact_from,
+                        ..
+                    } => Some(policy::PrefillLeft {
+                        tokens: tokens.len() - done,
+                        before_exact: exact_from.saturating_sub(*done),
+                    }),
+                },
+            })
+            .collect();
+        let plan = policy::plan_forward(&rows, self.cfg.prefill_chunk_tokens);
+        let need = plan
+            .iter()
+            .map(|&(i, n)| {
+                let id = self.active[i].id;
+                let len = self.cache.sequence_len(id).unwrap_or(0);
+                let have = self.cache.sequence_blocks(id).map_or(0, |b| b.len());
+                self.cache.blocks_for(len + n).saturating_sub(have)
+            })
+            .sum();
         (plan, need)
     }
 
     /// Frees the lowest-priority, newest running sequence and queues it for recompute.
     fn preempt_one(&mut self) -> bool {
-        if self.active.len() <= 1 {
-            return false;
-        }
-        let Some(i) = (0..self.active.len())
-            .max_by_key(|&i| (self.active[i].priority, self.active[i].arrival))
-        else {
+        let running: Vec<(Priority, Instant)> = self
+            .active
+            .iter()
+            .map(|s| (s.priority, s.arrival))
+            .collect();
+        let Some(i) = policy::preemption_victim(&running) else {
             return false;
         };
         let mut s = self.active.swap_remove(i);

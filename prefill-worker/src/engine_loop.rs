@@ -35,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::PrefillError;
 use crate::layer_buffer::layer_bytes;
 use crate::metrics::PrefillMetrics;
+use crate::policy;
 use crate::transfer::{self, Msg, Reply};
 
 /// Prefill worker settings.
@@ -407,15 +408,8 @@ impl Engine {
                 } else if self.queue.len() >= self.cfg.max_queue {
                     let _ = reply.send(Err(PrefillError::QueueFull(self.queue.len())));
                 } else {
-                    // Interactive before batch; FIFO within a class.
-                    let at = match job.batch {
-                        true => self.queue.len(),
-                        false => self
-                            .queue
-                            .iter()
-                            .position(|q| q.job.batch)
-                            .unwrap_or(self.queue.len()),
-                    };
+                    let at =
+                        policy::queue_position(self.queue.iter().map(|q| q.job.batch), job.batch);
                     self.queue.insert(
                         at,
                         Queued {
@@ -651,25 +645,17 @@ impl Engine {
         // Live status while the forward runs: what it computes shows as running.
         self.publish();
         let bs = self.cache.block_size();
-        let mut budget = self.cfg.max_batch_tokens.max(bs);
+        let left: Vec<usize> = self
+            .running
+            .iter()
+            .map(|r| r.job.prompt.len() - r.done)
+            .collect();
         // (running index, start, len)
-        let mut plan = Vec::new();
-        for (i, r) in self.running.iter().enumerate() {
-            if budget == 0 {
-                break;
-            }
-            let left = r.job.prompt.len() - r.done;
-            let n = if left <= budget {
-                left
-            } else {
-                budget / bs * bs
-            };
-            if n == 0 {
-                break;
-            }
-            budget -= n;
-            plan.push((i, r.done, n));
-        }
+        let plan: Vec<(usize, usize, usize)> =
+            policy::plan_chunks(&left, self.cfg.max_batch_tokens, bs)
+                .into_iter()
+                .map(|(i, n)| (i, self.running[i].done, n))
+                .collect();
         // Each chunk sends the part of its KV the decode worker does not hold yet (from
         // `dst_start` on), as whole destination blocks: `(plan index, first token)`.
         let mut sends = Vec::new();
