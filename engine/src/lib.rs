@@ -6,9 +6,21 @@
 //!   imported from another process (what disaggregation moves);
 //! - [`Model::forward`]: one forward over any mix of prefill chunks and decode
 //!   steps of different sequences;
-//! - [`Generation`]: sampling and stop conditions of one sequence.
+//! - [`Generation`]: sampling and stop conditions of one sequence, and its text state
+//!   (detokenizer, stop hold-back, seeded draws), which a migrated stream resumes.
+//!
+//! Invariants this crate keeps:
+//! - **Bit-exact with llama.cpp.** With the defaults (`WeightMode::Quantized`, f16 KV) the
+//!   logits equal llama.cpp's (0.3.36, its AVX-512 build, which recorded the reference in
+//!   `tests/data/`) bit for bit on any x86-64-v3 machine, at any chunking of the prompt and
+//!   on 1 or 2 threads: every kernel follows ggml's arithmetic order (see `docs/engine.md`
+//!   and `engine/tests/`). A change that moves one rounding fails `bit_exact.rs`.
+//! - **KV accounting.** A block is free, used by sequences (reference-counted,
+//!   copy-on-write), or cached; `free + used == total` always (property-tested).
+//! - **No panics on input.** A malformed GGUF, prompt or token id is an [`EngineError`]
+//!   classified into the workspace's one [`ErrorClass`], never a crash.
+//! - **Unsafe code only in the SIMD kernels** (`kernels::avx2`), each block with its SAFETY.
 
-// Unsafe code only in the SIMD kernels (`kernels::avx2`), each block with its SAFETY.
 #![deny(unsafe_code)]
 
 mod attention_gemm;

@@ -17,6 +17,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+/// A decode worker that answers at once; for a `ViaPrefill` request it calls the prefill
+/// worker first, as a real one does (that call is the decode worker's work, not the
+/// router's, and runs on the fake workers' runtime).
 #[derive(Clone, Default)]
 pub(super) struct FakeDecode {
     prefill: Arc<duet_serving::channels::Channels>,

@@ -69,9 +69,7 @@ pub struct RouterBenchArgs {
     pub kv_routing: crate::cmd::cluster::args::Switch,
 }
 
-/// A decode worker that answers at once; for a `ViaPrefill` request it calls the prefill
-/// worker first, as a real one does (that call is the decode worker's work, not the
-/// router's, and runs on the fake workers' runtime).
+/// CPU time and write calls of a set of threads.
 #[derive(Debug, Clone, Copy, Default)]
 struct ThreadUsage {
     cpu_seconds: f64,
