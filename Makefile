@@ -36,6 +36,7 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features duet/rdma,duet-kv-transfer/nccl -- -D warnings
+	./scripts/unused-deps.sh
 	./scripts/audit.sh
 
 fmt:
