@@ -313,8 +313,7 @@ impl EngineLoop for Engine {
         for q in self.queue.drain(..) {
             let _ = q.reply.send(Err(PrefillError::ShuttingDown));
         }
-        let running: Vec<Running> = self.running.drain(..).collect();
-        for r in running {
+        for r in std::mem::take(&mut self.running) {
             self.cache.free_sequence(r.job.request_id);
             let _ = r.tx.send(Msg::Fail(PrefillError::ShuttingDown));
         }

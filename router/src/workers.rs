@@ -1,7 +1,7 @@
 //! gRPC clients of the workers (one lazily connected channel per address) and the router's
 //! own in-flight accounting per worker, which placement adds to the published load.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -73,7 +73,6 @@ impl Workers {
     /// the suspects and failed links that have not expired.
     pub fn load(&self) -> RouterLoad {
         let now = Instant::now();
-        let live = |until: &Instant| *until > now;
         RouterLoad {
             decode_inflight: self.inflight.lock().map(|m| m.clone()).unwrap_or_default(),
             prefill_tokens: self
@@ -81,26 +80,8 @@ impl Workers {
                 .lock()
                 .map(|m| m.clone())
                 .unwrap_or_default(),
-            suspects: self
-                .suspects
-                .lock()
-                .map(|m| {
-                    m.iter()
-                        .filter(|(_, u)| live(u))
-                        .map(|(id, _)| id.clone())
-                        .collect()
-                })
-                .unwrap_or_default(),
-            bad_links: self
-                .bad_links
-                .lock()
-                .map(|m| {
-                    m.iter()
-                        .filter(|(_, u)| live(u))
-                        .map(|(k, _)| k.clone())
-                        .collect()
-                })
-                .unwrap_or_default(),
+            suspects: unexpired(&self.suspects, now),
+            bad_links: unexpired(&self.bad_links, now),
         }
     }
 
@@ -127,6 +108,21 @@ impl Workers {
             prefill_tokens: tokens,
         }
     }
+}
+
+/// The keys of `m` whose expiry is after `now`.
+fn unexpired<K: Clone + Eq + std::hash::Hash>(
+    m: &Mutex<HashMap<K, Instant>>,
+    now: Instant,
+) -> HashSet<K> {
+    m.lock()
+        .map(|m| {
+            m.iter()
+                .filter(|(_, until)| **until > now)
+                .map(|(k, _)| k.clone())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Undoes a `track_*` on drop.

@@ -51,42 +51,19 @@ pub fn dot_tile_rows(
     );
     macro_rules! run {
         ($q41:literal) => {
-            match t.rows {
-                // SAFETY (every arm): `available()` confirmed AVX2/FMA/F16C;
-                // the assert above bounds every read to the slices' lengths
-                // (blocks `i < nb` of each weight row, `R = t.rows` rows) and
-                // every write to `out`.
-                1 => {
-                    // SAFETY: this match's comment above.
-                    unsafe { each_row::<1>(tile::<1, $q41>, w, row_bytes, nb, t, out, stride) }
-                }
-                2 => {
-                    // SAFETY: this match's comment above.
-                    unsafe { each_row::<2>(tile::<2, $q41>, w, row_bytes, nb, t, out, stride) }
-                }
-                3 => {
-                    // SAFETY: this match's comment above.
-                    unsafe { each_row::<3>(tile::<3, $q41>, w, row_bytes, nb, t, out, stride) }
-                }
-                4 => {
-                    // SAFETY: this match's comment above.
-                    unsafe { each_row::<4>(tile::<4, $q41>, w, row_bytes, nb, t, out, stride) }
-                }
-                5 => {
-                    // SAFETY: this match's comment above.
-                    unsafe { each_row::<5>(tile::<5, $q41>, w, row_bytes, nb, t, out, stride) }
-                }
-                6 => {
-                    // SAFETY: this match's comment above.
-                    unsafe { each_row::<6>(tile::<6, $q41>, w, row_bytes, nb, t, out, stride) }
-                }
-                7 => {
-                    // SAFETY: this match's comment above.
-                    unsafe { each_row::<7>(tile::<7, $q41>, w, row_bytes, nb, t, out, stride) }
-                }
-                _ => {
-                    // SAFETY: this match's comment above.
-                    unsafe { each_row::<8>(tile::<8, $q41>, w, row_bytes, nb, t, out, stride) }
+            // SAFETY: for every arm, `available()` confirmed AVX2/FMA/F16C; the assert above
+            // bounds every read to the slices' lengths (blocks `i < nb` of each weight row,
+            // `R = t.rows` rows) and every write to `out`.
+            unsafe {
+                match t.rows {
+                    1 => each_row::<1>(tile::<1, $q41>, w, row_bytes, nb, t, out, stride),
+                    2 => each_row::<2>(tile::<2, $q41>, w, row_bytes, nb, t, out, stride),
+                    3 => each_row::<3>(tile::<3, $q41>, w, row_bytes, nb, t, out, stride),
+                    4 => each_row::<4>(tile::<4, $q41>, w, row_bytes, nb, t, out, stride),
+                    5 => each_row::<5>(tile::<5, $q41>, w, row_bytes, nb, t, out, stride),
+                    6 => each_row::<6>(tile::<6, $q41>, w, row_bytes, nb, t, out, stride),
+                    7 => each_row::<7>(tile::<7, $q41>, w, row_bytes, nb, t, out, stride),
+                    _ => each_row::<8>(tile::<8, $q41>, w, row_bytes, nb, t, out, stride),
                 }
             }
         };
@@ -374,18 +351,14 @@ pub fn scores<T: KvLoad>(
         return false;
     }
     let rows = k.len() / q.len().max(1);
-    // SAFETY (both arms): `available()` confirmed AVX2/FMA/F16C; `q` has
+    // SAFETY: for both arms, `available()` confirmed AVX2/FMA/F16C; `q` has
     // `8 * N` elements and `k` at least `rows * 8 * N`.
-    match q.len() {
-        64 => {
-            // SAFETY: this match's comment above.
-            unsafe { scores_n::<T, 8>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out) }
+    unsafe {
+        match q.len() {
+            64 => scores_n::<T, 8>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out),
+            128 => scores_n::<T, 16>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out),
+            _ => return false,
         }
-        128 => {
-            // SAFETY: this match's comment above.
-            unsafe { scores_n::<T, 16>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out) }
-        }
-        _ => return false,
     }
     true
 }
@@ -459,16 +432,12 @@ pub fn pv<T: KvLoad>(
         p.len() <= bases.len() * bs && bases.iter().all(|&b| b + bs * hd <= v.len()),
         "positions outside the KV rows"
     );
-    // SAFETY (both arms): `available()` confirmed AVX2/FMA/F16C; the assert
+    // SAFETY: for both arms, `available()` confirmed AVX2/FMA/F16C; the assert
     // bounds every row `t < p.len()` to `v`, and `acc` has `lanes` rows.
-    match hd {
-        64 => {
-            // SAFETY: this match's comment above.
-            unsafe { pv_n::<T, 8>(lanes, p, v.as_ptr(), bases, bs, acc) }
-        }
-        _ => {
-            // SAFETY: this match's comment above.
-            unsafe { pv_n::<T, 16>(lanes, p, v.as_ptr(), bases, bs, acc) }
+    unsafe {
+        match hd {
+            64 => pv_n::<T, 8>(lanes, p, v.as_ptr(), bases, bs, acc),
+            _ => pv_n::<T, 16>(lanes, p, v.as_ptr(), bases, bs, acc),
         }
     }
     true

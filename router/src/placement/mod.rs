@@ -248,8 +248,9 @@ pub fn decide(view: &RouterView<'_>, req: &Request, policy: &Policy) -> Decision
     if kind != Kind::Remote {
         return place(kind, reason, decoders.into_iter().map(local).collect());
     }
-    // For each decode worker, its usable prefill workers in order.
-    let prefill_for = |d: &WorkerRecord| -> Vec<&WorkerRecord> {
+    // For each decode worker, its first usable prefill worker: same fingerprint, cheapest,
+    // not over a link that failed recently, suspects last.
+    let prefill_for = |d: &WorkerRecord| -> Option<&WorkerRecord> {
         let mut v: Vec<&WorkerRecord> = prefill_candidates(
             snap,
             &policy.model,
@@ -257,21 +258,17 @@ pub fn decide(view: &RouterView<'_>, req: &Request, policy: &Policy) -> Decision
             prompt_len,
             &load.prefill_tokens,
             view.cached,
-        )
-        .into_iter()
-        .filter(|p| !load.bad_links.contains(&(p.id.clone(), d.id.clone())))
-        .collect();
+        );
+        if !load.bad_links.is_empty() {
+            v.retain(|p| !load.bad_links.contains(&(p.id.clone(), d.id.clone())));
+        }
         v.sort_by_key(|p| load.suspects.contains(&p.id));
-        v
+        v.first().copied()
     };
-    let any_prefill = decoders.iter().any(|d| {
-        let none = HashMap::new();
-        !prefill_candidates(snap, &policy.model, &d.fingerprint, 0, &none, &NoCache).is_empty()
-    });
     let pairs: Vec<Candidate> = decoders
         .iter()
         .filter_map(|d| {
-            let p = prefill_for(d).into_iter().next()?;
+            let p = prefill_for(d)?;
             Some(Candidate {
                 decode: (*d).clone(),
                 cached_tokens: view.cached.cached_tokens(p),
@@ -279,24 +276,25 @@ pub fn decide(view: &RouterView<'_>, req: &Request, policy: &Policy) -> Decision
             })
         })
         .collect();
-    if !any_prefill {
-        let reason = "no prefill worker with the decode worker's model: prefilled locally";
-        return place(
-            Kind::Local,
-            reason.into(),
-            decoders.into_iter().map(local).collect(),
-        );
+    if !pairs.is_empty() {
+        return place(Kind::Remote, reason, pairs);
     }
-    if pairs.is_empty() {
-        let reason = "the KV links from the prefill workers to the decode workers failed \
-                      recently: prefilled locally";
-        return place(
-            Kind::Local,
-            reason.into(),
-            decoders.into_iter().map(local).collect(),
-        );
-    }
-    place(Kind::Remote, reason, pairs)
+    // No pair: say why, and prefill on the decode workers.
+    let any_prefill = decoders.iter().any(|d| {
+        let none = HashMap::new();
+        !prefill_candidates(snap, &policy.model, &d.fingerprint, 0, &none, &NoCache).is_empty()
+    });
+    let reason = if any_prefill {
+        "the KV links from the prefill workers to the decode workers failed recently: \
+         prefilled locally"
+    } else {
+        "no prefill worker with the decode worker's model: prefilled locally"
+    };
+    place(
+        Kind::Local,
+        reason.into(),
+        decoders.into_iter().map(local).collect(),
+    )
 }
 
 fn place(kind: Kind, reason: String, candidates: Vec<Candidate>) -> Decision {
