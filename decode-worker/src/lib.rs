@@ -6,6 +6,8 @@
 //!   out, the lowest-priority, newest sequence is preempted (freed, recomputed later).
 //! - [`policy`]: the scheduler's decisions as pure functions (waiting order, admission,
 //!   forward planning, preemption choice), unit-tested without a model.
+//! - `reservations`: the model-free table of blocks held for KV a prefill worker sends
+//!   (expiry, claims, block accounting), unit-tested over a real KV cache.
 //! - [`handle`]: the cloneable async handle (commands over a channel, oneshot replies).
 //! - [`kv_inbound`]: receives KV from prefill workers straight into reserved blocks.
 //! - [`service`]: the internal `duet.v1.Decode` gRPC service.
@@ -24,6 +26,7 @@ pub mod handle;
 pub mod kv_inbound;
 mod metrics;
 pub mod policy;
+mod reservations;
 mod scheduler;
 pub mod service;
 pub mod via_prefill;

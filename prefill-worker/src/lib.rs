@@ -4,6 +4,8 @@
 //!   forward (long prompts are cut into block-aligned chunks, one KV transfer each); after
 //!   each layer of the forward it copies that layer's new KV out and hands it to the
 //!   request's transfer task, so layer `l` is on the wire while layer `l + 1` computes.
+//! - [`handle`]: the settings, job and result types, and the cloneable handle that talks
+//!   to the engine thread.
 //! - [`policy`]: the queue's order and the forward's chunks as pure functions,
 //!   unit-tested without a model.
 //! - [`transfer`]: the per-request task that drives a pooled kv-transfer sender.
@@ -16,11 +18,12 @@
 
 pub mod engine_loop;
 pub mod error;
+pub mod handle;
 mod layer_buffer;
 mod metrics;
 pub mod policy;
 pub mod service;
 pub mod transfer;
 
-pub use engine_loop::{PrefillConfig, PrefillHandle, PrefillJob, PrefillResult, PrefillStatus};
 pub use error::PrefillError;
+pub use handle::{PrefillConfig, PrefillHandle, PrefillJob, PrefillResult, PrefillStatus};

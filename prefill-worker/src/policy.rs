@@ -8,6 +8,14 @@
 //!   block) per forward; a prompt that fits what is left is computed whole, a longer one
 //!   in whole blocks (its chunk's KV leaves as whole destination blocks), and the forward
 //!   stops at the first prompt that gets nothing.
+//! - **Jobs the pool can take**: a prompt needing more blocks than the whole scratch pool
+//!   is refused (it could never run); its destination must start at a block boundary below
+//!   its end and list exactly one block per remaining block of the prompt.
+//! - **Room**: a queued prompt starts only if its blocks fit next to the blocks the running
+//!   prompts will still allocate (a started prompt never waits for memory mid-way).
+
+use crate::error::PrefillError;
+use duet_engine::EngineError;
 
 /// Where a new job goes in a queue whose jobs are `batch` or not (front first).
 pub fn queue_position(queued_batch: impl IntoIterator<Item = bool>, batch: bool) -> usize {
@@ -45,9 +53,82 @@ pub fn plan_chunks(
     plan
 }
 
+/// Whether a job of `tokens` prompt tokens whose decode worker holds the first `dst_start`
+/// and lists `dst_blocks` blocks for the rest can run on a pool of `total_blocks` blocks.
+pub fn check_job(
+    tokens: usize,
+    dst_start: usize,
+    dst_blocks: usize,
+    block_size: usize,
+    total_blocks: usize,
+) -> Result<(), PrefillError> {
+    let bs = block_size.max(1);
+    let blocks = tokens.div_ceil(bs);
+    if blocks > total_blocks {
+        return Err(PrefillError::TooLong {
+            tokens,
+            blocks,
+            total: total_blocks,
+        });
+    }
+    if dst_start % bs != 0 || dst_start >= tokens {
+        return Err(EngineError::invalid(
+            "dst_start_tokens",
+            format!("{dst_start} (must be a multiple of {bs} below the prompt's {tokens} tokens)"),
+        )
+        .into());
+    }
+    let need = blocks - dst_start / bs;
+    if dst_blocks != need {
+        return Err(EngineError::invalid(
+            "dst_blocks",
+            format!(
+                "{dst_blocks} destination blocks for {tokens} tokens after {dst_start} held (need {need})"
+            ),
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// Whether a prompt needing `need` more blocks starts now, with `free` blocks free and the
+/// running prompts still to allocate `pending`.
+pub fn has_room(need: usize, pending: usize, free: usize) -> bool {
+    need + pending <= free
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_job_must_fit_the_pool_and_name_one_destination_block_per_block_it_sends() {
+        assert!(check_job(40, 0, 3, 16, 8).is_ok());
+        assert!(check_job(40, 16, 2, 16, 8).is_ok());
+        assert!(matches!(
+            check_job(200, 0, 13, 16, 8),
+            Err(PrefillError::TooLong {
+                tokens: 200,
+                blocks: 13,
+                total: 8
+            })
+        ));
+        for (start, blocks) in [(8, 3), (48, 0), (0, 2), (16, 3)] {
+            let e = check_job(40, start, blocks, 16, 8).unwrap_err();
+            assert_eq!(
+                e.class(),
+                duet_engine::ErrorClass::InvalidArgument,
+                "{start} {blocks}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_prompt_starts_only_beside_what_running_prompts_will_still_take() {
+        assert!(has_room(3, 2, 5));
+        assert!(!has_room(3, 3, 5));
+        assert!(has_room(0, 0, 0));
+    }
 
     #[test]
     fn interactive_jobs_queue_before_batch_jobs_in_arrival_order() {

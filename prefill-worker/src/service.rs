@@ -7,8 +7,8 @@ use duet_serving::convert::sampling_from_proto;
 use duet_serving::trace_context::TraceContext;
 use tonic::{Request, Response, Status};
 
-use crate::engine_loop::{PrefillHandle, PrefillJob};
 use crate::error::PrefillError;
+use crate::handle::{PrefillHandle, PrefillJob};
 
 /// `duet.v1.Prefill` backed by one engine thread.
 #[derive(Clone)]

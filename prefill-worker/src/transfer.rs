@@ -20,8 +20,8 @@ use duet_telemetry::names::{
     KV_TRANSFER_TRANSFERS_TOTAL, KV_TRANSFER_WIRE_BYTES_TOTAL,
 };
 
-use crate::engine_loop::PrefillResult;
 use crate::error::PrefillError;
+use crate::handle::PrefillResult;
 
 pub(crate) enum Msg {
     Begin(TransferDesc),

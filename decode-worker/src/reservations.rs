@@ -1,0 +1,370 @@
+//! The reservation table: KV blocks a decode worker holds for a prompt whose KV a prefill
+//! worker is sending. Model-free state (no model, no channels, no clock: every method that
+//! depends on time takes `now`), driven by the scheduler and unit-tested here.
+//!
+//! Life of a reservation: [`Reservations::reserve`] allocates the fresh blocks after the
+//! cached prefix (the KV receivers may write only those, see [`ReservedBlocks`]); arriving
+//! KV ([`Reservations::import`], [`Reservations::received`]) extends its lifetime; the
+//! request's `Generate` claims it ([`Reservations::claim`]); once claimed and complete it
+//! leaves the table as a running sequence ([`Reservations::take_ready`]). Otherwise it ends
+//! in [`Reservations::expire`] or [`Reservations::drop`].
+//!
+//! Invariants:
+//! - a reservation owns exactly the blocks of its cache sequence: every path out of the
+//!   table either hands the sequence on (`take_ready`) or frees it, so
+//!   `free + used == total` always holds and no block outlives its reservation;
+//! - an unclaimed reservation lives at most `ttl` (capped by the worker's maximum) after
+//!   its last piece of KV; a claimed one at most `kv_wait_timeout` after its claim;
+//! - the shared block map lists exactly the blocks of the reservations in the table.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use duet_engine::{reusable_tokens, BlockHash, EngineError, KvCache, KvKind, PrefixHit};
+
+use crate::error::DecodeError;
+use crate::handle::{Reserved, ReservedBlocks};
+
+/// The claim of a reservation by its request's `Generate`.
+pub(crate) struct Claim<C> {
+    /// What runs once the KV is complete (the scheduler's sequence).
+    pub seq: C,
+    pub first_token: u32,
+    pub at: Instant,
+}
+
+struct Reservation<C> {
+    /// The fresh blocks the KV arrives in (the cached prefix's blocks are not listed).
+    blocks: Vec<u32>,
+    prompt_tokens: usize,
+    /// Leading prompt tokens attached from the prefix cache, and their block hashes (checked
+    /// against the prompt when Generate claims the reservation).
+    cached: usize,
+    cached_hashes: Vec<BlockHash>,
+    received: usize,
+    /// Every piece of KV that arrives extends the lifetime by `ttl`, so a long prefill
+    /// streaming its KV keeps its blocks.
+    expires: Instant,
+    ttl: Duration,
+    failed: Option<String>,
+    claim: Option<Claim<C>>,
+}
+
+/// Why a reservation left the table without running.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// Never claimed within its lifetime.
+    Expired,
+    /// Claimed, then its client went away.
+    ClientGone,
+    /// The transfer reported a failure.
+    TransferFailed(String),
+    /// Claimed, and the KV did not complete within `kv_wait_timeout`.
+    TransferTimeout,
+}
+
+impl Ending {
+    /// The error the claiming client hears (`None`: nobody is listening).
+    pub(crate) fn error(&self, id: u64) -> Option<DecodeError> {
+        match self {
+            Ending::Expired | Ending::ClientGone => None,
+            Ending::TransferFailed(reason) => Some(DecodeError::TransferFailed {
+                request_id: id,
+                reason: reason.clone(),
+            }),
+            Ending::TransferTimeout => Some(DecodeError::TransferTimeout(id)),
+        }
+    }
+}
+
+/// What `Generate` finds when it comes for its reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ClaimCheck {
+    /// No reservation under this id.
+    Missing,
+    /// Already claimed, or reserved for a prompt of another length.
+    Conflict,
+    /// Its cached prefix belongs to another prompt.
+    ForeignPrefix,
+    Free,
+}
+
+/// A reservation whose KV is complete: its sequence now runs, holding the blocks.
+pub(crate) struct Ready<C> {
+    pub id: u64,
+    pub claim: Claim<C>,
+    pub prompt_tokens: usize,
+    pub cached: usize,
+}
+
+pub(crate) struct Reservations<C> {
+    table: HashMap<u64, Reservation<C>>,
+    reserved: ReservedBlocks,
+    max_ttl: Duration,
+}
+
+impl<C> Reservations<C> {
+    pub(crate) fn new(reserved: ReservedBlocks, max_ttl: Duration) -> Self {
+        Reservations {
+            table: HashMap::new(),
+            reserved,
+            max_ttl,
+        }
+    }
+
+    pub(crate) fn contains(&self, id: u64) -> bool {
+        self.table.contains_key(&id)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    /// Reserves room in `cache` for a prompt of `tokens` tokens after the cached prefix of
+    /// `hashes` (`None`: the prefix cache is off); returns the reply and the prefix hit.
+    /// On error nothing is held.
+    pub(crate) fn reserve(
+        &mut self,
+        cache: &mut KvCache,
+        id: u64,
+        tokens: usize,
+        ttl: Duration,
+        hashes: Option<&[BlockHash]>,
+        now: Instant,
+    ) -> Result<(Reserved, PrefixHit), DecodeError> {
+        if self.contains(id) || cache.contains(id) {
+            return Err(DecodeError::Duplicate(id));
+        }
+        cache.add_sequence(id)?;
+        let bs = cache.block_size();
+        let hit = match hashes {
+            Some(h) if !h.is_empty() => {
+                match cache.attach_prefix(id, h, reusable_tokens(tokens, bs)) {
+                    Ok(hit) => hit,
+                    Err(e) => {
+                        cache.free_sequence(id);
+                        return Err(e.into());
+                    }
+                }
+            }
+            _ => PrefixHit::default(),
+        };
+        let cached = hit.blocks() * bs;
+        let blocks = match cache
+            .prepare_append(id, tokens - cached)
+            .and_then(|_| cache.sequence_blocks(id).map(|b| b[cached / bs..].to_vec()))
+        {
+            Ok(b) => b,
+            Err(e) => {
+                cache.free_sequence(id);
+                return Err(e.into());
+            }
+        };
+        if let Ok(mut m) = self.reserved.lock() {
+            for &b in &blocks {
+                m.insert(b, id);
+            }
+        }
+        let ttl = ttl.min(self.max_ttl);
+        let cached_hashes = hashes.map_or_else(Vec::new, |h| h[..cached / bs].to_vec());
+        self.table.insert(
+            id,
+            Reservation {
+                blocks: blocks.clone(),
+                prompt_tokens: tokens,
+                cached,
+                cached_hashes,
+                received: cached,
+                expires: now + ttl,
+                ttl,
+                failed: None,
+                claim: None,
+            },
+        );
+        Ok((
+            Reserved {
+                cached_tokens: cached,
+                blocks,
+            },
+            hit,
+        ))
+    }
+
+    /// Copies arriving KV regions into the reservation's own blocks (regions for any other
+    /// block, or of the wrong size, are ignored) and extends its lifetime.
+    pub(crate) fn import<D: AsRef<[u8]>>(
+        &mut self,
+        cache: &mut KvCache,
+        id: u64,
+        layer: usize,
+        regions: &[(u32, KvKind, D)],
+        now: Instant,
+    ) {
+        let Some(r) = self.table.get_mut(&id) else {
+            return;
+        };
+        r.expires = now + r.ttl;
+        for (block, kind, data) in regions {
+            if !r.blocks.contains(block) {
+                continue;
+            }
+            let dst = cache.region_bytes_mut(*block, layer, *kind);
+            let data = data.as_ref();
+            if dst.len() == data.len() {
+                dst.copy_from_slice(data);
+            }
+        }
+    }
+
+    /// The KV of prompt tokens up to `token_end` has arrived.
+    pub(crate) fn received(&mut self, id: u64, token_end: usize, now: Instant) {
+        if let Some(r) = self.table.get_mut(&id) {
+            r.received = r.received.max(token_end);
+            r.expires = now + r.ttl;
+        }
+    }
+
+    /// The transfer failed; the reservation ends at the next [`Reservations::expire`].
+    pub(crate) fn failed(&mut self, id: u64, reason: String) {
+        if let Some(r) = self.table.get_mut(&id) {
+            r.failed = Some(reason);
+        }
+    }
+
+    /// Whether `Generate` for a prompt of `prompt_len` tokens may claim reservation `id`;
+    /// `prefix_matches` says whether a prompt starts with the given cached block hashes.
+    pub(crate) fn check_claim(
+        &self,
+        id: u64,
+        prompt_len: usize,
+        prefix_matches: impl FnOnce(&[BlockHash]) -> bool,
+    ) -> ClaimCheck {
+        match self.table.get(&id) {
+            None => ClaimCheck::Missing,
+            Some(r) if r.claim.is_some() || r.prompt_tokens != prompt_len => ClaimCheck::Conflict,
+            Some(r) if !prefix_matches(&r.cached_hashes) => ClaimCheck::ForeignPrefix,
+            Some(_) => ClaimCheck::Free,
+        }
+    }
+
+    /// Claims reservation `id` for `seq`; gives `seq` back when there is nothing to claim.
+    pub(crate) fn claim(&mut self, id: u64, claim: Claim<C>) -> Result<(), C> {
+        match self.table.get_mut(&id) {
+            Some(r) if r.claim.is_none() => {
+                r.claim = Some(claim);
+                Ok(())
+            }
+            _ => Err(claim.seq),
+        }
+    }
+
+    /// Ends reservation `id`: its blocks go back to the pool; returns its claimant, if any.
+    pub(crate) fn drop(&mut self, cache: &mut KvCache, id: u64) -> Option<Option<C>> {
+        let r = self.table.remove(&id)?;
+        self.unlist(&r.blocks);
+        cache.free_sequence(id);
+        Some(r.claim.map(|c| c.seq))
+    }
+
+    /// Ends every reservation that is past its lifetime, failed, waited too long for its KV,
+    /// or whose claimant is `gone`; frees their blocks and returns them with why they ended.
+    pub(crate) fn expire(
+        &mut self,
+        cache: &mut KvCache,
+        now: Instant,
+        kv_wait_timeout: Duration,
+        gone: impl Fn(&C) -> bool,
+    ) -> Vec<(u64, Option<C>, Ending)> {
+        let ending: Vec<(u64, Ending)> = self
+            .table
+            .iter()
+            .filter_map(|(&id, r)| {
+                let e = match &r.claim {
+                    None if now >= r.expires => Ending::Expired,
+                    None => return None,
+                    Some(c) if gone(&c.seq) => Ending::ClientGone,
+                    Some(_) if r.failed.is_some() => {
+                        Ending::TransferFailed(r.failed.clone().unwrap_or_default())
+                    }
+                    Some(c) if now.duration_since(c.at) >= kv_wait_timeout => {
+                        Ending::TransferTimeout
+                    }
+                    Some(_) => return None,
+                };
+                Some((id, e))
+            })
+            .collect();
+        ending
+            .into_iter()
+            .filter_map(|(id, e)| self.drop(cache, id).map(|seq| (id, seq, e)))
+            .collect()
+    }
+
+    /// Takes every claimed reservation whose KV is complete out of the table; its sequence
+    /// in `cache` now holds the whole prompt. A sequence whose KV cannot be committed is
+    /// freed and returned as an error with its claimant.
+    pub(crate) fn take_ready(
+        &mut self,
+        cache: &mut KvCache,
+    ) -> Vec<Result<Ready<C>, (C, EngineError)>> {
+        let ready: Vec<u64> = self
+            .table
+            .iter()
+            .filter(|(_, r)| {
+                r.claim.is_some() && r.failed.is_none() && r.received >= r.prompt_tokens
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        let mut out = Vec::with_capacity(ready.len());
+        for id in ready {
+            let Some(r) = self.table.remove(&id) else {
+                continue;
+            };
+            self.unlist(&r.blocks);
+            let Some(claim) = r.claim else {
+                cache.free_sequence(id);
+                continue;
+            };
+            match cache.commit_append(id, r.prompt_tokens - r.cached) {
+                Ok(()) => out.push(Ok(Ready {
+                    id,
+                    claim,
+                    prompt_tokens: r.prompt_tokens,
+                    cached: r.cached,
+                })),
+                Err(e) => {
+                    cache.free_sequence(id);
+                    out.push(Err((claim.seq, e)));
+                }
+            }
+        }
+        out
+    }
+
+    /// Ends every reservation (shutdown); returns the claimants.
+    pub(crate) fn drain(&mut self, cache: &mut KvCache) -> Vec<(u64, C)> {
+        let ids: Vec<u64> = self.table.keys().copied().collect();
+        ids.into_iter()
+            .filter_map(|id| match self.drop(cache, id) {
+                Some(Some(seq)) => Some((id, seq)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn unlist(&self, blocks: &[u32]) {
+        if let Ok(mut m) = self.reserved.lock() {
+            for b in blocks {
+                m.remove(b);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "reservations_tests.rs"]
+mod tests;

@@ -1,0 +1,332 @@
+//! The reservation table without a model: expiry, claims, and block accounting over a real
+//! paged KV cache of a synthetic layout.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use duet_engine::{KvCache, KvDtype, KvKind, KvLayout, PrefixCacheConfig};
+use proptest::prelude::*;
+
+use super::*;
+
+const BS: usize = 16;
+const TOTAL: usize = 32;
+const TTL: Duration = Duration::from_secs(10);
+const KV_WAIT: Duration = Duration::from_secs(30);
+
+/// A claimant that can go away.
+#[derive(Debug, PartialEq)]
+struct Client {
+    gone: bool,
+}
+
+fn cache() -> KvCache {
+    let layout = KvLayout {
+        fingerprint: "test".into(),
+        n_layers: 2,
+        n_kv_heads: 1,
+        head_dim: 4,
+        block_size: BS,
+        dtype: KvDtype::F16,
+    };
+    KvCache::new(layout, TOTAL)
+}
+
+fn table() -> (Reservations<Client>, ReservedBlocks) {
+    let reserved = ReservedBlocks::default();
+    (Reservations::new(Arc::clone(&reserved), TTL * 2), reserved)
+}
+
+/// `free + used == total`, and the shared map lists exactly the reserved blocks.
+fn check(cache: &KvCache, t: &Reservations<Client>, reserved: &ReservedBlocks) {
+    assert_eq!(
+        cache.free_blocks() + cache.used_blocks(),
+        cache.total_blocks()
+    );
+    let listed = reserved.lock().map(|m| m.len()).unwrap_or(usize::MAX);
+    let held: usize = t.table.values().map(|r| r.blocks.len()).sum();
+    assert_eq!(listed, held);
+}
+
+fn claim(seq: Client, at: Instant) -> Claim<Client> {
+    Claim {
+        seq,
+        first_token: 7,
+        at,
+    }
+}
+
+#[test]
+fn a_reservation_holds_the_blocks_of_its_prompt_and_lists_them_for_the_receivers() {
+    let (mut c, now) = (cache(), Instant::now());
+    let (mut t, reserved) = table();
+    let (r, _) = t.reserve(&mut c, 1, 40, TTL, None, now).unwrap();
+    assert_eq!(r.cached_tokens, 0);
+    assert_eq!(r.blocks.len(), 3);
+    assert_eq!(c.used_blocks(), 3);
+    for b in &r.blocks {
+        assert_eq!(reserved.lock().unwrap().get(b), Some(&1));
+    }
+    check(&c, &t, &reserved);
+    assert!(matches!(
+        t.reserve(&mut c, 1, 40, TTL, None, now),
+        Err(DecodeError::Duplicate(1))
+    ));
+}
+
+#[test]
+fn a_reservation_larger_than_the_free_pool_holds_nothing() {
+    let (mut c, now) = (cache(), Instant::now());
+    let (mut t, reserved) = table();
+    assert!(t
+        .reserve(&mut c, 1, TOTAL * BS + 1, TTL, None, now)
+        .is_err());
+    assert_eq!(c.free_blocks(), TOTAL);
+    assert!(t.is_empty());
+    check(&c, &t, &reserved);
+}
+
+#[test]
+fn an_unclaimed_reservation_expires_after_its_ttl_and_arriving_kv_extends_it() {
+    let (mut c, t0) = (cache(), Instant::now());
+    let (mut t, reserved) = table();
+    t.reserve(&mut c, 1, 40, TTL, None, t0).unwrap();
+    t.reserve(&mut c, 2, 40, TTL, None, t0).unwrap();
+    // KV for 2 arrives at half its lifetime.
+    t.received(2, 16, t0 + TTL / 2);
+    let ended = t.expire(&mut c, t0 + TTL - Duration::from_millis(1), KV_WAIT, |s| {
+        s.gone
+    });
+    assert!(ended.is_empty());
+    let ended = t.expire(&mut c, t0 + TTL, KV_WAIT, |s| s.gone);
+    assert_eq!(ended, vec![(1, None, Ending::Expired)]);
+    assert_eq!(c.used_blocks(), 3);
+    let ended = t.expire(&mut c, t0 + TTL + TTL / 2, KV_WAIT, |s| s.gone);
+    assert_eq!(ended, vec![(2, None, Ending::Expired)]);
+    assert_eq!(c.free_blocks(), TOTAL);
+    check(&c, &t, &reserved);
+}
+
+#[test]
+fn a_requested_ttl_is_capped_by_the_workers_maximum() {
+    let (mut c, t0) = (cache(), Instant::now());
+    let (mut t, _) = table();
+    t.reserve(&mut c, 1, 40, TTL * 100, None, t0).unwrap();
+    let ended = t.expire(&mut c, t0 + TTL * 2, KV_WAIT, |s| s.gone);
+    assert_eq!(ended, vec![(1, None, Ending::Expired)]);
+}
+
+#[test]
+fn a_claimed_reservation_outlives_its_ttl_until_the_kv_wait_timeout() {
+    let (mut c, t0) = (cache(), Instant::now());
+    let (mut t, reserved) = table();
+    t.reserve(&mut c, 1, 40, TTL, None, t0).unwrap();
+    assert!(t.claim(1, claim(Client { gone: false }, t0)).is_ok());
+    assert!(t
+        .expire(&mut c, t0 + TTL * 2, KV_WAIT, |s| s.gone)
+        .is_empty());
+    let ended = t.expire(&mut c, t0 + KV_WAIT, KV_WAIT, |s| s.gone);
+    assert_eq!(ended.len(), 1);
+    assert_eq!(ended[0].1, Some(Client { gone: false }));
+    assert_eq!(ended[0].2, Ending::TransferTimeout);
+    assert!(matches!(
+        ended[0].2.error(1),
+        Some(DecodeError::TransferTimeout(1))
+    ));
+    assert_eq!(c.free_blocks(), TOTAL);
+    check(&c, &t, &reserved);
+}
+
+#[test]
+fn a_failed_transfer_or_a_gone_client_ends_a_claimed_reservation_at_once() {
+    let (mut c, t0) = (cache(), Instant::now());
+    let (mut t, reserved) = table();
+    t.reserve(&mut c, 1, 40, TTL, None, t0).unwrap();
+    t.reserve(&mut c, 2, 40, TTL, None, t0).unwrap();
+    t.claim(1, claim(Client { gone: false }, t0)).unwrap();
+    t.claim(2, claim(Client { gone: true }, t0)).unwrap();
+    t.failed(1, "peer reset".into());
+    let mut ended = t.expire(&mut c, t0, KV_WAIT, |s| s.gone);
+    ended.sort_by_key(|e| e.0);
+    assert_eq!(ended[0].2, Ending::TransferFailed("peer reset".into()));
+    assert_eq!(ended[1].2, Ending::ClientGone);
+    assert!(ended[1].2.error(2).is_none());
+    assert_eq!(c.free_blocks(), TOTAL);
+    check(&c, &t, &reserved);
+}
+
+#[test]
+fn only_a_claimed_complete_reservation_becomes_a_running_sequence_holding_its_blocks() {
+    let (mut c, t0) = (cache(), Instant::now());
+    let (mut t, reserved) = table();
+    t.reserve(&mut c, 1, 40, TTL, None, t0).unwrap();
+    t.received(1, 40, t0);
+    // Complete but unclaimed: stays.
+    assert!(t.take_ready(&mut c).is_empty());
+    t.claim(1, claim(Client { gone: false }, t0)).unwrap();
+    let ready = t.take_ready(&mut c);
+    assert_eq!(ready.len(), 1);
+    let Ok(r) = &ready[0] else {
+        panic!("not ready")
+    };
+    assert_eq!(
+        (r.id, r.prompt_tokens, r.cached, r.claim.first_token),
+        (1, 40, 0, 7)
+    );
+    assert!(t.is_empty());
+    // The blocks moved to the sequence: still used, no longer listed for receivers.
+    assert_eq!(c.sequence_len(1).unwrap(), 40);
+    assert_eq!(c.used_blocks(), 3);
+    check(&c, &t, &reserved);
+    c.free_sequence(1);
+    assert_eq!(c.free_blocks(), TOTAL);
+}
+
+#[test]
+fn incomplete_or_failed_claimed_reservations_do_not_start() {
+    let (mut c, t0) = (cache(), Instant::now());
+    let (mut t, _) = table();
+    t.reserve(&mut c, 1, 40, TTL, None, t0).unwrap();
+    t.reserve(&mut c, 2, 40, TTL, None, t0).unwrap();
+    t.claim(1, claim(Client { gone: false }, t0)).unwrap();
+    t.claim(2, claim(Client { gone: false }, t0)).unwrap();
+    t.received(1, 32, t0);
+    t.received(2, 40, t0);
+    t.failed(2, "bad frame".into());
+    assert!(t.take_ready(&mut c).is_empty());
+    assert_eq!(t.len(), 2);
+}
+
+#[test]
+fn claims_are_checked_against_the_prompt() {
+    let (mut c, t0) = (cache(), Instant::now());
+    let (mut t, _) = table();
+    t.reserve(&mut c, 1, 40, TTL, None, t0).unwrap();
+    assert_eq!(t.check_claim(9, 40, |_| true), ClaimCheck::Missing);
+    assert_eq!(t.check_claim(1, 41, |_| true), ClaimCheck::Conflict);
+    assert_eq!(t.check_claim(1, 40, |_| false), ClaimCheck::ForeignPrefix);
+    assert_eq!(t.check_claim(1, 40, |_| true), ClaimCheck::Free);
+    t.claim(1, claim(Client { gone: false }, t0)).unwrap();
+    assert_eq!(t.check_claim(1, 40, |_| true), ClaimCheck::Conflict);
+    assert!(t.claim(1, claim(Client { gone: false }, t0)).is_err());
+    assert!(t.claim(9, claim(Client { gone: false }, t0)).is_err());
+}
+
+#[test]
+fn import_writes_only_the_reservations_own_blocks() {
+    let (mut c, t0) = (cache(), Instant::now());
+    let (mut t, _) = table();
+    let (r, _) = t.reserve(&mut c, 1, 20, TTL, None, t0).unwrap();
+    let mine = r.blocks[0];
+    let other = (0..TOTAL as u32).find(|b| !r.blocks.contains(b)).unwrap();
+    let n = c.layout().region_bytes();
+    let data = vec![0xabu8; n];
+    t.import(
+        &mut c,
+        1,
+        1,
+        &[
+            (mine, KvKind::V, data.clone()),
+            (other, KvKind::V, data.clone()),
+            (mine, KvKind::K, vec![1u8; n - 1]),
+        ],
+        t0,
+    );
+    assert_eq!(c.region_bytes(mine, 1, KvKind::V), &data[..]);
+    assert!(c.region_bytes(other, 1, KvKind::V).iter().all(|&b| b == 0));
+    assert!(c.region_bytes(mine, 1, KvKind::K).iter().all(|&b| b == 0));
+}
+
+#[test]
+fn a_cached_prefix_is_not_reserved_again_and_stays_cached_after_the_reservation_ends() {
+    let (mut c, t0) = (cache(), Instant::now());
+    c.enable_prefix_cache(&PrefixCacheConfig::default())
+        .unwrap();
+    let tokens: Vec<u32> = (0..40).collect();
+    // An earlier sequence computed and registered the prompt's two full blocks.
+    c.add_sequence(100).unwrap();
+    c.prepare_append(100, 40).unwrap();
+    c.commit_append(100, 40).unwrap();
+    c.register_blocks(100, &tokens).unwrap();
+    c.free_sequence(100);
+    let hashes = c.prefix_hasher().hashes(&tokens[..32]);
+    let (mut t, reserved) = table();
+    let (r, hit) = t.reserve(&mut c, 1, 40, TTL, Some(&hashes), t0).unwrap();
+    assert_eq!((r.cached_tokens, r.blocks.len(), hit.blocks()), (32, 1, 2));
+    assert_eq!(reserved.lock().unwrap().len(), 1);
+    t.drop(&mut c, 1);
+    check(&c, &t, &reserved);
+    assert_eq!(c.allocator().cached_blocks(), 2);
+    assert_eq!(c.free_blocks(), TOTAL);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Reserve(u64, usize),
+    Receive(u64, usize),
+    Claim(u64, bool),
+    Fail(u64),
+    Drop(u64),
+    Advance(u64),
+    Start,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let id = 0u64..6;
+    prop_oneof![
+        (id.clone(), 1usize..200).prop_map(|(i, n)| Op::Reserve(i, n)),
+        (id.clone(), 0usize..200).prop_map(|(i, n)| Op::Receive(i, n)),
+        (id.clone(), any::<bool>()).prop_map(|(i, g)| Op::Claim(i, g)),
+        id.clone().prop_map(Op::Fail),
+        id.prop_map(Op::Drop),
+        (0u64..40).prop_map(Op::Advance),
+        Just(Op::Start),
+    ]
+}
+
+proptest! {
+    /// Whatever happens to reservations, `free + used == total`, the receivers' map lists
+    /// exactly the reserved blocks, and once every reservation and sequence has ended the
+    /// whole pool is free.
+    #[test]
+    fn block_accounting_holds_under_any_sequence_of_events(ops in prop::collection::vec(op(), 1..60)) {
+        let (mut c, t0) = (cache(), Instant::now());
+        let (mut t, reserved) = table();
+        let mut now = t0;
+        let mut running = Vec::new();
+        for o in ops {
+            match o {
+                Op::Reserve(id, n) => {
+                    if !running.contains(&id) {
+                        let _ = t.reserve(&mut c, id, n, TTL, None, now);
+                    }
+                }
+                Op::Receive(id, n) => t.received(id, n, now),
+                Op::Claim(id, gone) => {
+                    let _ = t.claim(id, claim(Client { gone }, now));
+                }
+                Op::Fail(id) => t.failed(id, "x".into()),
+                Op::Drop(id) => {
+                    t.drop(&mut c, id);
+                }
+                Op::Advance(s) => {
+                    now += Duration::from_secs(s);
+                    t.expire(&mut c, now, KV_WAIT, |s| s.gone);
+                }
+                Op::Start => {
+                    for r in t.take_ready(&mut c).into_iter().flatten() {
+                        running.push(r.id);
+                    }
+                }
+            }
+            check(&c, &t, &reserved);
+        }
+        t.drain(&mut c);
+        prop_assert!(t.is_empty());
+        for id in running {
+            c.free_sequence(id);
+        }
+        check(&c, &t, &reserved);
+        prop_assert_eq!(c.free_blocks(), TOTAL);
+    }
+}

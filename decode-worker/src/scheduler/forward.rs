@@ -1,0 +1,366 @@
+//! Admission and the forward pass: which waiting sequences start, which rows the next
+//! forward takes ([`policy::plan_forward`]), who is preempted when the pool runs out, and
+//! what each row's logits become (tokens, a finished prefill, a finished sequence).
+
+use std::time::Instant;
+
+use duet_engine::{reusable_tokens, EngineError, SeqChunk, TokenStep};
+
+use super::seq::{Phase, Seq};
+use super::Scheduler;
+use crate::error::DecodeError;
+use crate::handle::{secs, Event, Priority};
+use crate::policy;
+
+impl Scheduler {
+    pub(super) fn can_admit(&self) -> bool {
+        self.waiting.front().is_some_and(|s| {
+            let pool = policy::Pool {
+                free_blocks: self.cache.free_blocks(),
+                total_blocks: self.cache.total_blocks(),
+                watermark_blocks: self.cfg.admit_watermark_blocks,
+            };
+            policy::admits(
+                self.active.len(),
+                self.cfg.max_batch,
+                self.blocks_to_start(s),
+                pool,
+            )
+        })
+    }
+
+    pub(super) fn blocks_to_start(&self, s: &Seq) -> usize {
+        match &s.phase {
+            Phase::Prefill { tokens, .. } => self.cache.blocks_for(tokens.len() + 1),
+            Phase::Decode { .. } => 1,
+        }
+    }
+
+    pub(super) fn admit(&mut self) {
+        while self.can_admit() {
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
+            if let Err(e) = self.cache.add_sequence(s.id) {
+                let _ = s.events.send(Event::Error(e.into()));
+                continue;
+            }
+            if let Err(e) = self.attach_cached_prefix(&mut s) {
+                self.cache.free_sequence(s.id);
+                let _ = s.events.send(Event::Error(e.into()));
+                continue;
+            }
+            s.prefill_started.get_or_insert_with(Instant::now);
+            self.active.push(s);
+        }
+        // A sequence that can never fit (more blocks than the pool) fails instead of waiting.
+        if self.active.is_empty() {
+            if let Some(s) = self.waiting.front() {
+                let need = self.blocks_to_start(s);
+                if need > self.cache.total_blocks() {
+                    if let Some(s) = self.waiting.pop_front() {
+                        let _ = s.events.send(Event::Error(
+                            EngineError::KvExhausted {
+                                needed: need,
+                                free: self.cache.total_blocks(),
+                            }
+                            .into(),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Starts a local prefill after the longest prefix the cache holds. Tokens that must be
+    /// fed one per step (a replay after preemption or migration) are never taken from the
+    /// cache.
+    pub(super) fn attach_cached_prefix(&mut self, s: &mut Seq) -> Result<(), EngineError> {
+        let Some(book) = &self.book else {
+            return Ok(());
+        };
+        let Phase::Prefill {
+            tokens,
+            done,
+            exact_from,
+            ..
+        } = &mut s.phase
+        else {
+            return Ok(());
+        };
+        let bs = self.cache.block_size();
+        // Two rows at least before `exact_from` too: a one-row first chunk would take the
+        // per-row kernels, unlike the same row in the prefill that cached the prefix.
+        let limit = reusable_tokens(tokens.len(), bs).min(reusable_tokens(*exact_from, bs));
+        let hashes = self.hasher.hashes(&tokens[..limit]);
+        let hit = self.cache.attach_prefix(s.id, &hashes, limit)?;
+        *done = hit.blocks() * bs;
+        if s.preemptions == 0 {
+            book.lookup(tokens.len(), hit, bs);
+            s.cached_tokens = *done;
+        }
+        Ok(())
+    }
+
+    /// The next forward ([`policy::plan_forward`]) and the blocks it needs.
+    pub(super) fn plan(&self) -> (Vec<(usize, usize)>, usize) {
+        let rows: Vec<policy::Row> = self
+            .active
+            .iter()
+            .map(|s| policy::Row {
+                priority: s.priority,
+                arrival: s.arrival,
+                prefill: match &s.phase {
+                    Phase::Decode { .. } => None,
+                    Phase::Prefill {
+                        tokens,
+                        done,
+                        exact_from,
+                        ..
+                    } => Some(policy::PrefillLeft {
+                        tokens: tokens.len() - done,
+                        before_exact: exact_from.saturating_sub(*done),
+                    }),
+                },
+            })
+            .collect();
+        let plan = policy::plan_forward(&rows, self.cfg.prefill_chunk_tokens);
+        let need = plan
+            .iter()
+            .map(|&(i, n)| {
+                let id = self.active[i].id;
+                let len = self.cache.sequence_len(id).unwrap_or(0);
+                let have = self.cache.sequence_blocks(id).map_or(0, |b| b.len());
+                self.cache.blocks_for(len + n).saturating_sub(have)
+            })
+            .sum();
+        (plan, need)
+    }
+
+    /// Frees the lowest-priority, newest running sequence and queues it for recompute.
+    pub(super) fn preempt_one(&mut self) -> bool {
+        let running: Vec<(Priority, Instant)> = self
+            .active
+            .iter()
+            .map(|s| (s.priority, s.arrival))
+            .collect();
+        let Some(i) = policy::preemption_victim(&running) else {
+            return false;
+        };
+        let mut s = self.active.swap_remove(i);
+        // Its complete prompt blocks stay cached: the recompute finds them unless evicted.
+        self.end_sequence(&s);
+        s.phase = match s.phase {
+            Phase::Decode { next } => {
+                let gen = s.gen.generated();
+                let mut tokens = s.prompt.clone();
+                tokens.extend_from_slice(&gen[..gen.len().saturating_sub(1)]);
+                Phase::Prefill {
+                    tokens,
+                    done: 0,
+                    resume: Some(next),
+                    exact_from: s.prompt.len(),
+                }
+            }
+            Phase::Prefill {
+                tokens,
+                resume,
+                exact_from,
+                ..
+            } => Phase::Prefill {
+                tokens,
+                done: 0,
+                resume,
+                exact_from,
+            },
+        };
+        s.preemptions += 1;
+        self.metrics.preemptions.increment(1);
+        s.first_preempted_at
+            .get_or_insert(s.gen.generated().len() as u32);
+        tracing::info!(parent: &s.span, request_id = s.id, "preempted: KV pool full");
+        self.enqueue(s, true);
+        true
+    }
+
+    /// After a forward over `plan` failed with `e`: ends the sequences `blamed` for it (each
+    /// with its own error); when none is to blame (a fault of this worker, not of a
+    /// request), ends the whole batch as unavailable here, which the router migrates.
+    pub(super) fn fail_step(
+        &mut self,
+        plan: &[(usize, usize)],
+        blamed: Vec<(usize, EngineError)>,
+        e: &EngineError,
+    ) {
+        let mut ended: Vec<(usize, DecodeError)> = if blamed.is_empty() {
+            tracing::error!(error = %e, "forward failed; no request to blame: ending the batch");
+            plan.iter()
+                .map(|&(i, _)| (i, DecodeError::StepFailed(e.to_string())))
+                .collect()
+        } else {
+            tracing::warn!(
+                error = %e,
+                blamed = blamed.len(),
+                batch = plan.len(),
+                "forward refused a chunk; ending only the sequences it belongs to"
+            );
+            blamed.into_iter().map(|(i, e)| (i, e.into())).collect()
+        };
+        ended.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
+        for (i, err) in ended {
+            let s = self.active.swap_remove(i);
+            self.cache.free_sequence(s.id);
+            let _ = s.events.send(Event::Error(err));
+        }
+    }
+
+    pub(super) fn step(&mut self) {
+        let (mut plan, mut need) = self.plan();
+        while need > self.cache.free_blocks() {
+            if !self.preempt_one() {
+                // A single sequence that outgrew the pool: it ends here.
+                if let Some(s) = self.active.pop() {
+                    self.cache.free_sequence(s.id);
+                    let _ = s.events.send(Event::Error(
+                        EngineError::KvExhausted {
+                            needed: need,
+                            free: self.cache.free_blocks(),
+                        }
+                        .into(),
+                    ));
+                }
+                return;
+            }
+            (plan, need) = self.plan();
+        }
+        if plan.is_empty() {
+            return;
+        }
+        let feeds: Vec<Vec<u32>> = plan
+            .iter()
+            .map(|&(i, n)| match &self.active[i].phase {
+                Phase::Decode { next } => vec![*next],
+                Phase::Prefill { tokens, done, .. } => tokens[*done..*done + n].to_vec(),
+            })
+            .collect();
+        let chunks: Vec<SeqChunk<'_>> = plan
+            .iter()
+            .zip(&feeds)
+            .map(|(&(i, n), toks)| SeqChunk {
+                seq: self.active[i].id,
+                tokens: toks,
+                logits: match &self.active[i].phase {
+                    Phase::Decode { .. } => true,
+                    Phase::Prefill { tokens, done, .. } => done + n == tokens.len(),
+                },
+                // Replayed generated tokens were decode steps: they keep the decode order.
+                prompt: matches!(
+                    &self.active[i].phase,
+                    Phase::Prefill { done, exact_from, .. } if done < exact_from
+                ),
+            })
+            .collect();
+        // What this step reads: every weight once, and each sequence's whole KV so far.
+        let kv_tokens: usize = plan
+            .iter()
+            .map(|&(i, n)| self.cache.sequence_len(self.active[i].id).unwrap_or(0) + n)
+            .sum();
+        let read_bytes =
+            self.model.weight_bytes_per_step() + kv_tokens * self.cache.layout().bytes_per_token();
+        let t0 = Instant::now();
+        let result = self.model.forward(&mut self.cache, &chunks);
+        let mut logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                // One sequence's fault must not end the others: the forward checks every
+                // chunk before it changes anything, so the sequences whose chunk fails that
+                // check end here and the rest, untouched, run at the next iteration.
+                let blamed: Vec<(usize, EngineError)> = plan
+                    .iter()
+                    .zip(&chunks)
+                    .filter_map(|(&(i, _), ch)| {
+                        self.model
+                            .check_chunk(&self.cache, ch)
+                            .err()
+                            .map(|e| (i, e))
+                    })
+                    .collect();
+                drop(chunks);
+                self.fail_step(&plan, blamed, &e);
+                return;
+            }
+        };
+        drop(chunks);
+        let dt = t0.elapsed().as_secs_f64();
+        self.metrics.batch_size.record(plan.len() as f64);
+        self.metrics.step_seconds.record(dt);
+        self.metrics.read_bytes.increment(read_bytes as u64);
+        if dt > 0.0 {
+            self.metrics.bandwidth.set(read_bytes as f64 / dt);
+        }
+        let mut generated = 0usize;
+        let ctx = self.model.config.context_length;
+        let mut ended: Vec<(usize, Option<TokenStep>)> = Vec::new();
+        for (k, &(i, n)) in plan.iter().enumerate() {
+            let row = std::mem::take(&mut logits[k]);
+            let left =
+                ctx.saturating_sub(self.cache.sequence_len(self.active[i].id).unwrap_or(ctx));
+            let s = &mut self.active[i];
+            match &mut s.phase {
+                Phase::Decode { .. } => {
+                    let mut row = row;
+                    let step = s.gen.step(&self.model.tokenizer, &mut row, left);
+                    generated += 1;
+                    ended.push((i, Some(step)));
+                }
+                Phase::Prefill {
+                    tokens,
+                    done,
+                    resume,
+                    ..
+                } => {
+                    *done += n;
+                    if *done < tokens.len() {
+                        continue;
+                    }
+                    if self.book.is_some() {
+                        let _ = self.cache.register_blocks(s.id, &s.prompt[..s.cacheable]);
+                    }
+                    if let Some(started) = s.prefill_started {
+                        s.prefill_seconds += secs(started);
+                    }
+                    match resume.take() {
+                        Some(next) => s.phase = Phase::Decode { next },
+                        None => {
+                            let mut row = row;
+                            let step = s.gen.step(&self.model.tokenizer, &mut row, left);
+                            generated += 1;
+                            ended.push((i, Some(step)));
+                        }
+                    }
+                }
+            }
+        }
+        // Apply steps; remove finished sequences from the back so indices stay valid.
+        ended.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
+        for (i, step) in ended {
+            let Some(step) = step else { continue };
+            let finished = step.finished;
+            let s = &mut self.active[i];
+            s.phase = Phase::Decode { next: step.id };
+            let _ = s.events.send(Event::Token {
+                id: step.id,
+                text: step.text,
+            });
+            if let Some(f) = finished {
+                let s = self.active.swap_remove(i);
+                self.finish(s, f);
+            }
+        }
+        self.metrics.generated.increment(generated as u64);
+        if dt > 0.0 {
+            let rate = generated as f64 / dt;
+            self.tokens_per_second = 0.9 * self.tokens_per_second + 0.1 * rate;
+        }
+    }
+}

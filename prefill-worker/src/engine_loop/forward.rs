@@ -1,0 +1,213 @@
+//! One forward of the prefill engine: the chunks [`policy::plan_chunks`] picks, the hook
+//! that hands each layer's new KV to the transfers while the next layer computes, and what
+//! a finished prompt becomes (its first token, its blocks freed and cached).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use duet_engine::{KvCache, KvKind, Sampler, SeqChunk};
+use duet_kv_transfer::backend::shm::SendArena;
+use duet_kv_transfer::TransferDesc;
+use tokio::sync::mpsc;
+
+use super::Engine;
+use crate::error::PrefillError;
+use crate::handle::PrefillResult;
+use crate::layer_buffer::layer_bytes;
+use crate::policy;
+use crate::transfer::Msg;
+
+impl Engine {
+    /// After a forward over `plan` failed with `e`: ends the requests whose chunk is
+    /// `blamed` with their own error, and leaves the others running (their KV is untouched:
+    /// the forward refused before computing). With none to blame (this worker's fault, not
+    /// a request's), every request of the forward ends as unavailable here, and is retried
+    /// elsewhere.
+    pub(super) fn fail_step(
+        &mut self,
+        plan: &[(usize, usize, usize)],
+        blamed: Vec<(usize, duet_engine::EngineError)>,
+        e: &duet_engine::EngineError,
+    ) {
+        let mut ended: Vec<(usize, PrefillError)> = if blamed.is_empty() {
+            plan.iter()
+                .map(|p| (p.0, PrefillError::StepFailed(e.to_string())))
+                .collect()
+        } else {
+            blamed.into_iter().map(|(i, b)| (i, b.into())).collect()
+        };
+        tracing::warn!(error = %e, ended = ended.len(), forward = plan.len(), "prefill forward failed");
+        ended.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
+        for (i, err) in ended {
+            let r = self.running.swap_remove(i);
+            self.end(&r);
+            let _ = r.tx.send(Msg::Fail(err));
+        }
+    }
+
+    pub(super) fn step(&mut self) {
+        self.start_queued();
+        if self.running.is_empty() {
+            return;
+        }
+        // Live status while the forward runs: what it computes shows as running.
+        self.publish();
+        let bs = self.cache.block_size();
+        let left: Vec<usize> = self
+            .running
+            .iter()
+            .map(|r| r.job.prompt.len() - r.done)
+            .collect();
+        // (running index, start, len)
+        let plan: Vec<(usize, usize, usize)> =
+            policy::plan_chunks(&left, self.cfg.max_batch_tokens, bs)
+                .into_iter()
+                .map(|(i, n)| (i, self.running[i].done, n))
+                .collect();
+        // Each chunk sends the part of its KV the decode worker does not hold yet (from
+        // `dst_start` on), as whole destination blocks: `(plan index, first token)`.
+        let mut sends = Vec::new();
+        for (k, &(i, start, n)) in plan.iter().enumerate() {
+            let r = &self.running[i];
+            let from = start.max(r.job.dst_start);
+            if from >= start + n {
+                continue;
+            }
+            let dst0 = r.job.dst_start / bs;
+            let desc = TransferDesc {
+                request_id: r.job.request_id,
+                token_start: from as u32,
+                token_count: (start + n - from) as u32,
+                dst_blocks: r.job.dst_blocks[from / bs - dst0..(start + n).div_ceil(bs) - dst0]
+                    .to_vec(),
+            };
+            let _ = r.tx.send(Msg::Begin(desc));
+            sends.push((k, from));
+        }
+        let chunks: Vec<SeqChunk<'_>> = plan
+            .iter()
+            .map(|&(i, start, n)| {
+                let r = &self.running[i];
+                SeqChunk::prompt(
+                    r.job.request_id,
+                    &r.job.prompt[start..start + n],
+                    start + n == r.job.prompt.len(),
+                    r.job.prompt.len(),
+                )
+            })
+            .collect();
+        // What the per-layer hook needs: for each chunk, its sender, block index range and
+        // send arena.
+        type Out = (
+            mpsc::UnboundedSender<Msg>,
+            u64,
+            usize,
+            usize,
+            Option<Arc<SendArena>>,
+        );
+        let outs: Vec<Out> = sends
+            .iter()
+            .map(|&(k, from)| {
+                let (i, start, n) = plan[k];
+                let r = &self.running[i];
+                (
+                    r.tx.clone(),
+                    r.job.request_id,
+                    from / bs,
+                    (start + n).div_ceil(bs),
+                    r.arena.clone(),
+                )
+            })
+            .collect();
+        let t0 = Instant::now();
+        let mut hook = |layer: usize, cache: &KvCache| {
+            for (tx, seq, first, last, arena) in &outs {
+                let Ok(blocks) = cache.sequence_blocks(*seq) else {
+                    continue;
+                };
+                let Some(blocks) = blocks.get(*first..*last) else {
+                    continue;
+                };
+                let regions = |kind| -> Vec<&[u8]> {
+                    blocks
+                        .iter()
+                        .map(|&b| cache.region_bytes(b, layer, kind))
+                        .collect()
+                };
+                let (k, v) = layer_bytes(arena.as_ref(), &regions(KvKind::K), &regions(KvKind::V));
+                let _ = tx.send(Msg::Layer {
+                    layer: layer as u32,
+                    k,
+                    v,
+                });
+            }
+        };
+        let result = self.model.forward_with(&mut self.cache, &chunks, &mut hook);
+        // On failure, the chunks to blame (the forward checks them all before it changes
+        // anything): their requests end, the others go on.
+        let blamed: Vec<(usize, duet_engine::EngineError)> = match &result {
+            Ok(_) => Vec::new(),
+            Err(_) => plan
+                .iter()
+                .zip(&chunks)
+                .filter_map(|(p, ch)| {
+                    self.model
+                        .check_chunk(&self.cache, ch)
+                        .err()
+                        .map(|e| (p.0, e))
+                })
+                .collect(),
+        };
+        drop(chunks);
+        let elapsed = t0.elapsed();
+        let dt = elapsed.as_secs_f64();
+        let tokens: usize = plan.iter().map(|p| p.2).sum();
+        if dt > 0.0 {
+            self.tokens_per_second = 0.8 * self.tokens_per_second + 0.2 * tokens as f64 / dt;
+        }
+        let mut logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                self.fail_step(&plan, blamed, &e);
+                return;
+            }
+        };
+        self.metrics.forward(tokens, elapsed);
+        let compute_done = Instant::now();
+        let mut finished = Vec::new();
+        for (k, &(i, start, n)) in plan.iter().enumerate() {
+            let r = &mut self.running[i];
+            if sends.iter().any(|&(s, _)| s == k) {
+                let _ = r.tx.send(Msg::Finish);
+            }
+            r.done = start + n;
+            if r.done < r.job.prompt.len() {
+                continue;
+            }
+            let first_token = Sampler::new(r.job.sampling.clone())
+                .map(|mut s| s.sample(&mut logits[k], &r.job.prompt));
+            finished.push((i, first_token));
+        }
+        finished.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
+        for (i, first) in finished {
+            let r = self.running.swap_remove(i);
+            self.end(&r);
+            let msg = match first {
+                Ok(first_token) => Msg::Complete(
+                    PrefillResult {
+                        first_token,
+                        queue_seconds: r.started.duration_since(r.enqueued).as_secs_f64(),
+                        prefill_seconds: r.started.elapsed().as_secs_f64(),
+                        kv_transfer_seconds: 0.0,
+                        kv_stream_seconds: 0.0,
+                        kv_bytes: 0,
+                        cached_tokens: r.cached,
+                    },
+                    compute_done,
+                ),
+                Err(e) => Msg::Fail(e.into()),
+            };
+            let _ = r.tx.send(msg);
+        }
+    }
+}
