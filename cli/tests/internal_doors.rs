@@ -111,7 +111,12 @@ fn workers_answer_only_members_of_their_cluster() {
         }
         // A token from another cluster's secret is a stranger's too.
         let other = duet_kv_transfer::SharedSecret::new("another-cluster-secret-0123").unwrap();
-        let token = duet_serving::cluster_auth::ClusterToken::from_secret(&other).unwrap();
+        let token = duet_serving::cluster_auth::ClusterToken::from_key(
+            other
+                .derive(duet_serving::cluster_auth::TOKEN_LABEL)
+                .unwrap(),
+        )
+        .unwrap();
         let mut req = tonic::Request::new(pb::StatusRequest {});
         token.attach(&mut req);
         assert_eq!(

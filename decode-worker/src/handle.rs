@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use duet_engine::{BlockHash, FinishReason, GenerationParams, KvKind, Model};
-use duet_serving::kv_events::KvEventHub;
+use duet_worker_common::kv_events::KvEventHub;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -173,13 +173,18 @@ impl DecodeHandle {
         // Started from the worker's runtime, cancellation wakes an idle engine at once;
         // without one (unit tests) the engine ends with its handles.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            duet_serving::engine_thread::wake_on_cancel(&rt, tx.clone(), cancel.clone(), Cmd::Wake);
+            duet_worker_common::engine_thread::wake_on_cancel(
+                &rt,
+                tx.clone(),
+                cancel.clone(),
+                Cmd::Wake,
+            );
         }
         let flag = stopped.clone();
         std::thread::Builder::new()
             .name(format!("{}-engine", cfg.id))
             .spawn(move || {
-                duet_serving::engine_thread::run(sched, rx, &cancel);
+                duet_worker_common::engine_thread::run(sched, rx, &cancel);
                 flag.store(true, Ordering::SeqCst);
             })
             .map_err(|e| {

@@ -22,9 +22,9 @@ use std::time::Instant;
 use duet_engine::{KvCache, KvCacheConfig, KvKind, Model, PrefixHasher};
 use duet_kv_transfer::backend::shm::SendArena;
 use duet_kv_transfer::{Connector, TransferDesc};
-use duet_serving::engine_thread::{EngineLoop, Wait};
-use duet_serving::kv_events::KvEventHub;
-use duet_serving::prefix_cache::PrefixCacheBook;
+use duet_worker_common::engine_thread::{EngineLoop, Wait};
+use duet_worker_common::kv_events::KvEventHub;
+use duet_worker_common::prefix_cache::PrefixCacheBook;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -92,10 +92,10 @@ pub(crate) fn spawn(
         tokens_per_second: 0.0,
         metrics,
     };
-    duet_serving::engine_thread::wake_on_cancel(&rt, tx, cancel.clone(), Cmd::Wake);
+    duet_worker_common::engine_thread::wake_on_cancel(&rt, tx, cancel.clone(), Cmd::Wake);
     std::thread::Builder::new()
         .name(name)
-        .spawn(move || duet_serving::engine_thread::run(eng, rx, &cancel))
+        .spawn(move || duet_worker_common::engine_thread::run(eng, rx, &cancel))
         .map_err(|e| {
             PrefillError::Engine(duet_engine::EngineError::invalid(
                 "engine thread",

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use duet_engine::{BlockHash, KvCacheConfig, Model, PrefixCacheConfig, SamplingParams};
 use duet_kv_transfer::{Connector, Route};
-use duet_serving::kv_events::KvEventHub;
+use duet_worker_common::kv_events::KvEventHub;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 

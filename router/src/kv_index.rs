@@ -14,7 +14,7 @@ use std::sync::RwLock;
 
 use duet_engine::{BlockHash, KvTier};
 use duet_proto::v1 as pb;
-use duet_serving::kv_events::tier_from_proto;
+use duet_serving::convert::tier_from_proto;
 
 /// How much of a prompt a worker holds, in blocks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

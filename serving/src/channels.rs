@@ -93,8 +93,7 @@ mod tests {
 
     #[tokio::test]
     async fn one_channel_per_address_and_plain_text_only_without_tls() {
-        let secret = duet_kv_transfer::SharedSecret::new(b"0123456789abcdef").unwrap();
-        let c = Channels::new(None, Some(ClusterToken::from_secret(&secret).unwrap()));
+        let c = Channels::new(None, Some(ClusterToken::from_key([7; 32]).unwrap()));
         assert!(c.get("http://127.0.0.1:1").is_ok());
         assert_eq!(c.table.lock().unwrap().len(), 1);
         assert!(c.get("http://127.0.0.1:1").is_ok());

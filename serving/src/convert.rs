@@ -1,8 +1,7 @@
 //! Proto <-> engine conversions. Proto fields use 0 for "unset"; the engine's defaults
 //! apply then (top_p 1, repetition_penalty 1).
 
-use duet_engine::{FinishReason, KvDtype, SamplingParams};
-use duet_kv_transfer::{Dtype, Fingerprint, KvLayout};
+use duet_engine::{FinishReason, KvTier, SamplingParams};
 use duet_proto::v1 as pb;
 
 /// Engine sampling parameters from the proto form (not validated here: the engine's
@@ -45,24 +44,11 @@ pub fn finish_to_proto(f: FinishReason) -> pb::FinishReason {
     }
 }
 
-/// The engine's KV layout as kv-transfer describes it (the model fingerprint becomes the
-/// 32-byte identity both sides compare at the handshake).
-pub fn transfer_layout(l: &duet_engine::KvLayout) -> Result<KvLayout, duet_kv_transfer::Error> {
-    let mut fp = [0u8; 32];
-    match hex::decode(&l.fingerprint) {
-        Ok(bytes) if bytes.len() == 32 => fp.copy_from_slice(&bytes),
-        _ => fp = Fingerprint::digest(&[l.fingerprint.as_bytes()]).0,
+/// The engine's cache tier of a proto `KvTier` (unknown values read as the device tier).
+pub fn tier_from_proto(t: i32) -> KvTier {
+    match pb::KvTier::try_from(t) {
+        Ok(pb::KvTier::Host) => KvTier::Host,
+        Ok(pb::KvTier::Disk) => KvTier::Disk,
+        _ => KvTier::Device,
     }
-    let dim = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
-    KvLayout::new(
-        Fingerprint(fp),
-        dim(l.n_layers),
-        dim(l.n_kv_heads),
-        dim(l.head_dim),
-        dim(l.block_size),
-        match l.dtype {
-            KvDtype::F32 => Dtype::F32,
-            KvDtype::F16 => Dtype::F16,
-        },
-    )
 }

@@ -41,7 +41,12 @@ pub const TEST_SECRET: &str = "duet-test-cluster-secret-0123456789";
 /// A request to a worker's internal service, with the cluster token its members carry.
 pub fn internal<T>(msg: T) -> tonic::Request<T> {
     let secret = duet_kv_transfer::SharedSecret::new(TEST_SECRET).expect("test secret");
-    let token = duet_serving::cluster_auth::ClusterToken::from_secret(&secret).expect("token");
+    let token = duet_serving::cluster_auth::ClusterToken::from_key(
+        secret
+            .derive(duet_serving::cluster_auth::TOKEN_LABEL)
+            .expect("key"),
+    )
+    .expect("token");
     let mut req = tonic::Request::new(msg);
     token.attach(&mut req);
     req

@@ -32,9 +32,9 @@ use std::time::{Duration, Instant};
 use duet_engine::{
     BlockHash, EngineError, FinishReason, KvCache, KvCacheConfig, Model, PrefixHasher, TokenStep,
 };
-use duet_serving::engine_thread::{EngineLoop, Wait};
-use duet_serving::kv_events::KvEventHub;
-use duet_serving::prefix_cache::PrefixCacheBook;
+use duet_worker_common::engine_thread::{EngineLoop, Wait};
+use duet_worker_common::kv_events::KvEventHub;
+use duet_worker_common::prefix_cache::PrefixCacheBook;
 use tokio::sync::mpsc;
 
 use crate::config::DecodeConfig;

@@ -8,6 +8,7 @@ use clap::{Args, ValueEnum};
 use duet_discovery::{EtcdOptions, EtcdRegistry, RegistrationOptions, Registry};
 use duet_engine::{KvCacheConfig, KvDtype, Model, PrefixCacheConfig};
 use duet_kv_transfer::{Compression, SharedSecret, TransferConfig};
+use duet_serving::cluster_auth::ClusterToken;
 
 use super::tls_args::EtcdTlsArgs;
 
@@ -71,6 +72,13 @@ pub struct SecretArgs {
     /// it out of process listings. Never printed.
     #[arg(long, env = "DUET_KV_SECRET", hide_env_values = true)]
     pub kv_secret: Option<String>,
+}
+
+/// The token internal calls carry: the key every member derives from the cluster secret
+/// (never the secret itself).
+pub fn cluster_token(secret: &SharedSecret) -> anyhow::Result<ClusterToken> {
+    let key = secret.derive(duet_serving::cluster_auth::TOKEN_LABEL)?;
+    Ok(ClusterToken::from_key(key)?)
 }
 
 /// What a separate process says when it has no secret.
@@ -275,7 +283,7 @@ impl KvArgs {
         secret: &SharedSecret,
     ) -> anyhow::Result<TransferConfig> {
         let layout =
-            duet_serving::convert::transfer_layout(&model.kv_layout(BLOCK_SIZE, self.kv_dtype))?;
+            duet_worker_common::transfer_layout(&model.kv_layout(BLOCK_SIZE, self.kv_dtype))?;
         if self.kv_timeout < Duration::from_millis(100) {
             bail!("--kv-timeout: at least 100ms");
         }
@@ -356,6 +364,27 @@ mod tests {
             kv_secret_file: file.map(Into::into),
             kv_secret: value.map(Into::into),
         }
+    }
+
+    #[test]
+    fn members_derive_one_token_and_it_is_not_the_secret() {
+        let s = |b: &str| SharedSecret::new(b).unwrap();
+        let a = cluster_token(&s("0123456789abcdef-cluster-a")).unwrap();
+        let a2 = cluster_token(&s("0123456789abcdef-cluster-a")).unwrap();
+        let b = cluster_token(&s("0123456789abcdef-cluster-b")).unwrap();
+        let value = |t: &ClusterToken| {
+            let mut r = tonic::Request::new(());
+            t.attach(&mut r);
+            r.metadata()
+                .get(duet_serving::cluster_auth::TOKEN_HEADER)
+                .unwrap()
+                .as_bytes()
+                .to_vec()
+        };
+        assert!(a.accepts(&value(&a2)));
+        assert!(!a.accepts(&value(&b)));
+        assert!(!a.accepts(b"0123456789abcdef-cluster-a"));
+        assert!(!String::from_utf8_lossy(&value(&a)).contains("cluster-a"));
     }
 
     #[test]

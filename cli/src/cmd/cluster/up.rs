@@ -159,7 +159,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
     );
     // One process: a secret of its own unless one is given (nothing outside can join).
     let secret = a.kv.secret.or_random()?;
-    let token = duet_serving::cluster_auth::ClusterToken::from_secret(&secret)?;
+    let token = super::args::cluster_token(&secret)?;
     let rt = runtime()?;
     rt.block_on(async move {
         let shutdown = duet_serving::server::shutdown_on_signal();
@@ -551,7 +551,7 @@ pub fn router(a: RouterCmd) -> anyhow::Result<()> {
     let tls = a.process.tls.server()?;
     let scheme = duet_serving::tls::scheme(tls.is_some());
     let worker_tls = a.process.tls.client()?;
-    let token = duet_serving::cluster_auth::ClusterToken::from_secret(&a.secret.required()?)?;
+    let token = super::args::cluster_token(&a.secret.required()?)?;
     let front = Arc::new(
         TextFrontend::load(&a.model).with_context(|| format!("reading {}", a.model.display()))?,
     );

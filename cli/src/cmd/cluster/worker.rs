@@ -23,8 +23,8 @@ use duet_prefill_worker::{service::PrefillService, PrefillConfig, PrefillHandle}
 use duet_proto::v1 as pb;
 use duet_serving::channels::Channels;
 use duet_serving::cluster_auth::{ClusterToken, RequireToken};
-use duet_serving::kv_events::KvCacheService;
 use duet_serving::tls::{ClientTls, ServerTls};
+use duet_worker_common::kv_events::KvCacheService;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -118,7 +118,7 @@ pub struct WorkerEnv {
 
 impl WorkerEnv {
     fn token(&self) -> anyhow::Result<ClusterToken> {
-        Ok(ClusterToken::from_secret(&self.secret)?)
+        super::args::cluster_token(&self.secret)
     }
 
     /// The cluster as the registry shows it, for checking the peers requests name.

@@ -22,6 +22,8 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+pub use duet_serving::convert::tier_from_proto;
+
 /// Batches a subscriber may fall behind before it is re-sent a snapshot.
 pub const BACKLOG: usize = 1024;
 
@@ -35,15 +37,6 @@ pub fn tier_to_proto(t: KvTier) -> pb::KvTier {
         KvTier::Device => pb::KvTier::Device,
         KvTier::Host => pb::KvTier::Host,
         KvTier::Disk => pb::KvTier::Disk,
-    }
-}
-
-/// The engine tier of a proto tier (unspecified reads as device).
-pub fn tier_from_proto(t: i32) -> KvTier {
-    match pb::KvTier::try_from(t) {
-        Ok(pb::KvTier::Host) => KvTier::Host,
-        Ok(pb::KvTier::Disk) => KvTier::Disk,
-        _ => KvTier::Device,
     }
 }
 
