@@ -8,6 +8,10 @@
 //! ITL, end-to-end latency, throughput, errors and SLO attainment / goodput ([`report`],
 //! [`slo`], [`stats`]); [`plot`] draws latency CDFs and attainment against rate as SVG.
 //!
+//! [`transfer`] is `duet bench transfer`: kv-transfer's backends measured beside a reference
+//! of the same run (iperf3, memcpy). [`fake_workers`] are the registered stand-in workers
+//! `duet bench router` measures the router against.
+//!
 //! The `duet` CLI only parses flags into a [`config::ServeConfig`] and prints results.
 
 #![forbid(unsafe_code)]
@@ -17,6 +21,7 @@ pub mod backend;
 pub mod config;
 pub mod corpus;
 pub mod error;
+pub mod fake_workers;
 pub mod lengths;
 pub mod plot;
 pub mod progress;
@@ -26,6 +31,7 @@ pub mod runner;
 pub mod slo;
 pub mod sse;
 pub mod stats;
+pub mod transfer;
 pub mod workload;
 
 pub use backend::{BackendKind, IgnoreEos, PromptFormat, SendOptions};

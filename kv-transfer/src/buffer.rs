@@ -1,4 +1,5 @@
-//! Byte buffers for the reference sink and the benchmark: from the allocator, or
+//! Byte buffers for the reference sink ([`crate::MemorySink`]) and the transfer benchmark
+//! (`duet-bench`'s `transfer`): from the allocator, or
 //! page-aligned (optionally on transparent huge pages).
 //!
 //! The kernel's copies run at a fraction of their speed when source and destination differ
@@ -13,28 +14,30 @@ use bytes::Bytes;
 /// A zeroed buffer: an anonymous mapping (page-aligned), or a plain vector where mapping
 /// fails.
 #[derive(Debug)]
-pub(crate) enum Buffer {
+pub enum Buffer {
+    /// From the allocator.
     Heap(Vec<u8>),
+    /// An anonymous mapping (page-aligned).
     Map(memmap2::MmapMut),
 }
 
 /// Whether transparent huge pages can be had by advice here (`enabled` is `always` or
 /// `madvise`, not `never`, and the kernel has THP at all).
-pub(crate) fn thp_available() -> bool {
+pub fn thp_available() -> bool {
     std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
         .is_ok_and(|s| !s.contains("[never]"))
 }
 
 impl Buffer {
     /// `len` zero bytes from the allocator, wherever it puts them (as the workers' buffers).
-    pub(crate) fn heap(len: usize) -> Buffer {
+    pub fn heap(len: usize) -> Buffer {
         Buffer::Heap(vec![0u8; len])
     }
 
     /// `len` zero bytes in an anonymous mapping (page-aligned); with `huge`, advised onto
     /// transparent huge pages (honoured where THP is `madvise` or `always`; elsewhere
     /// ordinary pages). A plain vector where mapping fails.
-    pub(crate) fn mapped(len: usize, huge: bool) -> Buffer {
+    pub fn mapped(len: usize, huge: bool) -> Buffer {
         if len > 0 {
             if let Ok(m) = memmap2::MmapMut::map_anon(len) {
                 #[cfg(target_os = "linux")]
@@ -52,7 +55,7 @@ impl Buffer {
     }
 
     /// A benchmark payload: on transparent huge pages when `huge`, else from the allocator.
-    pub(crate) fn payload(len: usize, huge: bool) -> Buffer {
+    pub fn payload(len: usize, huge: bool) -> Buffer {
         if huge {
             Buffer::mapped(len, true)
         } else {
@@ -61,7 +64,7 @@ impl Buffer {
     }
 
     /// The buffer as shared, immutable bytes (no copy).
-    pub(crate) fn freeze(self) -> Bytes {
+    pub fn freeze(self) -> Bytes {
         match self {
             Buffer::Heap(v) => Bytes::from(v),
             Buffer::Map(m) => Bytes::from_owner(m),

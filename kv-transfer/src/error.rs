@@ -396,7 +396,7 @@ impl Error {
     }
 
     /// Maps an OS error; the kinds that mean "the peer went away" become [`Error::PeerClosed`].
-    pub(crate) fn io(during: &'static str, source: std::io::Error) -> Error {
+    pub fn io(during: &'static str, source: std::io::Error) -> Error {
         use std::io::ErrorKind as K;
         match source.kind() {
             K::UnexpectedEof | K::BrokenPipe | K::ConnectionReset | K::ConnectionAborted => {

@@ -24,8 +24,7 @@
 pub mod api;
 pub mod auth;
 pub mod backend;
-pub mod bench;
-pub(crate) mod buffer;
+pub mod buffer;
 pub mod config;
 pub mod endpoint;
 pub mod error;

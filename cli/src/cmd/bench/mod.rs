@@ -3,7 +3,6 @@
 //! engine, llama.cpp, is driven by `scripts/bench-engine.sh`).
 
 mod engine;
-mod fake_workers;
 mod plot;
 mod router;
 mod serve;

@@ -29,9 +29,9 @@ use futures::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use super::fake_workers::{fake_workers, serve_fake};
 use crate::cmd::cluster::args::parse_duration;
 use crate::cmd::model_args::DEFAULT_MODEL;
+use duet_bench::fake_workers::{fake_workers, serve_fake};
 
 #[derive(Args, Debug)]
 pub struct RouterBenchArgs {

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use duet_kv_transfer::bench::{self, BenchOptions, E2eOptions};
+use duet_bench::transfer::{self as bench, BenchOptions, E2eOptions};
 use duet_kv_transfer::BackendKind;
 use serde::Serialize;
 

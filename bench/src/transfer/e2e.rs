@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::api::KvSender;
-use crate::backend::BackendKind;
-use crate::bench::harness;
-use crate::bench::{bench_config, percentile};
-use crate::error::{Error, Result};
-use crate::layout::{Dtype, Fingerprint, KvLayout};
-use crate::protocol::Compression;
+use super::harness;
+use super::{bench_config, percentile};
+use duet_kv_transfer::api::KvSender;
+use duet_kv_transfer::backend::BackendKind;
+use duet_kv_transfer::error::{Error, Result};
+use duet_kv_transfer::layout::{Dtype, Fingerprint, KvLayout};
+use duet_kv_transfer::protocol::Compression;
 
 /// Options of [`end_to_end`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -16,13 +16,13 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::auth::SharedSecret;
-use crate::backend::BackendKind;
-use crate::config::{Timeouts, TransferConfig};
-use crate::error::{Error, Result};
-use crate::layout::{Dtype, Fingerprint, KvKind, KvLayout};
-use crate::mem_sink::MemorySink;
-use crate::protocol::compress::{decode_region, encode_region, Compression};
+use duet_kv_transfer::auth::SharedSecret;
+use duet_kv_transfer::backend::BackendKind;
+use duet_kv_transfer::config::{Timeouts, TransferConfig};
+use duet_kv_transfer::error::{Error, Result};
+use duet_kv_transfer::layout::{Dtype, Fingerprint, KvKind, KvLayout};
+use duet_kv_transfer::mem_sink::MemorySink;
+use duet_kv_transfer::protocol::compress::{decode_region, encode_region, Compression};
 
 pub use e2e::{end_to_end, E2eOptions, E2eReport};
 
@@ -235,7 +235,7 @@ pub async fn run(opts: BenchOptions) -> Result<BenchReport> {
         reference_note: None,
         zero_copy_note: None,
         shm_mode: None,
-        huge_pages: opts.huge_pages && crate::buffer::thp_available(),
+        huge_pages: opts.huge_pages && duet_kv_transfer::buffer::thp_available(),
         points: Vec::new(),
     };
     for size in sizes(&opts) {

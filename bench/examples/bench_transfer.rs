@@ -1,10 +1,10 @@
 //! Runs the transfer benchmark and prints its JSON report:
-//! `cargo run -p duet-kv-transfer --example bench_transfer -- tcp 1073741824 1 [e2e]`
+//! `cargo run -p duet-bench --example bench_transfer -- tcp 1073741824 1 [e2e]`
 //! (arguments: backend, max bytes, streams, then `e2e` for the end-to-end figure or `nocrc`
 //! to turn crc32c trailers off, and `huge` to put the payload and the memcpy reference on
 //! transparent huge pages).
 
-use duet_kv_transfer::bench::{end_to_end, run, BenchOptions, E2eOptions};
+use duet_bench::transfer::{end_to_end, run, BenchOptions, E2eOptions};
 use duet_kv_transfer::BackendKind;
 
 #[tokio::main]

@@ -17,15 +17,17 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::error::BenchError;
+
 /// A decode worker that answers at once; for a `ViaPrefill` request it calls the prefill
 /// worker first, as a real one does (that call is the decode worker's work, not the
 /// router's, and runs on the fake workers' runtime).
 #[derive(Clone, Default)]
-pub(super) struct FakeDecode {
+pub struct FakeDecode {
     prefill: Arc<duet_serving::channels::Channels>,
 }
 
-pub(super) type Events = Pin<Box<dyn Stream<Item = Result<pb::DecodeEvent, Status>> + Send>>;
+pub type Events = Pin<Box<dyn Stream<Item = Result<pb::DecodeEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::decode_server::Decode for FakeDecode {
@@ -99,11 +101,11 @@ impl pb::prefill_server::Prefill for FakePrefill {
     }
 }
 
-/// What this process's threads whose name starts with `prefix` have used so far.
-pub(super) async fn serve_fake(
+/// Serves `routes` on a fresh `127.0.0.1:0` listener until `cancel` fires; its address.
+pub async fn serve_fake(
     routes: tonic::service::Routes,
     cancel: CancellationToken,
-) -> anyhow::Result<SocketAddr> {
+) -> crate::Result<SocketAddr> {
     let l = TcpListener::bind("127.0.0.1:0").await?;
     let addr = l.local_addr()?;
     tokio::spawn(async move {
@@ -119,9 +121,9 @@ pub(super) async fn serve_fake(
 }
 
 /// Starts the fake workers on the load runtime, registered in their own in-memory registry.
-pub(super) async fn fake_workers(
+pub async fn fake_workers(
     cancel: &CancellationToken,
-) -> anyhow::Result<(Arc<dyn Registry>, SocketAddr, Vec<Registration>)> {
+) -> crate::Result<(Arc<dyn Registry>, SocketAddr, Vec<Registration>)> {
     let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
     let d = serve_fake(
         tonic::service::Routes::new(pb::decode_server::DecodeServer::new(FakeDecode::default())),
@@ -160,7 +162,11 @@ pub(super) async fn fake_workers(
                 RegistrationOptions::default(),
                 cancel.clone(),
             )
-            .await?,
+            .await
+            .map_err(|e| BenchError::Target {
+                url: format!("http://{addr}"),
+                reason: format!("registering the fake {} worker: {e}", role.as_str()),
+            })?,
         );
     }
     Ok((registry, d, regs))

@@ -4,7 +4,7 @@
 //! Invariant: receivers run on their own thread and runtime with their own [`MemorySink`],
 //! return the sink when the sender closes, and never share state with the senders.
 
-use crate::buffer::Buffer;
+use duet_kv_transfer::buffer::Buffer;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,15 +12,15 @@ use bytes::Bytes;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
-use crate::api::{KvReceiver, KvSender, TransferReceipt};
-use crate::backend::local;
-use crate::backend::shm::{SendArena, ShmMode, ShmOptions, ShmReceiver, ShmSender};
-use crate::backend::tcp::{TcpReceiver, TcpSender};
-use crate::backend::{AnyReceiver, AnySender, BackendKind};
-use crate::config::TransferConfig;
-use crate::error::{Error, Result};
-use crate::layout::{KvLayout, TransferDesc};
-use crate::mem_sink::MemorySink;
+use duet_kv_transfer::api::{KvReceiver, KvSender, TransferReceipt};
+use duet_kv_transfer::backend::local;
+use duet_kv_transfer::backend::shm::{SendArena, ShmMode, ShmOptions, ShmReceiver, ShmSender};
+use duet_kv_transfer::backend::tcp::{TcpReceiver, TcpSender};
+use duet_kv_transfer::backend::{AnyReceiver, AnySender, BackendKind};
+use duet_kv_transfer::config::TransferConfig;
+use duet_kv_transfer::error::{Error, Result};
+use duet_kv_transfer::layout::{KvLayout, TransferDesc};
+use duet_kv_transfer::mem_sink::MemorySink;
 
 /// What a receiver thread hands back: its sink and, per transfer, when its last layer landed.
 pub(crate) type ReceiverResult = Result<(MemorySink, Vec<Option<Instant>>)>;
@@ -106,7 +106,7 @@ fn spawn_receiver_thread(
                         }
                         #[cfg(feature = "rdma")]
                         Accept::Rdma(std_listener) => {
-                            use crate::backend::rdma::{RdmaOptions, RdmaReceiver};
+                            use duet_kv_transfer::backend::rdma::{RdmaOptions, RdmaReceiver};
                             let l = TcpListener::from_std(std_listener)
                                 .map_err(|e| Error::io("adopting the bench listener", e))?;
                             let rx = RdmaReceiver::new(l, cfg, RdmaOptions::default())?;
@@ -211,7 +211,7 @@ pub(crate) async fn connect_pairs(
     let results = match backend {
         #[cfg(feature = "rdma")]
         BackendKind::Rdma => {
-            use crate::backend::rdma::{RdmaOptions, RdmaSender};
+            use duet_kv_transfer::backend::rdma::{RdmaOptions, RdmaSender};
             let (l, addr) = bind_loopback()?;
             let results = spawn_receiver_thread(Accept::Rdma(l), cfg.clone(), sinks, ready_tx)?;
             wait_ready(ready_rx).await?;

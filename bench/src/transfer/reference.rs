@@ -5,7 +5,7 @@
 //! which the report carries as text. Spawned processes are killed on drop and every wait on
 //! them is bounded.
 
-use crate::buffer::Buffer;
+use duet_kv_transfer::buffer::Buffer;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 

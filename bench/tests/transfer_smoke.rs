@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use duet_kv_transfer::bench::{end_to_end, run, BenchOptions, E2eOptions};
+use duet_bench::transfer::{end_to_end, run, BenchOptions, E2eOptions};
 use duet_kv_transfer::{BackendKind, Compression};
 
 fn tiny(backend: BackendKind, streams: usize) -> BenchOptions {
