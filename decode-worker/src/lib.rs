@@ -10,6 +10,7 @@
 //!   (expiry, claims, block accounting), unit-tested over a real KV cache.
 //! - [`handle`]: the cloneable async handle (commands over a channel, oneshot replies).
 //! - [`kv_inbound`]: receives KV from prefill workers straight into reserved blocks.
+//! - [`server`]: the whole worker on listeners the caller bound ([`server::DecodeWorker`]).
 //! - [`service`]: the internal `duet.v1.Decode` gRPC service.
 //! - [`via_prefill`]: a `ViaPrefill` request's call to the prefill worker the router picked.
 //!
@@ -28,6 +29,7 @@ mod metrics;
 pub mod policy;
 mod reservations;
 mod scheduler;
+pub mod server;
 pub mod service;
 pub mod via_prefill;
 

@@ -127,6 +127,7 @@ pub struct PrefillHandle {
     pending: Arc<Pending>,
     connector: Arc<Connector>,
     kv_events: KvEventHub,
+    block_size: u32,
 }
 
 impl PrefillHandle {
@@ -143,6 +144,7 @@ impl PrefillHandle {
         let status = Arc::new(Mutex::new(PrefillStatus::default()));
         let pending = Arc::new(Pending::default());
         let kv_events = KvEventHub::new(cfg.id.clone(), kv.block_size);
+        let block_size = u32::try_from(kv.block_size).unwrap_or(u32::MAX);
         engine_loop::spawn(
             engine_loop::Shared {
                 model,
@@ -164,6 +166,7 @@ impl PrefillHandle {
             pending,
             connector,
             kv_events,
+            block_size,
         })
     }
 
@@ -202,6 +205,11 @@ impl PrefillHandle {
         s.queued += self.pending.requests.load(Ordering::SeqCst) as u32;
         s.queued_prefill_tokens += self.pending.tokens.load(Ordering::SeqCst);
         s
+    }
+
+    /// Tokens per KV block of the scratch pool.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
     }
 
     /// The connector (endpoint choice).

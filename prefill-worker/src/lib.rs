@@ -9,6 +9,7 @@
 //! - [`policy`]: the queue's order and the forward's chunks as pure functions,
 //!   unit-tested without a model.
 //! - [`transfer`]: the per-request task that drives a pooled kv-transfer sender.
+//! - [`server`]: the whole worker on a listener the caller bound ([`server::PrefillWorker`]).
 //! - [`service`]: the internal `duet.v1.Prefill` gRPC service.
 //!
 //! Invariant: a request's scratch KV lives in this worker only while its prefill runs; it is
@@ -22,6 +23,7 @@ pub mod handle;
 mod layer_buffer;
 mod metrics;
 pub mod policy;
+pub mod server;
 pub mod service;
 pub mod transfer;
 

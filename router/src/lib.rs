@@ -7,6 +7,8 @@
 //! routing, placement also weighs the prompt's prefix each worker holds in its cache
 //! ([`kv_index`], fed by [`kv_subscriber`]).
 //!
+//! [`server::serve`] runs both public doors on listeners the caller bound.
+//!
 //! Invariants: every request that reserved KV on a worker releases it on every path
 //! (finish, error, deadline, client gone); a request is retried on another pair only
 //! before its first token reached the client.
@@ -26,6 +28,7 @@ pub mod placement;
 pub mod prompt_prefix;
 pub mod relay;
 pub mod request_metrics;
+pub mod server;
 pub mod service;
 mod worker_calls;
 pub mod workers;

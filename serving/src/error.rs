@@ -24,4 +24,14 @@ pub enum ServeError {
     Address { addr: String, reason: String },
     #[error("cluster token: {0}")]
     Auth(String),
+    #[error("{during}: {source}")]
+    Io {
+        during: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("metrics: {0}")]
+    Metrics(String),
+    #[error("{0} stopped unexpectedly")]
+    Task(&'static str),
 }

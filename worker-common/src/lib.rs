@@ -4,7 +4,9 @@
 //!   thread blocked on its channel, cancellation);
 //! - [`prefix_cache`]: the prefix cache's metrics and the flushing of its events;
 //! - [`kv_events`]: a worker's prefix-cache events for routers (`duet.v1.KvCache`);
-//! - [`transfer_layout`]: the engine's KV layout as kv-transfer describes it.
+//! - [`transfer_layout`]: the engine's KV layout as kv-transfer describes it;
+//! - [`server`]: registering with live capacity, the peers' view, and serving behind the
+//!   cluster token with the shutdown order both workers keep.
 //!
 //! Kept apart from `duet-serving` (what every gRPC server shares, the router included) so
 //! that the router links neither kv-transfer nor the engine threads.
@@ -17,6 +19,8 @@
 pub mod engine_thread;
 pub mod kv_events;
 pub mod prefix_cache;
+pub mod server;
 mod transfer_layout;
 
+pub use server::{ShmSetting, StartError, WorkerServer};
 pub use transfer_layout::transfer_layout;

@@ -4,10 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use duet_discovery::{ClusterView, Registry};
+use duet_discovery::Registry;
 use duet_engine::TextFrontend;
-use duet_router::{ApiKeys, ClusterService, GenerationService, RouterConfig};
-use duet_serving::tls::ServerTls;
+pub use duet_router::server::RouterListeners;
+use duet_router::{ApiKeys, RouterConfig};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -161,17 +161,7 @@ pub fn model_name(path: &std::path::Path, flag: &Option<String>) -> String {
     })
 }
 
-/// The router's listeners.
-pub struct RouterListeners {
-    /// The public gRPC door.
-    pub grpc: TcpListener,
-    /// The HTTP door (OpenAI-compatible API, `/health`, `/metrics`).
-    pub http: TcpListener,
-    /// TLS on both doors (`None`: plain text).
-    pub tls: Option<ServerTls>,
-}
-
-/// Serves the public doors until `shutdown`.
+/// Serves the public doors until `shutdown` ([`duet_router::server::serve`]).
 pub async fn run_router(
     front: Arc<TextFrontend>,
     cfg: RouterConfig,
@@ -181,35 +171,10 @@ pub async fn run_router(
     shutdown: CancellationToken,
     drain: Duration,
 ) -> anyhow::Result<()> {
-    let metrics = duet_telemetry::install()?;
-    duet_telemetry::spawn_upkeep(metrics.clone(), shutdown.clone());
-    let view = ClusterView::start(registry, cluster, shutdown.child_token());
-    let ops = ClusterService::new(view.clone(), cfg.api_keys.clone());
-    let limits = cfg.http;
-    let svc = GenerationService::new(front, cfg, view);
-    let app = duet_router::http::app(svc.clone(), duet_telemetry::metrics_router(metrics));
-    let http = {
-        let tls = listeners.tls.clone();
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            duet_router::http::serve(listeners.http, tls.as_ref(), app, limits, shutdown, drain)
-                .await
-        })
-    };
-    let routes = tonic::service::Routes::new(svc.into_server()).add_service(ops.into_server());
-    duet_serving::server::serve(
-        listeners.grpc,
-        listeners.tls.as_ref(),
-        // The public doors: clients are checked by API key, not by the cluster token.
-        duet_serving::cluster_auth::RequireToken::new(None),
-        routes,
-        &["duet.v1.Generation", "duet.v1.Cluster"],
-        shutdown,
-        drain,
+    Ok(
+        duet_router::server::serve(front, cfg, registry, cluster, listeners, shutdown, drain)
+            .await?,
     )
-    .await?;
-    http.await??;
-    Ok(())
 }
 
 /// Binds `addr` and serves `/metrics` there until `shutdown` (worker processes; the router
