@@ -101,6 +101,58 @@ fn grpc_requires_the_api_key() {
     }
 }
 
+/// Keys from `--api-key-file` (one per line, `#` comments) open the doors like `--api-key`;
+/// a key file with no key stops `duet up` before it serves anything, naming the flag.
+#[test]
+fn api_keys_from_a_file_open_the_doors_and_an_empty_file_is_refused() {
+    let dir = std::env::temp_dir().join(format!("duet-api-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys");
+    std::fs::write(&keys, "# the router's clients\nfile-k3y\n\n  other-k3y  \n").unwrap();
+    let empty = dir.join("empty");
+    std::fs::write(&empty, "# nothing yet\n\n").unwrap();
+
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_duet"))
+        .args(["up", "--api-key-file"])
+        .arg(&empty)
+        .env("DUET_MODEL", support::model())
+        .output()
+        .expect("duet up");
+    assert!(
+        !o.status.success(),
+        "an empty key file must not open the doors"
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--api-key-file") && err.contains("no key"),
+        "{err}"
+    );
+
+    let (p, _, http) = up(&["--api-key-file", keys.to_str().unwrap()]);
+    let body = br#"{"prompt": "Hi", "max_tokens": 2}"#;
+    let post = |auth: &str| {
+        support::http_raw(
+            "POST",
+            &format!("{http}/v1/completions"),
+            &[
+                ("Content-Type", "application/json"),
+                ("Authorization", auth),
+            ],
+            Some(body),
+        )
+    };
+    for key in ["file-k3y", "other-k3y"] {
+        let r = post(&format!("Bearer {key}"));
+        assert_eq!(r.status, 200, "{key}: {}", r.body);
+    }
+    for auth in ["Bearer # the router's clients", "Bearer ", "Bearer nope"] {
+        assert_eq!(post(auth).status, 401, "{auth:?}");
+    }
+    let logs = p.log_lines().join("\n");
+    assert!(!logs.contains("file-k3y"), "a key from the file was logged");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn http_requires_the_api_key() {
     let (p, _, http) = up(&["--api-key", KEYS]);

@@ -3,6 +3,7 @@ of everything rendered (kubernetes-validate --strict), and assertions on what ma
 
 from __future__ import annotations
 
+import base64
 import re
 import shutil
 import subprocess
@@ -50,6 +51,7 @@ def test_defaults_pass_the_schema(chart):
     ({"decode": {"kvHostPool": "lots"}}, "/decode/kvHostPool"),
     ({"config": {"extraEnv": {"RUST_LOG": "x"}}}, "invalid propertyName 'RUST_LOG'"),
     ({"kvSecret": {"value": "short"}}, "/kvSecret/value"),
+    ({"kvSecret": {"value": "x" * 15}}, "/kvSecret/value"),
     ({"model": {"source": "s3"}}, "/model/source"),
     ({"gpu": {"count": 1}}, "additional properties 'count' not allowed"),
     ({"monitoring": {"prometheusOperator": {"monitor": "Probe"}}}, "/monitoring/prometheusOperator/monitor"),
@@ -232,10 +234,43 @@ def test_pod_identity_and_secrets(rendered: Rendered):
         assert env["DUET_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert c["command"] == ["/usr/local/bin/duet"] and c["args"] == [c["name"]]
         # Every component: the router's calls to the workers carry a token derived from it.
-        assert env["DUET_KV_SECRET"] == {"secretKeyRef": {"name": secret_name, "key": secret_key}}
+        # As a file, read-only to the container's user: never in the environment.
+        assert "DUET_KV_SECRET" not in env
+        assert env["DUET_KV_SECRET_FILE"] == "/etc/duet/kv-secret/kv-secret"
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert mounts["kv-secret"]["mountPath"] == "/etc/duet/kv-secret"
+        assert mounts["kv-secret"]["readOnly"] is True
+        vols = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
+        sv = vols["kv-secret"]["secret"]
+        assert sv["secretName"] == secret_name
+        assert sv["items"] == [{"key": secret_key, "path": "kv-secret"}]
+        assert sv["defaultMode"] == 0o440
         spec = w["spec"]["template"]["spec"]
         assert spec["automountServiceAccountToken"] is False
         assert spec["enableServiceLinks"] is False, "service links would inject DUET_* variables"
+
+
+def test_api_keys_reach_the_router_as_a_file_and_only_the_router(rendered: Rendered):
+    r = rendered
+    ak = r.effective["router"]["apiKeys"]
+    name = ak["existingSecret"] or ("duet-api-keys" if ak["keys"] else "")
+    key = ak["existingSecretKey"] if ak["existingSecret"] else "api-keys"
+    if ak["keys"] and not ak["existingSecret"]:
+        data = r.get("Secret", "duet-api-keys")["data"]
+        assert base64.b64decode(data["api-keys"]).decode() == "\n".join(ak["keys"]) + "\n"
+    for w, c in r.duet_containers():
+        env = r.env(w, c)
+        assert "DUET_API_KEY" not in env, "keys never travel in the environment"
+        vols = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
+        if c["name"] == "router" and name:
+            assert env["DUET_API_KEY_FILE"] == "/etc/duet/api-keys/api-keys"
+            mounts = {m["name"]: m for m in c["volumeMounts"]}
+            assert mounts["api-keys"] == {"name": "api-keys", "mountPath": "/etc/duet/api-keys", "readOnly": True}
+            sv = vols["api-keys"]["secret"]
+            assert (sv["secretName"], sv["items"], sv["defaultMode"]) == (name, [{"key": key, "path": "api-keys"}], 0o440)
+        else:
+            assert "DUET_API_KEY_FILE" not in env, c["name"]
+            assert "api-keys" not in vols, c["name"]
 
 
 def test_grace_period_exceeds_drain(rendered: Rendered):

@@ -68,6 +68,11 @@ pub struct RoutingArgs {
         hide_env_values = true
     )]
     pub api_keys: Vec<String>,
+    /// A file of API keys, one per line (blank lines and lines starting with `#` are
+    /// skipped), accepted besides `--api-key`: keys stay out of the command line and the
+    /// environment (the Helm chart mounts them from a Secret).
+    #[arg(long, env = "DUET_API_KEY_FILE")]
+    pub api_key_file: Option<std::path::PathBuf>,
     /// Requests one client address may have in flight (0: unlimited); more get
     /// RESOURCE_EXHAUSTED (HTTP 429).
     #[arg(long, env = "DUET_MAX_IN_FLIGHT_PER_CLIENT", default_value_t = 0)]
@@ -120,11 +125,36 @@ impl RoutingArgs {
         if self.http_max_connections == 0 {
             anyhow::bail!("--http-max-connections: at least 1");
         }
+        // A missing or empty key file stops the router before it opens any door.
+        self.api_keys()?;
         Ok(())
     }
 
-    pub fn config(&self, model_name: String) -> RouterConfig {
-        RouterConfig {
+    /// Every API key given: `--api-key` and the lines of `--api-key-file`.
+    pub fn api_keys(&self) -> anyhow::Result<Vec<String>> {
+        let mut keys = self.api_keys.clone();
+        if let Some(path) = &self.api_key_file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("--api-key-file: reading {}: {e}", path.display()))?;
+            let from_file: Vec<String> = text
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(String::from)
+                .collect();
+            if from_file.is_empty() {
+                anyhow::bail!(
+                    "--api-key-file {}: no key in it (one per line; an empty file would open the doors)",
+                    path.display()
+                );
+            }
+            keys.extend(from_file);
+        }
+        Ok(keys)
+    }
+
+    pub fn config(&self, model_name: String) -> anyhow::Result<RouterConfig> {
+        Ok(RouterConfig {
             mode: self.mode.into(),
             local_prefill_max_tokens: self.local_prefill_max_tokens,
             max_queued_per_priority: self.max_queued,
@@ -137,7 +167,7 @@ impl RoutingArgs {
             max_model_len: self.max_model_len,
             default_request_timeout: self.request_timeout,
             no_worker_grace: self.no_worker_grace,
-            api_keys: ApiKeys::new(&self.api_keys),
+            api_keys: ApiKeys::new(self.api_keys()?),
             max_in_flight_per_client: self.max_in_flight_per_client,
             max_request_bytes: self.max_request_bytes,
             kv_routing: self.kv_routing == Switch::On,
@@ -148,7 +178,7 @@ impl RoutingArgs {
                 max_connections: self.http_max_connections,
             },
             ..RouterConfig::default()
-        }
+        })
     }
 }
 

@@ -240,7 +240,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding --http-listen {}", a.http_listen))?;
         let http_addr = http.local_addr()?;
-        let mut cfg = a.routing.config(name.clone());
+        let mut cfg = a.routing.config(name.clone())?;
         cfg.worker_tls = client_tls.clone();
         cfg.cluster_token = Some(token);
         println!(
@@ -574,7 +574,7 @@ pub fn router(a: RouterCmd) -> anyhow::Result<()> {
             "duet: http listening on {scheme}://{} (OpenAI API under /v1)",
             http.local_addr()?
         );
-        let mut cfg = a.routing.config(name);
+        let mut cfg = a.routing.config(name)?;
         cfg.worker_tls = worker_tls;
         cfg.cluster_token = Some(token);
         run_router(

@@ -313,3 +313,12 @@ livenessProbe:
   failureThreshold: {{ $p.liveness.failureThreshold }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
 {{- end -}}
+
+{{- /* The router's API keys Secret, or "" when the doors are open. */ -}}
+{{- define "duet.apiKeysSecretName" -}}
+{{- if .Values.router.apiKeys.existingSecret -}}{{ .Values.router.apiKeys.existingSecret }}{{- else if .Values.router.apiKeys.keys -}}{{ printf "%s-api-keys" (include "duet.fullname" .) }}{{- end -}}
+{{- end -}}
+
+{{- define "duet.apiKeysSecretKey" -}}
+{{- if .Values.router.apiKeys.existingSecret -}}{{ .Values.router.apiKeys.existingSecretKey }}{{- else -}}api-keys{{- end -}}
+{{- end -}}
