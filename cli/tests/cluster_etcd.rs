@@ -1,5 +1,5 @@
-//! A real cluster: etcd, a router, 2 prefill and 2 decode workers as separate processes over
-//! loopback with the tcp KV transport.
+//! A real cluster: etcd, a router, 2 prefill and 2 decode workers as separate processes of
+//! one host, KV over their default transport (shared memory).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;

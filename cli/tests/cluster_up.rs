@@ -5,8 +5,6 @@
 
 mod support;
 
-use std::time::Duration;
-
 use duet_proto::v1 as pb;
 use support::{client, generate, greedy, run_reference, text, up};
 
@@ -133,31 +131,4 @@ fn up_follows_the_reference_rule() {
         "rule kept on {kept}/{} prompts",
         cases.len()
     );
-}
-
-/// A client that goes away mid-stream frees the sequence's blocks.
-#[test]
-fn cancelled_streams_free_their_blocks() {
-    let (p, url) = up(&[]);
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let mut c = client(&url).await;
-        let long =
-            "Tell me a long story about a dragon who learns to cook, with many details. ".repeat(4);
-        let mut s = c
-            .generate(greedy(text(&long), 200))
-            .await
-            .expect("generate")
-            .into_inner();
-        // Read two tokens, then drop the stream.
-        for _ in 0..2 {
-            s.message().await.expect("token").expect("some");
-        }
-        drop(s);
-        // The decode worker's pool is empty again well within a second.
-        p.assert_decode_pools_empty(Duration::from_secs(1)).await;
-        let ok = generate(&mut c, greedy(text("The capital of France is"), 4)).await;
-        assert!(ok.is_ok(), "a request after the cancellation works");
-        p.assert_decode_pools_empty(Duration::from_secs(1)).await;
-    });
 }

@@ -198,7 +198,7 @@ fn kv_link_cut_times_out_reclaims_blocks_and_the_request_completes() {
         "off".into(),
     ]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let decode = Proc::start_in_netns(&hosts.ns('d'), "decode", &args, &[]);
+    let decode = Proc::start_in_netns(&hosts.ns('d'), "decode", &args, &[support::KV_TCP]);
     let decode_addr = decode.wait_for("serving gRPC on", START);
     let mut args = vec!["prefill".to_string()];
     args.extend(common("prefill-0"));
@@ -209,7 +209,7 @@ fn kv_link_cut_times_out_reclaims_blocks_and_the_request_completes() {
         format!("{p_ip}:0"),
     ]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let prefill = Proc::start_in_netns(&hosts.ns('p'), "prefill", &args, &[]);
+    let prefill = Proc::start_in_netns(&hosts.ns('p'), "prefill", &args, &[support::KV_TCP]);
     let prefill_addr = prefill.wait_for("serving gRPC on", START);
     let router = Proc::start_logged(
         "router",

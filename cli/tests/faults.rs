@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use duet_proto::v1 as pb;
 use rand::Rng;
-use support::{client, generate, greedy, text, Cluster, Proc};
+use support::{client, generate, greedy, text, Cluster, Kv, Proc};
 use tonic::Code;
 
 fn rt() -> tokio::runtime::Runtime {
@@ -54,14 +54,26 @@ fn scrape(http: &str) -> String {
     body
 }
 
-/// A cluster (real etcd, separate processes) whose router also serves HTTP, for
-/// `/metrics`: the cluster and that HTTP URL.
+/// A cluster (real etcd, separate processes, KV over shared memory as by default) whose
+/// router also serves HTTP, for `/metrics`: the cluster and that HTTP URL.
 fn cluster_with_metrics(prefill: usize, decode: usize, router_args: &[&str]) -> (Cluster, String) {
+    cluster_over(Kv::Shm, prefill, decode, router_args)
+}
+
+/// [`cluster_with_metrics`] with its workers moving KV over `kv`.
+fn cluster_over(kv: Kv, prefill: usize, decode: usize, router_args: &[&str]) -> (Cluster, String) {
     let mut args = vec!["--http-listen", "127.0.0.1:0"];
     args.extend_from_slice(router_args);
-    let cl = Cluster::start(prefill, decode, &args);
+    let env = kv.env();
+    let cl = Cluster::start_logged(prefill, decode, &args, &env);
     let http = cl.router.wait_for("http listening on", support::START);
     (cl, http)
+}
+
+/// KV transfers prefill worker `p` sent over `kv` so far (its own `/metrics`): proves the
+/// path a fault test disturbed is the one it names.
+fn sent_over(p: &Proc, kv: Kv) -> f64 {
+    support::kv_transfers(&p.metrics_url(), "sent", kv.transport())
 }
 
 /// [`scrape`] off the async runtime's threads.
@@ -133,41 +145,23 @@ async fn router_idle(http: &str, within: Duration) {
     }
 }
 
-/// Waits until every prefill worker's record in the router's view has no queued prompt
-/// tokens (records are published about twice a second, so they lag the workers).
-async fn router_sees_prefill_idle(url: &str, within: Duration) {
-    let mut c = pb::cluster_client::ClusterClient::connect(url.to_string())
-        .await
-        .expect("connect");
-    let end = Instant::now() + within;
-    loop {
-        let r = c
-            .list_workers(pb::ListWorkersRequest {})
-            .await
-            .expect("ListWorkers")
-            .into_inner();
-        let busy: Vec<String> = r
-            .records_json
-            .iter()
-            .filter_map(|j| serde_json::from_str::<serde_json::Value>(j).ok())
-            .filter(|v| v["role"] == "prefill")
-            .filter(|v| v["capacity"]["queued_prefill_tokens"].as_u64() != Some(0))
-            .map(|v| v.to_string())
-            .collect();
-        if busy.is_empty() {
-            return;
-        }
-        assert!(Instant::now() < end, "prefill records still busy: {busy:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// Fault 2: the prefill worker computing a request is killed (SIGKILL) mid-prefill. The
 /// request is retried on the other prefill worker and completes with duet run's greedy tokens;
-/// the decode worker's reservation for the failed attempt is released.
+/// the decode worker's reservation for the failed attempt is released. Over shared memory
+/// (the default: the killed worker's layers were in its send arena, which the decode worker
+/// had mapped) and over tcp.
 #[test]
 fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
-    let (mut cl, http) = cluster_with_metrics(2, 1, &["--local-prefill-max-tokens", "0"]);
+    prefill_worker_killed_mid_prefill(Kv::Shm);
+}
+
+#[test]
+fn prefill_worker_killed_mid_prefill_over_tcp_request_completes_elsewhere() {
+    prefill_worker_killed_mid_prefill(Kv::Tcp);
+}
+
+fn prefill_worker_killed_mid_prefill(kv: Kv) {
+    let (mut cl, http) = cluster_over(kv, 2, 1, &["--local-prefill-max-tokens", "0"]);
     let decode_addr = cl.decode[0].workers_addr();
     let rt = rt();
     rt.block_on(async {
@@ -187,7 +181,7 @@ fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
         // Once the router's view shows both prefill workers idle it picks by id: prefill-0.
         // The request's prefill is under way once the decode worker holds its reservation.
         let victim = 0;
-        router_sees_prefill_idle(&cl.url, Duration::from_secs(10)).await;
+        support::router_sees_prefill_idle(&cl.url, Duration::from_secs(10)).await;
         let mut c2 = c.clone();
         let req = greedy(text(&prompt), 8);
         let task = tokio::spawn(async move { generate(&mut c2, req).await });
@@ -214,6 +208,10 @@ fn prefill_worker_killed_mid_prefill_request_completes_elsewhere() {
             done.timings().prefill_worker,
             format!("prefill-{}", 1 - victim),
             "completed on the surviving prefill worker"
+        );
+        assert!(
+            sent_over(&cl.prefill[1 - victim], kv) >= 1.0,
+            "the KV went over {kv:?}"
         );
         support::assert_pool_empty(&decode_addr, Duration::from_secs(10)).await;
         let m = scrape_async(&http).await;
@@ -401,10 +399,19 @@ fn thousand_random_cancellations_leave_every_block_free() {
 /// Fault 1: the decode worker streaming a request is killed (SIGKILL) mid-stream. The router
 /// prefills the prompt plus the tokens already sent on the other decode worker and continues
 /// the same stream: no error, no repeated or missing token, the greedy text of an
-/// undisturbed run.
+/// undisturbed run. Over shared memory (the default) and over tcp.
 #[test]
 fn decode_worker_killed_mid_stream_the_stream_continues_elsewhere() {
-    let (mut cl, http) = cluster_with_metrics(1, 2, &["--local-prefill-max-tokens", "0"]);
+    decode_worker_killed_mid_stream(Kv::Shm);
+}
+
+#[test]
+fn decode_worker_killed_mid_stream_over_tcp_the_stream_continues_elsewhere() {
+    decode_worker_killed_mid_stream(Kv::Tcp);
+}
+
+fn decode_worker_killed_mid_stream(kv: Kv) {
+    let (mut cl, http) = cluster_over(kv, 1, 2, &["--local-prefill-max-tokens", "0"]);
     let decode_addrs: Vec<String> = cl.decode.iter().map(Proc::workers_addr).collect();
     let rt = rt();
     rt.block_on(async {
@@ -448,6 +455,12 @@ fn decode_worker_killed_mid_stream_the_stream_continues_elsewhere() {
             1.0,
             "the migration is counted"
         );
+        // The first run and the disturbed stream were prefilled remotely (the migration
+        // replays its tokens on the new decode worker).
+        assert!(
+            sent_over(&cl.prefill[0], kv) >= 2.0,
+            "the KV went over {kv:?}"
+        );
         router_idle(&http, Duration::from_secs(10)).await;
     });
 }
@@ -455,10 +468,21 @@ fn decode_worker_killed_mid_stream_the_stream_continues_elsewhere() {
 /// Fault 5: hung workers (SIGSTOP). A prefill worker that stops answering is given up after
 /// `--prefill-timeout` and the request completes on the other one; a decode worker that
 /// stops mid-stream is given up after `--stream-stall-timeout` and the stream migrates,
-/// unchanged. Nothing waits for the hung processes' leases to expire.
+/// unchanged. Nothing waits for the hung processes' leases to expire. Over shared memory
+/// (the default) and over tcp.
 #[test]
 fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
-    let (cl, http) = cluster_with_metrics(
+    hung_workers(Kv::Shm);
+}
+
+#[test]
+fn hung_workers_over_tcp_are_given_up_and_requests_complete_elsewhere() {
+    hung_workers(Kv::Tcp);
+}
+
+fn hung_workers(kv: Kv) {
+    let (cl, http) = cluster_over(
+        kv,
         2,
         2,
         &[
@@ -482,7 +506,7 @@ fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
         let reference = generate(&mut c, req()).await.expect("undisturbed run");
 
         // Prefill: once both look idle the router picks prefill-0 by id; it is stopped.
-        router_sees_prefill_idle(&cl.url, Duration::from_secs(10)).await;
+        support::router_sees_prefill_idle(&cl.url, Duration::from_secs(10)).await;
         cl.prefill[0].signal("-STOP");
         let t0 = Instant::now();
         let done = generate(&mut c, req())
@@ -514,6 +538,10 @@ fn hung_workers_are_given_up_and_requests_complete_elsewhere() {
         );
         router_idle(&http, Duration::from_secs(10)).await;
         support::assert_pool_empty(&decode_addrs[1 - stopped], Duration::from_secs(10)).await;
+        assert!(
+            sent_over(&cl.prefill[1], kv) >= 1.0,
+            "the KV went over {kv:?}"
+        );
         cl.prefill[0].signal("-CONT");
         cl.decode[stopped].signal("-CONT");
     });

@@ -259,3 +259,40 @@ fn a_cluster_started_from_its_crates_serves_duet_runs_tokens_and_drains() {
         assert!(left.kvs.is_empty(), "{:?}", left.kvs.len());
     });
 }
+
+/// A client that drops its stream after two tokens: the decode worker's pool is empty again
+/// within a second, and the next request is served. (Moved here from the `duet up` tests: it
+/// needs no process of its own.)
+#[test]
+fn cancelled_streams_free_their_blocks() {
+    let rt = support::runtime();
+    rt.block_on(async {
+        let mut c = start().await;
+        registered(c.registry.as_ref()).await;
+        let mut client = support::client(&c.url).await;
+        let long =
+            "Tell me a long story about a dragon who learns to cook, with many details. ".repeat(4);
+        let mut s = client
+            .generate(greedy(support::text(&long), 200))
+            .await
+            .expect("generate")
+            .into_inner();
+        for _ in 0..2 {
+            s.message().await.expect("token").expect("some");
+        }
+        drop(s);
+        support::assert_pool_empty(&c.decode_addr, Duration::from_secs(1)).await;
+        let ok = generate(
+            &mut client,
+            greedy(support::text("The capital of France is"), 4),
+        )
+        .await;
+        assert!(ok.is_ok(), "a request after the cancellation works: {ok:?}");
+        support::assert_pool_empty(&c.decode_addr, Duration::from_secs(1)).await;
+        c.shutdown.cancel();
+        while let Some(r) = c.tasks.join_next().await {
+            let (who, r) = r.expect("server task");
+            assert_eq!(r, Ok(()), "{who}");
+        }
+    });
+}

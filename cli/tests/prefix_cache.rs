@@ -317,6 +317,10 @@ fn conversation_turns_follow_their_prefix_and_move_when_its_worker_dies() {
         let home = t1.timings().prefill_worker;
         assert_eq!(home, "prefill-1", "{:?}", t1.timings());
         for q in ["And on Saturday?", "Until what time?"] {
+            // Placement weighs load against the cached prefix: with both prefill workers'
+            // published records idle (they lag the workers by a few hundred ms), only the
+            // prefix decides.
+            support::router_sees_prefill_idle(&cl.url, Duration::from_secs(10)).await;
             let (t, asked) = conv.turn(&mut c, q).await;
             let tm = t.timings();
             assert_eq!(tm.prefill_worker, home, "turn {q:?}: {tm:?}");

@@ -221,6 +221,6 @@ fn prefill_status_is_live_during_a_long_prefill() {
         assert!(s.queued_prefill_tokens >= 700, "{s:?}");
         let r = record_seen.expect("the registry record showed queued prompt tokens");
         eprintln!("live prefill status {s:?}; record {r}");
-        router_sees_prefill_idle(&cl.url, Duration::from_secs(10)).await;
+        support::router_sees_prefill_idle(&cl.url, Duration::from_secs(10)).await;
     });
 }

@@ -48,6 +48,8 @@ impl Cluster {
                 id,
                 "--kv-pool",
                 "64MiB",
+                "--metrics-listen",
+                "127.0.0.1:0",
             ],
         );
         p.wait_for("serving gRPC on", START);

@@ -36,6 +36,37 @@ pub fn runtime() -> tokio::runtime::Runtime {
 
 /// The cluster secret of every process these tests start (separate processes refuse to
 /// start without one).
+/// The environment of workers that move KV over tcp, as between hosts, instead of the
+/// same-host default (shared memory).
+pub const KV_TCP: (&str, &str) = ("DUET_KV_SHM", "off");
+
+/// How the workers of a test move KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kv {
+    /// The default between processes of one host: shared memory (the send arena).
+    Shm,
+    /// As between hosts.
+    Tcp,
+}
+
+impl Kv {
+    /// The workers' environment for it.
+    pub fn env(self) -> Vec<(&'static str, &'static str)> {
+        match self {
+            Kv::Shm => vec![],
+            Kv::Tcp => vec![KV_TCP],
+        }
+    }
+
+    /// Its `transport` label on `duet_kv_transfer_*` metrics.
+    pub fn transport(self) -> &'static str {
+        match self {
+            Kv::Shm => "shm",
+            Kv::Tcp => "tcp",
+        }
+    }
+}
+
 pub const TEST_SECRET: &str = "duet-test-cluster-secret-0123456789";
 
 /// A request to a worker's internal service, with the cluster token its members carry.
@@ -103,10 +134,9 @@ impl Proc {
                 "DUET_LOG",
                 std::env::var("DUET_TEST_LOG").unwrap_or_else(|_| "warn".into()),
             )
-            // Workers of one host would otherwise pick shm: these tests are about KV over
-            // tcp between processes (as between hosts, or across cut network namespaces).
-            // `kv_shm.rs` turns it back on.
-            .env("DUET_KV_SHM", "off")
+            // Workers run as users run them: workers of one host move KV over shared
+            // memory (the default). A test about KV over tcp (as between hosts, or across
+            // cut network namespaces) says so with `KV_TCP`.
             .env("DUET_KV_SECRET", TEST_SECRET)
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
@@ -191,6 +221,11 @@ impl Proc {
                 Some(rest.split([',', ' ']).next().unwrap_or("").to_string())
             })
             .collect()
+    }
+
+    /// The `/metrics` URL this process announced (workers of a [`Cluster`] serve one).
+    pub fn metrics_url(&self) -> String {
+        self.wait_for("metrics on ", START)
     }
 
     /// The gRPC address this worker process announced.
@@ -482,4 +517,33 @@ pub fn scrape_sum(exposition: &str, name: &str, labels: &[&str]) -> f64 {
                 .flatten()
         })
         .sum()
+}
+
+/// Waits until every prefill worker's record in the router's view has no queued prompt
+/// tokens (records are published about twice a second, so they lag the workers).
+pub async fn router_sees_prefill_idle(url: &str, within: Duration) {
+    let mut c = pb::cluster_client::ClusterClient::connect(url.to_string())
+        .await
+        .expect("connect");
+    let end = Instant::now() + within;
+    loop {
+        let r = c
+            .list_workers(pb::ListWorkersRequest {})
+            .await
+            .expect("ListWorkers")
+            .into_inner();
+        let busy: Vec<String> = r
+            .records_json
+            .iter()
+            .filter_map(|j| serde_json::from_str::<serde_json::Value>(j).ok())
+            .filter(|v| v["role"] == "prefill")
+            .filter(|v| v["capacity"]["queued_prefill_tokens"].as_u64() != Some(0))
+            .map(|v| v.to_string())
+            .collect();
+        if busy.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < end, "prefill records still busy: {busy:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
