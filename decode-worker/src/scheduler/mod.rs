@@ -1,7 +1,9 @@
 //! The engine thread: continuous batching over one paged KV cache.
 //!
 //! The decisions (waiting order, admission, the next forward's rows, the preemption victim)
-//! are model-free functions in [`crate::policy`]; this file applies them to the engine.
+//! are model-free functions in [`crate::policy`], and the reservation table is the
+//! model-free [`crate::reservations::Reservations`]; this module applies them to the engine
+//! (`seq.rs`: a sequence and its phase; `forward.rs`: admission and the forward pass).
 //!
 //! Each iteration: take commands (sleeping only when nothing can run), expire
 //! reservations, start sequences whose remote KV is complete, drop sequences whose client
