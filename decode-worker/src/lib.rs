@@ -8,6 +8,8 @@
 //!   forward planning, preemption choice), unit-tested without a model.
 //! - `reservations`: the model-free table of blocks held for KV a prefill worker sends
 //!   (expiry, claims, block accounting), unit-tested over a real KV cache.
+//! - `waiting`: the model-free queue of sequences waiting for admission (order, bound,
+//!   preempted sequences back in front), unit-tested.
 //! - [`handle`]: the cloneable async handle (commands over a channel, oneshot replies).
 //! - [`kv_inbound`]: receives KV from prefill workers straight into reserved blocks.
 //! - [`server`]: the whole worker on listeners the caller bound ([`server::DecodeWorker`]).
@@ -32,6 +34,7 @@ mod scheduler;
 pub mod server;
 pub mod service;
 pub mod via_prefill;
+mod waiting;
 
 pub use config::DecodeConfig;
 pub use error::DecodeError;

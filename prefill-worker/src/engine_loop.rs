@@ -14,7 +14,6 @@
 //! sent; cached blocks the decode worker lacks are sent from the cache before the first
 //! forward. A finished prompt's blocks are registered and stay cached for the next request.
 
-use std::collections::VecDeque;
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -33,6 +32,7 @@ use crate::handle::{Cmd, Pending, PrefillConfig, PrefillJob, PrefillStatus};
 use crate::layer_buffer::layer_bytes;
 use crate::metrics::PrefillMetrics;
 use crate::policy;
+use crate::queue::{Queue, Waiting};
 use crate::transfer::{self, Msg, Reply};
 
 mod forward;
@@ -76,6 +76,7 @@ pub(crate) fn spawn(
         None => None,
     };
     let metrics = PrefillMetrics::new(&cfg.id);
+    let max_queue = cfg.max_queue;
     let name = format!("{}-engine", cfg.id);
     let eng = Engine {
         hasher: cache.prefix_hasher(),
@@ -87,7 +88,7 @@ pub(crate) fn spawn(
         pending,
         connector,
         rt: rt.clone(),
-        queue: VecDeque::new(),
+        queue: Queue::new(max_queue),
         running: Vec::new(),
         tokens_per_second: 0.0,
         metrics,
@@ -120,10 +121,10 @@ struct Running {
     arena: Option<Arc<SendArena>>,
 }
 
+/// What a queued prompt keeps until it starts.
 struct Queued {
     job: PrefillJob,
     reply: Reply,
-    enqueued: Instant,
 }
 
 struct Engine {
@@ -137,7 +138,7 @@ struct Engine {
     pending: Arc<Pending>,
     connector: Arc<Connector>,
     rt: tokio::runtime::Handle,
-    queue: VecDeque<Queued>,
+    queue: Queue<Queued>,
     running: Vec<Running>,
     tokens_per_second: f64,
     metrics: PrefillMetrics,
@@ -167,8 +168,8 @@ impl EngineLoop for Engine {
     }
 
     fn stop(&mut self) {
-        for q in self.queue.drain(..) {
-            let _ = q.reply.send(Err(PrefillError::ShuttingDown));
+        for q in self.queue.drain() {
+            let _ = q.item.reply.send(Err(PrefillError::ShuttingDown));
         }
         for r in std::mem::take(&mut self.running) {
             self.cache.free_sequence(r.job.request_id);
@@ -189,16 +190,12 @@ impl Engine {
     }
 
     fn publish(&mut self) {
-        let queued_prefill_tokens: u64 = self
-            .queue
-            .iter()
-            .map(|q| q.job.prompt.len() as u64)
-            .chain(
-                self.running
-                    .iter()
-                    .map(|r| (r.job.prompt.len() - r.done) as u64),
-            )
-            .sum();
+        let queued_prefill_tokens: u64 = self.queue.tokens()
+            + self
+                .running
+                .iter()
+                .map(|r| (r.job.prompt.len() - r.done) as u64)
+                .sum::<u64>();
         self.metrics
             .queue_depth
             .set((self.queue.len() + self.running.len()) as f64);
@@ -237,26 +234,22 @@ impl Engine {
                     self.cache.total_blocks(),
                 ) {
                     let _ = reply.send(Err(e));
-                } else if self.queue.len() >= self.cfg.max_queue {
-                    let _ = reply.send(Err(PrefillError::QueueFull(self.queue.len())));
                 } else {
-                    let at =
-                        policy::queue_position(self.queue.iter().map(|q| q.job.batch), job.batch);
-                    self.queue.insert(
-                        at,
-                        Queued {
-                            job,
-                            reply,
-                            enqueued: Instant::now(),
-                        },
-                    );
+                    let waiting = Waiting {
+                        id: job.request_id,
+                        batch: job.batch,
+                        tokens: job.prompt.len(),
+                        enqueued: Instant::now(),
+                        item: Queued { job, reply },
+                    };
+                    if let Err((w, queued)) = self.queue.push(waiting) {
+                        let _ = w.item.reply.send(Err(PrefillError::QueueFull(queued)));
+                    }
                 }
             }
             Cmd::Cancel(id) => {
-                if let Some(i) = self.queue.iter().position(|q| q.job.request_id == id) {
-                    if let Some(q) = self.queue.remove(i) {
-                        let _ = q.reply.send(Err(PrefillError::Cancelled(id)));
-                    }
+                if let Some(q) = self.queue.remove(id) {
+                    let _ = q.item.reply.send(Err(PrefillError::Cancelled(id)));
                 }
                 if let Some(i) = self.running.iter().position(|r| r.job.request_id == id) {
                     let r = self.running.swap_remove(i);
@@ -387,13 +380,13 @@ impl Engine {
 
     fn start_queued(&mut self) {
         while let Some(q) = self.queue.front() {
-            let (id, prompt) = (q.job.request_id, q.job.prompt.clone());
+            let (id, prompt) = (q.id, q.item.job.prompt.clone());
             let cached = match self.attach(id, &prompt) {
                 Ok(Some(c)) => c,
                 Ok(None) => break,
                 Err(e) => {
                     if let Some(q) = self.queue.pop_front() {
-                        let _ = q.reply.send(Err(e));
+                        let _ = q.item.reply.send(Err(e));
                     }
                     continue;
                 }
@@ -405,10 +398,10 @@ impl Engine {
             // The transfer task owns the reply; the engine watches the caller through a
             // second channel that closes with the reply's receiver.
             let (watch, watch_rx) = oneshot::channel::<()>();
-            let Queued {
-                job,
-                reply,
+            let Waiting {
                 enqueued,
+                item: Queued { job, reply },
+                ..
             } = q;
             let reply = forward_reply(&self.rt, reply, watch_rx);
             // The transfer is a child span of the request's: router -> prefill -> transfer.

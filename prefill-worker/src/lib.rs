@@ -8,6 +8,8 @@
 //!   to the engine thread.
 //! - [`policy`]: the queue's order and the forward's chunks as pure functions,
 //!   unit-tested without a model.
+//! - `queue`: the prompts not yet started, as model-free state (order, bound, cancel),
+//!   unit-tested.
 //! - [`transfer`]: the per-request task that drives a pooled kv-transfer sender.
 //! - [`server`]: the whole worker on a listener the caller bound ([`server::PrefillWorker`]).
 //! - [`service`]: the internal `duet.v1.Prefill` gRPC service.
@@ -23,6 +25,7 @@ pub mod handle;
 mod layer_buffer;
 mod metrics;
 pub mod policy;
+mod queue;
 pub mod server;
 pub mod service;
 pub mod transfer;

@@ -1,9 +1,10 @@
 //! The engine thread: continuous batching over one paged KV cache.
 //!
 //! The decisions (waiting order, admission, the next forward's rows, the preemption victim)
-//! are model-free functions in [`crate::policy`], and the reservation table is the
-//! model-free [`crate::reservations::Reservations`]; this module applies them to the engine
-//! (`seq.rs`: a sequence and its phase; `forward.rs`: admission and the forward pass).
+//! are model-free functions in [`crate::policy`], and the reservation table and the waiting
+//! queue are model-free state (`crate::reservations`, `crate::waiting`); this module applies
+//! them to the engine (`seq.rs`: a sequence and its phase; `forward.rs`: admission and the
+//! forward pass).
 //!
 //! Each iteration: take commands (sleeping only when nothing can run), expire
 //! reservations, start sequences whose remote KV is complete, drop sequences whose client
@@ -27,7 +28,6 @@
 //! - every request ends with exactly one `Done` or `Error` event, unless its receiver is
 //!   already gone.
 
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -45,8 +45,8 @@ use crate::handle::{
     secs, Cmd, DecodeStatus, Done, Event, GenerateJob, PrefillSource, Reserved, ReservedBlocks,
 };
 use crate::metrics::DecodeMetrics;
-use crate::policy;
 use crate::reservations::{Claim, ClaimCheck, Ending, Reservations};
+use crate::waiting::WaitingQueue;
 
 mod forward;
 mod seq;
@@ -98,7 +98,7 @@ pub(crate) struct Scheduler {
     status: Arc<Mutex<DecodeStatus>>,
     reservations: Reservations<Seq>,
     active: Vec<Seq>,
-    waiting: VecDeque<Seq>,
+    waiting: WaitingQueue<Seq>,
     tokens_per_second: f64,
     metrics: DecodeMetrics,
     /// Prefix-cache bookkeeping (`None`: the cache is off).
@@ -127,6 +127,7 @@ impl Scheduler {
         let hasher = cache.prefix_hasher();
         let cfg_id = cfg.id.clone();
         let max_ttl = cfg.max_reservation_ttl;
+        let max_waiting = cfg.max_waiting;
         let s = Scheduler {
             model,
             cache,
@@ -134,7 +135,7 @@ impl Scheduler {
             status,
             reservations: Reservations::new(reserved, max_ttl),
             active: Vec::new(),
-            waiting: VecDeque::new(),
+            waiting: WaitingQueue::new(max_waiting),
             tokens_per_second: 0.0,
             metrics: DecodeMetrics::new(&cfg_id),
             book,
@@ -146,7 +147,7 @@ impl Scheduler {
     }
 
     fn shutdown(&mut self) {
-        for s in self.active.drain(..).chain(self.waiting.drain(..)) {
+        for s in self.active.drain(..).chain(self.waiting.drain()) {
             let _ = s.events.send(Event::Error(DecodeError::ShuttingDown));
             self.cache.free_sequence(s.id);
         }
@@ -183,7 +184,7 @@ impl Scheduler {
     fn known(&self, id: u64) -> bool {
         self.reservations.contains(id)
             || self.active.iter().any(|s| s.id == id)
-            || self.waiting.iter().any(|s| s.id == id)
+            || self.waiting.contains(id)
     }
 
     fn handle(&mut self, c: Cmd) {
@@ -329,7 +330,7 @@ impl Scheduler {
                     let _ = events.send(Event::Error(DecodeError::Duplicate(id)));
                     return;
                 }
-                if self.waiting.len() >= self.cfg.max_waiting {
+                if self.waiting.is_full() {
                     let _ = events.send(Event::Error(DecodeError::QueueFull(self.waiting.len())));
                     return;
                 }
@@ -367,11 +368,9 @@ impl Scheduler {
         self.cache.free_sequence(s.id);
     }
 
-    /// Into the waiting queue at [`policy::waiting_position`].
+    /// Into the waiting queue at [`crate::policy::waiting_position`] (`front`: preempted).
     fn enqueue(&mut self, seq: Seq, front: bool) {
-        let pos =
-            policy::waiting_position(self.waiting.iter().map(|w| w.priority), seq.priority, front);
-        self.waiting.insert(pos, seq);
+        self.waiting.push(seq, front);
     }
 
     fn release(&mut self, id: u64) -> bool {
@@ -383,8 +382,7 @@ impl Scheduler {
             self.end_sequence(&s);
             return true;
         }
-        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-            self.waiting.remove(i);
+        if self.waiting.remove(id).is_some() {
             return true;
         }
         false

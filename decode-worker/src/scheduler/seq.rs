@@ -104,3 +104,13 @@ impl Scheduler {
         })
     }
 }
+
+impl crate::waiting::Queued for Seq {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn priority(&self) -> Priority {
+        self.priority
+    }
+}
