@@ -9,6 +9,9 @@ mod support;
 /// Faults of the registry (etcd stopped, workers leaving the view) and live load.
 #[path = "faults/registry.rs"]
 mod registry;
+/// Faults in the middle of a KV transfer.
+#[path = "faults/transfer.rs"]
+mod transfer;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -1,0 +1,102 @@
+//! Faults in the middle of a KV transfer on the default same-host path: the decode worker
+//! receiving a prompt's layers from the prefill worker's send arena (which it has mapped)
+//! is killed. Over tcp too.
+
+use super::*;
+
+/// The decode worker receiving a remote prefill's KV is killed (SIGKILL) a third of the way
+/// into the prefill, with the prefill worker's arena mapped. The prefill worker's transfer
+/// fails within `--kv-timeout`, its scratch blocks all come back, and the request, which
+/// had sent no token yet, is retried on the other decode worker with `duet run`'s tokens.
+#[test]
+fn decode_worker_killed_mid_transfer_from_the_arena_request_completes_elsewhere() {
+    decode_worker_killed_mid_transfer(Kv::Shm);
+}
+
+#[test]
+fn decode_worker_killed_mid_transfer_over_tcp_request_completes_elsewhere() {
+    decode_worker_killed_mid_transfer(Kv::Tcp);
+}
+
+fn decode_worker_killed_mid_transfer(kv: Kv) {
+    let (mut cl, http) = cluster_over(kv, 1, 2, &["--local-prefill-max-tokens", "0"]);
+    let decode_addrs: Vec<String> = cl.decode.iter().map(Proc::workers_addr).collect();
+    let prefill_addr = cl.prefill[0].workers_addr();
+    let rt = rt();
+    rt.block_on(async {
+        cl.wait_workers(1, 2, Duration::from_secs(20)).await;
+        let mut c = client(&cl.url).await;
+        // How long a prompt as long takes to prefill here (another one: the measured
+        // prompt must reach the prefill worker uncached).
+        let timing = generate(&mut c, greedy(text(&long_prompt_from(7, 700)), 4))
+            .await
+            .expect("undisturbed run");
+        let prefill_time = timing.timings().prefill_seconds;
+        let prompt = long_prompt(700);
+        let mut c2 = c.clone();
+        let req = greedy(text(&prompt), 8);
+        let t0 = Instant::now();
+        let task = tokio::spawn(async move { generate(&mut c2, req).await });
+        // The receiving decode worker is the one holding the reservation.
+        let end = Instant::now() + Duration::from_secs(20);
+        let victim = loop {
+            let mut found = None;
+            for (i, a) in decode_addrs.iter().enumerate() {
+                if support::decode_status(a).await.reservations > 0 {
+                    found = Some(i);
+                }
+            }
+            if let Some(i) = found {
+                break i;
+            }
+            assert!(Instant::now() < end, "the request never reserved KV");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        };
+        tokio::time::sleep(Duration::from_secs_f64(prefill_time / 3.0)).await;
+        cl.decode[victim].kill9();
+        let done = tokio::time::timeout(Duration::from_secs(120), task)
+            .await
+            .expect("the request ends")
+            .expect("join")
+            .expect("the request survives the decode worker's death");
+        eprintln!(
+            "{kv:?}: completed {:?} after it was sent (an undisturbed prefill: {prefill_time:.2} s)",
+            t0.elapsed()
+        );
+        assert_eq!(
+            done.ids,
+            support::run_reference(&prompt, false, 8),
+            "same greedy tokens as duet run"
+        );
+        assert_eq!(
+            done.timings().decode_worker,
+            format!("decode-{}", 1 - victim),
+            "completed on the surviving decode worker"
+        );
+        // The prefill worker holds nothing once the failed transfer is over.
+        let end = Instant::now() + Duration::from_secs(15);
+        loop {
+            let s = support::prefill_status(&prefill_addr).await;
+            // Cached prompt blocks count as free (evictable).
+            if s.kv_blocks_free == s.kv_blocks_total && s.running == 0 && s.waiting == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < end,
+                "the prefill worker still holds scratch KV: {s:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        support::assert_pool_empty(&decode_addrs[1 - victim], Duration::from_secs(10)).await;
+        assert!(
+            sent_over(&cl.prefill[0], kv) >= 2.0,
+            "the KV went over {kv:?}"
+        );
+        let m = scrape_async(&http).await;
+        assert!(
+            support::scrape_sum(&m, "duet_router_retries_total", &[]) >= 1.0,
+            "the retry is counted"
+        );
+        router_idle(&http, Duration::from_secs(10)).await;
+    });
+}
