@@ -12,7 +12,8 @@
 //! Invariants:
 //! - a reservation owns exactly the blocks of its cache sequence: every path out of the
 //!   table either hands the sequence on (`take_ready`) or frees it, so
-//!   `free + used == total` always holds and no block outlives its reservation;
+//!   every block is free or held by a live sequence (`free + held == total`) and no block
+//!   outlives its reservation;
 //! - an unclaimed reservation lives at most `ttl` (capped by the worker's maximum) after
 //!   its last piece of KV; a claimed one at most `kv_wait_timeout` after its claim;
 //! - the shared block map lists exactly the blocks of the reservations in the table.
@@ -283,17 +284,15 @@ impl<C> Reservations<C> {
             .table
             .iter()
             .filter_map(|(&id, r)| {
-                let e = match &r.claim {
-                    None if now >= r.expires => Ending::Expired,
-                    None => return None,
-                    Some(c) if gone(&c.seq) => Ending::ClientGone,
-                    Some(_) if r.failed.is_some() => {
-                        Ending::TransferFailed(r.failed.clone().unwrap_or_default())
-                    }
-                    Some(c) if now.duration_since(c.at) >= kv_wait_timeout => {
+                let e = match (&r.claim, &r.failed) {
+                    (None, _) if now >= r.expires => Ending::Expired,
+                    (None, _) => return None,
+                    (Some(c), _) if gone(&c.seq) => Ending::ClientGone,
+                    (Some(_), Some(reason)) => Ending::TransferFailed(reason.clone()),
+                    (Some(c), None) if now.duration_since(c.at) >= kv_wait_timeout => {
                         Ending::TransferTimeout
                     }
-                    Some(_) => return None,
+                    (Some(_), None) => return None,
                 };
                 Some((id, e))
             })

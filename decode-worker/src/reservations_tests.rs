@@ -37,15 +37,25 @@ fn table() -> (Reservations<Client>, ReservedBlocks) {
     (Reservations::new(Arc::clone(&reserved), TTL * 2), reserved)
 }
 
-/// `free + used == total`, and the shared map lists exactly the reserved blocks.
-fn check(cache: &KvCache, t: &Reservations<Client>, reserved: &ReservedBlocks) {
+/// Every block is free or held by a live sequence (a reservation's, or one of `running`):
+/// `free + held == total`, nothing leaked; the allocator is consistent; and the shared map
+/// lists exactly the reserved blocks.
+fn check(cache: &KvCache, t: &Reservations<Client>, reserved: &ReservedBlocks, running: &[u64]) {
+    let held: usize = t
+        .table
+        .keys()
+        .chain(running)
+        .map(|&id| cache.sequence_blocks(id).map_or(0, |b| b.len()))
+        .sum();
     assert_eq!(
-        cache.free_blocks() + cache.used_blocks(),
-        cache.total_blocks()
+        cache.free_blocks() + held,
+        cache.total_blocks(),
+        "a block is neither free nor held by a live sequence"
     );
+    assert_eq!(cache.allocator().check(), Ok(()));
     let listed = reserved.lock().map(|m| m.len()).unwrap_or(usize::MAX);
-    let held: usize = t.table.values().map(|r| r.blocks.len()).sum();
-    assert_eq!(listed, held);
+    let fresh: usize = t.table.values().map(|r| r.blocks.len()).sum();
+    assert_eq!(listed, fresh);
 }
 
 fn claim(seq: Client, at: Instant) -> Claim<Client> {
@@ -67,7 +77,7 @@ fn a_reservation_holds_the_blocks_of_its_prompt_and_lists_them_for_the_receivers
     for b in &r.blocks {
         assert_eq!(reserved.lock().unwrap().get(b), Some(&1));
     }
-    check(&c, &t, &reserved);
+    check(&c, &t, &reserved, &[]);
     assert!(matches!(
         t.reserve(&mut c, 1, 40, TTL, None, now),
         Err(DecodeError::Duplicate(1))
@@ -83,7 +93,7 @@ fn a_reservation_larger_than_the_free_pool_holds_nothing() {
         .is_err());
     assert_eq!(c.free_blocks(), TOTAL);
     assert!(t.is_empty());
-    check(&c, &t, &reserved);
+    check(&c, &t, &reserved, &[]);
 }
 
 #[test]
@@ -104,7 +114,7 @@ fn an_unclaimed_reservation_expires_after_its_ttl_and_arriving_kv_extends_it() {
     let ended = t.expire(&mut c, t0 + TTL + TTL / 2, KV_WAIT, |s| s.gone);
     assert_eq!(ended, vec![(2, None, Ending::Expired)]);
     assert_eq!(c.free_blocks(), TOTAL);
-    check(&c, &t, &reserved);
+    check(&c, &t, &reserved, &[]);
 }
 
 #[test]
@@ -134,7 +144,7 @@ fn a_claimed_reservation_outlives_its_ttl_until_the_kv_wait_timeout() {
         Some(DecodeError::TransferTimeout(1))
     ));
     assert_eq!(c.free_blocks(), TOTAL);
-    check(&c, &t, &reserved);
+    check(&c, &t, &reserved, &[]);
 }
 
 #[test]
@@ -152,7 +162,7 @@ fn a_failed_transfer_or_a_gone_client_ends_a_claimed_reservation_at_once() {
     assert_eq!(ended[1].2, Ending::ClientGone);
     assert!(ended[1].2.error(2).is_none());
     assert_eq!(c.free_blocks(), TOTAL);
-    check(&c, &t, &reserved);
+    check(&c, &t, &reserved, &[]);
 }
 
 #[test]
@@ -177,7 +187,7 @@ fn only_a_claimed_complete_reservation_becomes_a_running_sequence_holding_its_bl
     // The blocks moved to the sequence: still used, no longer listed for receivers.
     assert_eq!(c.sequence_len(1).unwrap(), 40);
     assert_eq!(c.used_blocks(), 3);
-    check(&c, &t, &reserved);
+    check(&c, &t, &reserved, &[1]);
     c.free_sequence(1);
     assert_eq!(c.free_blocks(), TOTAL);
 }
@@ -255,7 +265,7 @@ fn a_cached_prefix_is_not_reserved_again_and_stays_cached_after_the_reservation_
     assert_eq!((r.cached_tokens, r.blocks.len(), hit.blocks()), (32, 1, 2));
     assert_eq!(reserved.lock().unwrap().len(), 1);
     t.drop(&mut c, 1);
-    check(&c, &t, &reserved);
+    check(&c, &t, &reserved, &[]);
     assert_eq!(c.allocator().cached_blocks(), 2);
     assert_eq!(c.free_blocks(), TOTAL);
 }
@@ -285,7 +295,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 proptest! {
-    /// Whatever happens to reservations, `free + used == total`, the receivers' map lists
+    /// Whatever happens to reservations, `free + held == total`, the receivers' map lists
     /// exactly the reserved blocks, and once every reservation and sequence has ended the
     /// whole pool is free.
     #[test]
@@ -319,14 +329,14 @@ proptest! {
                     }
                 }
             }
-            check(&c, &t, &reserved);
+            check(&c, &t, &reserved, &running);
         }
         t.drain(&mut c);
         prop_assert!(t.is_empty());
         for id in running {
             c.free_sequence(id);
         }
-        check(&c, &t, &reserved);
+        check(&c, &t, &reserved, &[]);
         prop_assert_eq!(c.free_blocks(), TOTAL);
     }
 }

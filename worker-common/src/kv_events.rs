@@ -22,8 +22,6 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-pub use duet_serving::convert::tier_from_proto;
-
 /// Batches a subscriber may fall behind before it is re-sent a snapshot.
 pub const BACKLOG: usize = 1024;
 

@@ -262,14 +262,12 @@ impl Scheduler {
             )
             .into());
         }
-        let hashes = self.book.as_ref().map(|_| hashes);
+        let cached = self.book.as_ref().map(|_| hashes);
         let (reserved, hit) =
             self.reservations
-                .reserve(&mut self.cache, id, tokens, ttl, hashes, Instant::now())?;
-        if let (Some(book), Some(h)) = (&self.book, hashes) {
-            if !h.is_empty() {
-                book.lookup(tokens, hit, self.cache.block_size());
-            }
+                .reserve(&mut self.cache, id, tokens, ttl, cached, Instant::now())?;
+        if let Some(book) = self.book.as_ref().filter(|_| !hashes.is_empty()) {
+            book.lookup(tokens, hit, self.cache.block_size());
         }
         Ok(reserved)
     }
