@@ -21,9 +21,10 @@ up: deps model
 
 # One build of the workspace with the rdma feature on (UCX over tcp and shared memory here):
 # its tests are the default build's plus the rdma ones, and a second build just for them
-# would recompile every crate above kv-transfer.
+# would recompile every crate above kv-transfer. fault-injection adds the test-only fault
+# plans of the KV sender (DUET_KV_FAULTS); release builds (make up) never have it.
 test: deps model
-	$(CARGO) test --workspace --no-fail-fast --features duet/rdma
+	$(CARGO) test --workspace --no-fail-fast --features duet/rdma,duet/fault-injection
 	./scripts/check-deploy.sh
 
 model:
@@ -35,7 +36,7 @@ deps:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy --workspace --all-targets --features duet/rdma,duet-kv-transfer/nccl -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --features duet/rdma,duet/fault-injection,duet-kv-transfer/nccl -- -D warnings
 	./scripts/unused-deps.sh
 	./scripts/audit.sh
 

@@ -1,7 +1,7 @@
 //! Runs the transfer benchmark and prints its JSON report:
 //! `cargo run -p duet-bench --example bench_transfer -- tcp 1073741824 1 [e2e]`
-//! (arguments: backend, max bytes, streams, then `e2e` for the end-to-end figure or `nocrc`
-//! to turn crc32c trailers off, and `huge` to put the payload and the memcpy reference on
+//! (arguments: backend, max bytes, streams, then `e2e` for the end-to-end figure or `nomac`
+//! to turn frame MACs off, and `huge` to put the payload and the memcpy reference on
 //! transparent huge pages).
 
 use duet_bench::transfer::{end_to_end, run, BenchOptions, E2eOptions};
@@ -30,12 +30,12 @@ async fn main() -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&r)?);
         return Ok(());
     }
-    let checksum = args.get(3).map(String::as_str) != Some("nocrc");
+    let integrity = args.get(3).map(String::as_str) != Some("nomac");
     let r = run(BenchOptions {
         backend,
         max_bytes,
         streams,
-        checksum,
+        integrity,
         huge_pages: args.iter().any(|a| a == "huge"),
         ..BenchOptions::default()
     })

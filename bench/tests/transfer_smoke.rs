@@ -101,7 +101,7 @@ async fn end_to_end_reports_a_tail() {
         tokens: 64,
         compute_per_layer: Duration::from_micros(200),
         runs: 2,
-        checksum: true,
+        integrity: true,
         compression: Compression::Int8,
         shm_ring: false,
         shm_arena: true,

@@ -173,9 +173,16 @@ pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: Can
                     metrics::counter!(
                         KV_TRANSFER_FAILURES_TOTAL,
                         "direction" => "received",
-                        "reason" => e.class().label()
+                        "reason" => e.metric_label()
                     )
                     .increment(1);
+                    tracing::warn!(
+                        peer = %rx.peer(),
+                        transport,
+                        reason = e.metric_label(),
+                        error = %e,
+                        "KV transfer refused; its reserved blocks are released"
+                    );
                 }
                 if let duet_kv_transfer::Error::Aborted { request_id, .. } = &e {
                     handle.transfer_failed(*request_id, e.to_string());

@@ -20,9 +20,9 @@ pub const MIN_SECRET_LEN: usize = 16;
 pub const MAX_SECRET_LEN: usize = 1024;
 
 /// Label of the MAC the receiver (server) sends.
-pub(crate) const SERVER_LABEL: &[u8] = b"duet-kv-transfer/1 server";
+pub(crate) const SERVER_LABEL: &[u8] = b"duet-kv-transfer/2 server";
 /// Label of the MAC the sender (client) sends.
-pub(crate) const CLIENT_LABEL: &[u8] = b"duet-kv-transfer/1 client";
+pub(crate) const CLIENT_LABEL: &[u8] = b"duet-kv-transfer/2 client";
 
 /// The secret both workers of a deployment share. Cheap to clone.
 #[derive(Clone)]

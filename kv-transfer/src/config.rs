@@ -1,4 +1,4 @@
-//! Connection configuration: layout, secret, checksum policy and the timeouts that bound
+//! Connection configuration: layout, secret, integrity policy and the timeouts that bound
 //! every wait.
 //!
 //! Invariant: every blocking wait in this crate (connect, handshake, each read/write, the
@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::auth::SharedSecret;
 use crate::layout::KvLayout;
-use crate::protocol::Compression;
+use crate::protocol::{Compression, Integrity};
 
 /// Timeouts for every wait.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,21 +51,26 @@ pub struct TransferConfig {
     pub secret: SharedSecret,
     /// Timeouts.
     pub timeouts: Timeouts,
-    /// Sender: append a crc32c trailer to every frame. Receiver: refuse transfers without.
-    pub checksum: bool,
+    /// Sender: MAC every frame. Receiver: refuse transfers whose frames carry no MAC.
+    pub integrity: Integrity,
     /// Sender: encoding of layer payloads on the wire (receivers decode any).
     pub compression: Compression,
+    /// Sender: faults to inject into its transfers (tests only).
+    #[cfg(feature = "fault-injection")]
+    pub faults: Option<crate::protocol::faults::FaultPlan>,
 }
 
 impl TransferConfig {
-    /// Default timeouts, checksums on.
+    /// Default timeouts, frame MACs on.
     pub fn new(layout: KvLayout, secret: SharedSecret) -> Self {
         TransferConfig {
             layout,
             secret,
             timeouts: Timeouts::default(),
-            checksum: true,
+            integrity: Integrity::Mac,
             compression: Compression::None,
+            #[cfg(feature = "fault-injection")]
+            faults: None,
         }
     }
 }

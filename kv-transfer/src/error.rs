@@ -187,17 +187,13 @@ pub enum Error {
         expected: u32,
     },
 
-    /// A crc32c check failed.
+    /// A frame's MAC did not verify.
     #[error(
-        "crc32c mismatch in {frame} frame: computed {computed:#010x}, received {received:#010x}"
+        "bad MAC on the {frame} frame: its bytes were changed, cut, reordered or replayed on the way"
     )]
-    ChecksumMismatch {
+    BadMac {
         /// Which frame.
         frame: &'static str,
-        /// Checksum computed over the received bytes.
-        computed: u32,
-        /// Checksum sent by the peer.
-        received: u32,
     },
 
     /// The peer closed the connection (EOF or channel closed).
@@ -314,11 +310,12 @@ impl Error {
             | Error::LayerOutOfRange { .. }
             | Error::DuplicateLayer { .. }
             | Error::MissingLayers { .. }
-            | Error::ChecksumMismatch { .. }
             | Error::NoBackend { .. } => ErrorClass::InvalidArgument,
             Error::BlockNotReserved { .. } => ErrorClass::NotFound,
             Error::Oversized { .. } => ErrorClass::ResourceExhausted,
-            Error::PeerClosed { .. }
+            // Damaged on the link (or by someone on it): another attempt may go through.
+            Error::BadMac { .. }
+            | Error::PeerClosed { .. }
             | Error::Io { .. }
             | Error::BackendUnavailable { .. }
             | Error::Broken => ErrorClass::Unavailable,
@@ -349,7 +346,7 @@ impl Error {
             Error::LayerOutOfRange { .. } => "layer_out_of_range",
             Error::DuplicateLayer { .. } => "duplicate_layer",
             Error::MissingLayers { .. } => "missing_layers",
-            Error::ChecksumMismatch { .. } => "checksum_mismatch",
+            Error::BadMac { .. } => "bad_mac",
             Error::PeerClosed { .. } => "peer_closed",
             Error::Timeout { .. } => "timeout",
             Error::Io { .. } => "io",

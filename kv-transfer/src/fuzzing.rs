@@ -22,16 +22,16 @@ pub fn fuzz_layout() -> KvLayout {
         .unwrap_or_else(|e| panic!("the fuzz layout is valid: {e}"))
 }
 
-/// Decodes `data` as one KV transfer (with and without checksums required) into a cache
+/// Decodes `data` as one KV transfer (with and without MACs required) into a cache
 /// where only [`FUZZ_RESERVED`] are reserved for [`FUZZ_REQUEST`].
 pub fn kv_frames(data: &[u8]) {
     let layout = fuzz_layout();
-    for require_checksum in [false, true] {
+    for require_mac in [false, true] {
         let mut sink = MemorySink::new(layout, BLOCKS);
         if let Err(e) = sink.reserve(FUZZ_REQUEST, &FUZZ_RESERVED) {
             panic!("reserving the fuzz blocks: {e}");
         }
-        let r = decode_transfer(&layout, data, &mut sink, require_checksum);
+        let r = decode_transfer(&layout, data, &mut sink, require_mac);
         if let Ok(receipt) = &r {
             assert_eq!(
                 receipt.desc.request_id, FUZZ_REQUEST,

@@ -7,7 +7,9 @@
 //!   layouts compared equal, so no transfer frame is ever read from an unauthenticated peer;
 //! - the client returns `Ok` only after the server's MAC verified, the layouts matched and
 //!   the server's verdict said ok;
-//! - both sides report a layout mismatch naming both values of every differing field.
+//! - both sides report a layout mismatch naming both values of every differing field;
+//! - both sides return the same [`SessionKey`], which depends on both nonces, so every
+//!   connection's frames are MACed under keys of their own.
 
 use std::time::Duration;
 
@@ -17,6 +19,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use crate::auth::{SharedSecret, CLIENT_LABEL, SERVER_LABEL};
 use crate::error::{Error, Result};
 use crate::layout::{Dtype, Fingerprint, KvLayout};
+use crate::protocol::integrity::SessionKey;
 use crate::protocol::{MAGIC, VERSION};
 
 const PREFIX_LEN: usize = 8;
@@ -111,10 +114,10 @@ async fn write<S: AsyncWrite + Unpin>(s: &mut S, buf: &[u8], during: &'static st
     s.flush().await.map_err(|e| Error::io(during, e))
 }
 
-async fn bounded<F: std::future::Future<Output = Result<()>>>(
+async fn bounded<T, F: std::future::Future<Output = Result<T>>>(
     timeout: Duration,
     f: F,
-) -> Result<()> {
+) -> Result<T> {
     tokio::time::timeout(timeout, f)
         .await
         .map_err(|_| Error::Timeout {
@@ -123,13 +126,13 @@ async fn bounded<F: std::future::Future<Output = Result<()>>>(
         })?
 }
 
-/// Sender side of the handshake.
+/// Sender side of the handshake; returns the connection's frame key.
 pub(crate) async fn client<S: AsyncRead + AsyncWrite + Unpin + Send>(
     s: &mut S,
     layout: &KvLayout,
     secret: &SharedSecret,
     timeout: Duration,
-) -> Result<()> {
+) -> Result<SessionKey> {
     bounded(timeout, client_inner(s, layout, secret)).await
 }
 
@@ -137,7 +140,7 @@ async fn client_inner<S: AsyncRead + AsyncWrite + Unpin + Send>(
     s: &mut S,
     layout: &KvLayout,
     secret: &SharedSecret,
-) -> Result<()> {
+) -> Result<SessionKey> {
     let hello = hello(layout);
     write(s, &hello, "sending the handshake").await?;
     let mut sh = [0u8; SERVER_HELLO_LEN];
@@ -171,7 +174,7 @@ async fn client_inner<S: AsyncRead + AsyncWrite + Unpin + Send>(
         ));
     }
     match v[4] {
-        STATUS_OK => Ok(()),
+        STATUS_OK => SessionKey::derive(secret, &hello, &sh),
         STATUS_UNAUTHENTICATED => Err(Error::Unauthenticated(
             "the receiver rejected our proof of the shared secret",
         )),
@@ -186,13 +189,13 @@ async fn client_inner<S: AsyncRead + AsyncWrite + Unpin + Send>(
     }
 }
 
-/// Receiver side of the handshake.
+/// Receiver side of the handshake; returns the connection's frame key.
 pub(crate) async fn server<S: AsyncRead + AsyncWrite + Unpin + Send>(
     s: &mut S,
     layout: &KvLayout,
     secret: &SharedSecret,
     timeout: Duration,
-) -> Result<()> {
+) -> Result<SessionKey> {
     bounded(timeout, server_inner(s, layout, secret)).await
 }
 
@@ -200,7 +203,7 @@ async fn server_inner<S: AsyncRead + AsyncWrite + Unpin + Send>(
     s: &mut S,
     layout: &KvLayout,
     secret: &SharedSecret,
-) -> Result<()> {
+) -> Result<SessionKey> {
     let mut hello = [0u8; HELLO_LEN];
     let mut p = [0u8; PREFIX_LEN];
     read(s, &mut p, "reading the handshake").await?;
@@ -239,7 +242,8 @@ async fn server_inner<S: AsyncRead + AsyncWrite + Unpin + Send>(
         let _ = write(s, &verdict_msg(STATUS_LAYOUT_MISMATCH), "rejecting").await;
         return Err(m.into());
     }
-    write(s, &verdict_msg(STATUS_OK), "accepting the handshake").await
+    write(s, &verdict_msg(STATUS_OK), "accepting the handshake").await?;
+    SessionKey::derive(secret, &hello, &sh)
 }
 
 #[cfg(test)]
@@ -265,7 +269,7 @@ mod tests {
             async move { server(&mut b, &l, &secret, Duration::from_secs(5)).await }
         });
         let mut h = hello(&l);
-        h[4] = 2;
+        h[4] = 3;
         a.write_all(&h).await.unwrap();
         let mut p = [0u8; PREFIX_LEN];
         a.read_exact(&mut p).await.unwrap();
@@ -274,8 +278,8 @@ mod tests {
             matches!(
                 e,
                 Error::UnsupportedVersion {
-                    local: 1,
-                    remote: 2
+                    local: 2,
+                    remote: 3
                 }
             ),
             "{e}"

@@ -66,7 +66,7 @@ pub trait KvSink {
         Ok(())
     }
 
-    /// Called after every byte of `layer` has been placed (and its checksum verified).
+    /// Called after every byte of `layer` has been placed and its MAC (when on) verified.
     fn layer_done(&mut self, _request_id: u64, _layer: u32) {}
 }
 

@@ -201,7 +201,7 @@ proptest! {
         let mut sink = sink_for(&case);
         let r = decode_transfer(&case.layout, &flipped, &mut sink, false);
         if case.checksum {
-            prop_assert!(r.is_err(), "crc must catch a flipped byte at {}", i);
+            prop_assert!(r.is_err(), "the MAC must catch a flipped byte at {}", i);
         }
         assert_only_reserved_written(&sink, &case);
         let n = cut.index(bytes.len());
@@ -241,7 +241,7 @@ proptest! {
         let mut sink = sink_for(&case);
         let r = decode_transfer(&case.layout, &flipped, &mut common::PlainSink(&mut sink), false);
         if case.checksum {
-            prop_assert!(r.is_err(), "crc must catch a flipped byte at {}", i);
+            prop_assert!(r.is_err(), "the MAC must catch a flipped byte at {}", i);
         }
         assert_only_reserved_written(&sink, &case);
         // Truncate.

@@ -4,7 +4,7 @@
 
 mod common;
 
-use duet_kv_transfer::protocol::decode_transfer;
+use duet_kv_transfer::protocol::{decode_transfer, MAC_LEN};
 use duet_kv_transfer::{Error, ErrorClass, KvLayout, MemorySink, TransferDesc};
 
 const REQ: u64 = 42;
@@ -24,12 +24,12 @@ fn sink(layout: KvLayout) -> MemorySink {
     s
 }
 
-fn begin_len(d: &TransferDesc, crc: bool) -> usize {
-    16 + 24 + 4 * d.dst_blocks.len() + if crc { 4 } else { 0 }
+fn begin_len(d: &TransferDesc, mac: bool) -> usize {
+    16 + 24 + 4 * d.dst_blocks.len() + if mac { MAC_LEN } else { 0 }
 }
 
-fn layer_len(l: &KvLayout, d: &TransferDesc, crc: bool) -> usize {
-    16 + l.layer_frame_bytes(d.dst_blocks.len()) as usize + if crc { 4 } else { 0 }
+fn layer_len(l: &KvLayout, d: &TransferDesc, mac: bool) -> usize {
+    16 + l.layer_frame_bytes(d.dst_blocks.len()) as usize + if mac { MAC_LEN } else { 0 }
 }
 
 fn decode(layout: KvLayout, bytes: &[u8]) -> (Result<(), Error>, MemorySink) {
@@ -168,7 +168,7 @@ fn truncated_stream() {
 }
 
 #[test]
-fn corrupted_payload_fails_crc() {
+fn corrupted_payload_fails_the_mac() {
     let l = common::small_layout();
     let d = desc();
     let mut bytes = common::encode_layers(&l, &d, &[0, 1, 2], true);
@@ -176,10 +176,7 @@ fn corrupted_payload_fails_crc() {
     bytes[at] ^= 0x40;
     let (r, _) = decode(l, &bytes);
     let e = r.unwrap_err();
-    assert!(
-        matches!(e.root(), Error::ChecksumMismatch { frame: "LAYER", .. }),
-        "{e}"
-    );
+    assert!(matches!(e.root(), Error::BadMac { frame: "LAYER" }), "{e}");
 }
 
 #[test]

@@ -16,7 +16,7 @@ fn fuzz_dir(kind: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../fuzz/{kind}/kv_frames"))
 }
 
-fn valid_transfer(checksum: bool) -> Vec<u8> {
+fn valid_transfer(mac: bool) -> Vec<u8> {
     let layout = fuzz_layout();
     let desc = TransferDesc {
         request_id: FUZZ_REQUEST,
@@ -25,7 +25,7 @@ fn valid_transfer(checksum: bool) -> Vec<u8> {
         dst_blocks: FUZZ_RESERVED.to_vec(),
     };
     let layers: Vec<u32> = (0..layout.layers()).collect();
-    common::encode_layers(&layout, &desc, &layers, checksum)
+    common::encode_layers(&layout, &desc, &layers, mac)
 }
 
 /// The seeds are what the encoder writes today, and the decoder lands them in the reserved
@@ -34,18 +34,14 @@ fn valid_transfer(checksum: bool) -> Vec<u8> {
 #[test]
 fn seeds_are_valid_transfers() {
     let layout = fuzz_layout();
-    for checksum in [false, true] {
-        let bytes = valid_transfer(checksum);
+    for mac in [false, true] {
+        let bytes = valid_transfer(mac);
         let mut sink = MemorySink::new(layout, 5);
         sink.reserve(FUZZ_REQUEST, &FUZZ_RESERVED).expect("reserve");
-        let receipt = decode_transfer(&layout, &bytes, &mut sink, checksum).expect("decode seed");
+        let receipt = decode_transfer(&layout, &bytes, &mut sink, mac).expect("decode seed");
         assert_eq!(receipt.desc.dst_blocks, FUZZ_RESERVED);
         common::assert_landed(&sink, &layout, FUZZ_REQUEST, &FUZZ_RESERVED);
-        let path = fuzz_dir("seeds").join(if checksum {
-            "valid-crc.bin"
-        } else {
-            "valid.bin"
-        });
+        let path = fuzz_dir("seeds").join(if mac { "valid-mac.bin" } else { "valid.bin" });
         if std::env::var_os("DUET_WRITE_FUZZ_SEEDS").is_some() {
             std::fs::write(&path, &bytes).expect("write seed");
         }

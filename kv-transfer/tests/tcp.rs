@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use duet_kv_transfer::backend::tcp::{connect_pool, TcpReceiver, TcpSender};
+use duet_kv_transfer::protocol::VERSION;
 use duet_kv_transfer::{
     Dtype, Error, ErrorClass, Fingerprint, KvLayout, KvReceiver, KvSender, MemorySink,
     SharedSecret, TransferConfig, TransferDesc,
@@ -257,13 +258,13 @@ async fn wrong_version_is_refused() {
     let mut answer = [0u8; 8];
     raw.read_exact(&mut answer).await.unwrap();
     assert_eq!(&answer[..4], b"DKVT");
-    assert_eq!(u16::from_le_bytes([answer[4], answer[5]]), 1);
+    assert_eq!(u16::from_le_bytes([answer[4], answer[5]]), VERSION);
     let e = server.await.unwrap().unwrap_err();
     assert!(
         matches!(
             e,
             Error::UnsupportedVersion {
-                local: 1,
+                local: VERSION,
                 remote: 9
             }
         ),

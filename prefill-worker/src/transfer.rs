@@ -141,7 +141,7 @@ async fn run(
             metrics::counter!(
                 KV_TRANSFER_FAILURES_TOTAL,
                 "direction" => "sent",
-                "reason" => e.class().label()
+                "reason" => e.metric_label()
             )
             .increment(1);
             // Stop at once: dropping the channel tells the engine to abandon the prefill.

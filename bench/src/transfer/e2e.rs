@@ -28,8 +28,9 @@ pub struct E2eOptions {
     pub compute_per_layer: Duration,
     /// Measured runs (default 5).
     pub runs: u32,
-    /// crc32c trailers.
-    pub checksum: bool,
+    /// Frame MACs (the default).
+    #[serde(alias = "checksum")]
+    pub integrity: bool,
     /// Encoding of the layers on the wire.
     pub compression: Compression,
     /// shm: use the ring even where pull mode works.
@@ -47,7 +48,7 @@ impl Default for E2eOptions {
             tokens: 1024,
             compute_per_layer: Duration::from_millis(2),
             runs: 5,
-            checksum: true,
+            integrity: true,
             compression: Compression::None,
             shm_ring: false,
             shm_arena: true,
@@ -104,7 +105,7 @@ pub async fn end_to_end(opts: E2eOptions) -> Result<E2eReport> {
     }
     let layout = model_layout()?;
     let blocks = layout.blocks_for_tokens(opts.tokens);
-    let mut cfg = bench_config(layout, opts.checksum)?;
+    let mut cfg = bench_config(layout, opts.integrity)?;
     cfg.compression = opts.compression;
     let zero_copy = opts.backend == BackendKind::Local;
     let arena = harness::bench_arena(

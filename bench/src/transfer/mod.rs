@@ -23,6 +23,7 @@ use duet_kv_transfer::error::{Error, Result};
 use duet_kv_transfer::layout::{Dtype, Fingerprint, KvKind, KvLayout};
 use duet_kv_transfer::mem_sink::MemorySink;
 use duet_kv_transfer::protocol::compress::{decode_region, encode_region, Compression};
+use duet_kv_transfer::protocol::Integrity;
 
 pub use e2e::{end_to_end, E2eOptions, E2eReport};
 
@@ -46,8 +47,8 @@ pub struct BenchOptions {
     pub step: u64,
     /// Parallel connections, each carrying 1/K of the payload (default 1).
     pub streams: usize,
-    /// crc32c trailers on every frame (default: the library default, on).
-    pub checksum: bool,
+    /// Frame MACs on every frame (default: the library default, on).
+    pub integrity: bool,
     /// Measure the reference (iperf3 / memcpy) too (default true).
     pub reference: bool,
     /// Encoding of the layers on the wire (default none).
@@ -81,7 +82,7 @@ impl Default for BenchOptions {
             min_bytes: 64 << 10,
             step: 4,
             streams: 1,
-            checksum: true,
+            integrity: true,
             reference: true,
             compression: Compression::None,
             shm_ring: false,
@@ -132,8 +133,9 @@ pub struct BenchReport {
     pub backend: BackendKind,
     /// Parallel connections.
     pub streams: usize,
-    /// crc32c trailers on.
-    pub checksum: bool,
+    /// Frame MACs on.
+    #[serde(alias = "checksum")]
+    pub integrity: bool,
     /// Encoding of the layers on the wire.
     pub compression: Compression,
     /// `iperf3` (tcp) or `memcpy` (shm, local).
@@ -170,7 +172,7 @@ pub(crate) fn bench_layout(layers: u32) -> Result<KvLayout> {
     )
 }
 
-pub(crate) fn bench_config(layout: KvLayout, checksum: bool) -> Result<TransferConfig> {
+pub(crate) fn bench_config(layout: KvLayout, integrity: bool) -> Result<TransferConfig> {
     let mut secret = [0u8; 32];
     rand::RngCore::fill_bytes(&mut rand::rng(), &mut secret);
     let mut cfg = TransferConfig::new(layout, SharedSecret::new(secret)?);
@@ -178,7 +180,11 @@ pub(crate) fn bench_config(layout: KvLayout, checksum: bool) -> Result<TransferC
         io: Duration::from_secs(60),
         ..Timeouts::default()
     };
-    cfg.checksum = checksum;
+    cfg.integrity = if integrity {
+        Integrity::Mac
+    } else {
+        Integrity::Off
+    };
     Ok(cfg)
 }
 
@@ -226,7 +232,7 @@ pub async fn run(opts: BenchOptions) -> Result<BenchReport> {
     let mut report = BenchReport {
         backend: opts.backend,
         streams: opts.streams,
-        checksum: opts.checksum,
+        integrity: opts.integrity,
         compression: opts.compression,
         reference_kind: match opts.backend {
             BackendKind::Tcp | BackendKind::Rdma => "iperf3".into(),
@@ -257,7 +263,7 @@ async fn run_size(opts: &BenchOptions, size: u64, report: &mut BenchReport) -> R
     let per_stream = (size / k as u64).max(MIN_STREAM_BYTES);
     let (layers, blocks) = plan(per_stream);
     let layout = bench_layout(layers)?;
-    let mut cfg = bench_config(layout, opts.checksum)?;
+    let mut cfg = bench_config(layout, opts.integrity)?;
     cfg.compression = opts.compression;
     let zero_copy = opts.backend == BackendKind::Local;
     let arena = harness::bench_arena(

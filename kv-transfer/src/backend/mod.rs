@@ -183,6 +183,21 @@ impl AnyReceiver {
         }
     }
 
+    /// Who is on the other end, for logs: the tcp peer's address, the shm sender's pid, or
+    /// the backend's name where the connection has no address of its own.
+    pub fn peer(&self) -> String {
+        match self {
+            AnyReceiver::Tcp(t) => t.peer_addr().to_string(),
+            #[cfg(unix)]
+            AnyReceiver::Shm(r) => r.peer(),
+            AnyReceiver::Local(_) => "local".to_string(),
+            #[cfg(feature = "nccl")]
+            AnyReceiver::Nccl(_) => "nccl".to_string(),
+            #[cfg(feature = "rdma")]
+            AnyReceiver::Rdma(_) => "rdma".to_string(),
+        }
+    }
+
     /// An shm connection's layer PULLs so far, by source (`None` for other backends).
     #[cfg(unix)]
     pub fn shm_pulls(&self) -> Option<shm::ShmPulls> {

@@ -27,6 +27,7 @@ use crate::backend::tcp::{accept_authenticated, connect_transport, TcpTransport}
 use crate::config::TransferConfig;
 use crate::error::{Error, Result};
 use crate::layout::KvLayout;
+use crate::protocol::integrity::{sender_auth, FrameAuth};
 use crate::protocol::send::{ReceiverCore, SenderCore};
 use crate::protocol::transport::FrameTransport;
 use crate::protocol::HEADER_LEN;
@@ -257,7 +258,7 @@ impl FrameTransport for NcclTransport {
         header: &[u8; HEADER_LEN],
         k: &[R],
         v: &[R],
-        trailer: Option<[u8; 4]>,
+        trailer: Option<[u8; crate::protocol::MAC_LEN]>,
     ) -> Result<()> {
         self.ctl.write_ctl(header, "sending a layer header").await?;
         let cap = self.dev.staging.len();
@@ -283,7 +284,7 @@ impl FrameTransport for NcclTransport {
             self.send_staged(fill).await?;
         }
         if let Some(t) = trailer {
-            self.ctl.write_ctl(&t, "sending a crc32c trailer").await?;
+            self.ctl.write_ctl(&t, "sending a MAC trailer").await?;
         }
         Ok(())
     }
@@ -347,6 +348,7 @@ impl NcclReceiver {
         let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
         ctl.write_ctl(&bytes, "sending the NCCL id").await?;
         let dev = open_device(self.opts, 0, id, t.handshake).await?;
+        let auth = FrameAuth::new(&ctl.key);
         Ok(NcclInbound {
             core: ReceiverCore::new(
                 NcclTransport {
@@ -357,7 +359,8 @@ impl NcclReceiver {
                     rx_off: 0,
                 },
                 self.cfg.layout,
-                self.cfg.checksum,
+                auth,
+                self.cfg.integrity.on(),
             ),
         })
     }
@@ -401,6 +404,7 @@ impl NcclSender {
             *d = s as std::ffi::c_char;
         }
         let dev = open_device(opts, 1, Id::uninit(internal), cfg.timeouts.handshake).await?;
+        let auth = sender_auth(cfg.integrity, &ctl.key);
         Ok(NcclSender {
             core: SenderCore::new(
                 NcclTransport {
@@ -411,9 +415,9 @@ impl NcclSender {
                     rx_off: 0,
                 },
                 cfg.layout,
-                cfg.checksum,
+                auth,
             )
-            .with_compression(cfg.compression),
+            .configured(cfg),
         })
     }
 }

@@ -5,7 +5,8 @@
 //! - an uncompressed layer frame is written with `write_vectored` straight from the caller's
 //!   region slices (header, K regions, V regions, trailer) using a fixed on-stack `IoSlice`
 //!   array: no concatenation and no heap allocation per frame (a compressed one is written
-//!   from the sender's reused staging buffer);
+//!   from the sender's reused staging buffer); with frame MACs on, each region is hashed
+//!   just before the `writev` that sends it (batches of at most 256 KiB, still in cache);
 //! - the receiver reads payload straight into the sink's region slices;
 //! - every read and write is bounded by [`Timeouts::io`] (first byte of a transfer: `idle`),
 //!   connect by `connect`, the handshake by `handshake`;
@@ -22,6 +23,9 @@ use crate::config::{Timeouts, TransferConfig};
 use crate::error::{Error, Result};
 use crate::handshake;
 use crate::layout::KvLayout;
+use crate::protocol::frame::MAC_LEN;
+use crate::protocol::integrity::{sender_auth, FrameAuth, FrameMac, SessionKey};
+use crate::protocol::receive::MAC_GROUP_BYTES;
 use crate::protocol::send::{ReceiverCore, SenderCore};
 use crate::protocol::transport::FrameTransport;
 use crate::protocol::{HEADER_LEN, IDLE};
@@ -47,6 +51,8 @@ async fn bounded<T>(
 pub(crate) struct TcpTransport {
     stream: TcpStream,
     t: Timeouts,
+    /// The frame key the handshake gave this connection.
+    pub(crate) key: SessionKey,
 }
 
 impl TcpTransport {
@@ -66,6 +72,77 @@ impl TcpTransport {
     pub(crate) async fn replied(&self) {
         let mut one = [0u8; 1];
         let _ = self.stream.peek(&mut one).await;
+    }
+}
+
+impl TcpTransport {
+    /// Writes header, K regions, V regions and `tail` with `writev`, never concatenating.
+    /// With `mac`, each region is hashed when it first joins a batch, and batches hold at
+    /// most [`MAC_GROUP_BYTES`] so that it is still in cache when the kernel copies it.
+    async fn write_parts<R: AsRef<[u8]> + Sync>(
+        &mut self,
+        header: &[u8; HEADER_LEN],
+        k: &[R],
+        v: &[R],
+        tail: &[u8],
+        mut mac: Option<&mut FrameMac>,
+    ) -> Result<()> {
+        let parts = 2 + k.len() + v.len();
+        let cap = if mac.is_some() {
+            MAC_GROUP_BYTES
+        } else {
+            usize::MAX
+        };
+        // Parts below `hashed` went into the MAC already (header and tail never do).
+        let mut hashed = 1usize;
+        let (mut idx, mut off) = (0usize, 0usize);
+        while idx < parts {
+            let mut iov = [IoSlice::new(&[]); MAX_IOV];
+            let (mut cnt, mut bytes) = (0, 0usize);
+            let (mut j, mut o) = (idx, off);
+            while cnt < MAX_IOV && j < parts && (cnt == 0 || bytes < cap) {
+                let p = part(j, header, k, v, tail);
+                if o < p.len() {
+                    iov[cnt] = IoSlice::new(&p[o..]);
+                    cnt += 1;
+                    bytes += p.len() - o;
+                }
+                if let Some(m) = mac.as_deref_mut() {
+                    if j == hashed && j < parts - 1 {
+                        m.update(p);
+                        hashed += 1;
+                    }
+                }
+                j += 1;
+                o = 0;
+            }
+            if cnt == 0 {
+                break;
+            }
+            let mut left = bounded(
+                self.t.io,
+                "sending a layer",
+                self.stream.write_vectored(&iov[..cnt]),
+            )
+            .await?;
+            if left == 0 {
+                return Err(Error::PeerClosed {
+                    during: "sending a layer",
+                });
+            }
+            while left > 0 && idx < parts {
+                let avail = part(idx, header, k, v, tail).len() - off;
+                if left >= avail {
+                    left -= avail;
+                    idx += 1;
+                    off = 0;
+                } else {
+                    off += left;
+                    left = 0;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -168,52 +245,29 @@ impl FrameTransport for TcpTransport {
         header: &[u8; HEADER_LEN],
         k: &[R],
         v: &[R],
-        trailer: Option<[u8; 4]>,
+        trailer: Option<[u8; MAC_LEN]>,
     ) -> Result<()> {
         let tr = trailer.unwrap_or_default();
         let tr: &[u8] = if trailer.is_some() { &tr } else { &[] };
-        let parts = 2 + k.len() + v.len();
-        let (mut idx, mut off) = (0usize, 0usize);
-        while idx < parts {
-            let mut iov = [IoSlice::new(&[]); MAX_IOV];
-            let mut cnt = 0;
-            let (mut j, mut o) = (idx, off);
-            while cnt < MAX_IOV && j < parts {
-                let p = part(j, header, k, v, tr);
-                if o < p.len() {
-                    iov[cnt] = IoSlice::new(&p[o..]);
-                    cnt += 1;
-                }
-                j += 1;
-                o = 0;
-            }
-            if cnt == 0 {
-                break;
-            }
-            let mut left = bounded(
-                self.t.io,
-                "sending a layer",
-                self.stream.write_vectored(&iov[..cnt]),
-            )
-            .await?;
-            if left == 0 {
-                return Err(Error::PeerClosed {
-                    during: "sending a layer",
-                });
-            }
-            while left > 0 && idx < parts {
-                let avail = part(idx, header, k, v, tr).len() - off;
-                if left >= avail {
-                    left -= avail;
-                    idx += 1;
-                    off = 0;
-                } else {
-                    off += left;
-                    left = 0;
-                }
-            }
-        }
-        Ok(())
+        self.write_parts(header, k, v, tr, None).await
+    }
+
+    /// Hashes each region just before the `writev` that sends it (batches of at most
+    /// `MAC_GROUP_BYTES`, so the bytes are still in cache when the kernel copies them), then
+    /// sends the trailer.
+    async fn write_layer_mac<R: AsRef<[u8]> + Sync>(
+        &mut self,
+        header: &[u8; HEADER_LEN],
+        k: &[R],
+        v: &[R],
+        mac: Option<FrameMac>,
+    ) -> Result<()> {
+        let Some(mut mac) = mac else {
+            return self.write_parts(header, k, v, &[], None).await;
+        };
+        self.write_parts(header, k, v, &[], Some(&mut mac)).await?;
+        let t = mac.finish();
+        self.write_ctl(&t, "sending a MAC trailer").await
     }
 
     async fn read_reply_header(&mut self, buf: &mut [u8; HEADER_LEN]) -> Result<()> {
@@ -262,8 +316,8 @@ pub(crate) async fn connect_transport(
     stream
         .set_nodelay(true)
         .map_err(|e| Error::io("configuring the socket", e))?;
-    handshake::client(&mut stream, &cfg.layout, &cfg.secret, t.handshake).await?;
-    Ok(TcpTransport { stream, t })
+    let key = handshake::client(&mut stream, &cfg.layout, &cfg.secret, t.handshake).await?;
+    Ok(TcpTransport { stream, t, key })
 }
 
 /// Accepts one connection on `listener` (waiting up to `timeouts.idle`) and runs the receiver
@@ -299,7 +353,7 @@ pub(crate) async fn accept_transport(
     stream
         .set_nodelay(true)
         .map_err(|e| Error::io("configuring the socket", e))?;
-    handshake::server(
+    let key = handshake::server(
         &mut stream,
         &cfg.layout,
         &cfg.secret,
@@ -309,6 +363,7 @@ pub(crate) async fn accept_transport(
     Ok(TcpTransport {
         stream,
         t: cfg.timeouts,
+        key,
     })
 }
 
@@ -365,8 +420,9 @@ impl TcpInbound {
         cfg: &TransferConfig,
     ) -> Result<TcpInbound> {
         let io = accept_transport(stream, cfg).await?;
+        let auth = FrameAuth::new(&io.key);
         Ok(TcpInbound {
-            core: ReceiverCore::new(io, cfg.layout, cfg.checksum),
+            core: ReceiverCore::new(io, cfg.layout, auth, cfg.integrity.on()),
             peer,
         })
     }
@@ -394,8 +450,9 @@ impl TcpSender {
     /// Connects to `addr` and authenticates.
     pub async fn connect(addr: impl ToSocketAddrs, cfg: &TransferConfig) -> Result<TcpSender> {
         let io = connect_transport(addr, cfg).await?;
+        let auth = sender_auth(cfg.integrity, &io.key);
         Ok(TcpSender {
-            core: SenderCore::new(io, cfg.layout, cfg.checksum).with_compression(cfg.compression),
+            core: SenderCore::new(io, cfg.layout, auth).configured(cfg),
         })
     }
 

@@ -12,6 +12,8 @@ use crate::api::TransferReceipt;
 use crate::error::{Error, Result};
 use crate::layout::{KvLayout, TransferDesc};
 use crate::protocol::compress::Compression;
+use crate::protocol::frame::{encode_end, FrameHeader, END_LEN, TAG_END};
+use crate::protocol::integrity::{tag_of, FrameAuth, SessionKey};
 use crate::protocol::receive::{receive_transfer, ReceivePolicy};
 use crate::protocol::send::SenderCore;
 use crate::protocol::transport::SliceTransport;
@@ -38,14 +40,16 @@ pub struct LayerRegions<'a> {
     pub v: Vec<&'a [u8]>,
 }
 
-/// Encodes BEGIN, the given layers (in the given order) and END.
+/// Encodes BEGIN, the given layers (in the given order) and END; with `mac`, every frame
+/// carries its MAC under [`SessionKey::for_codec`] (the codec has no handshake), exactly as a
+/// connection's first transfer would.
 pub fn encode_transfer(
     layout: &KvLayout,
     desc: &TransferDesc,
     layers: &[LayerRegions<'_>],
-    checksum: bool,
+    mac: bool,
 ) -> Result<Vec<u8>> {
-    encode_transfer_compressed(layout, desc, layers, checksum, Compression::None)
+    encode_transfer_compressed(layout, desc, layers, mac, Compression::None)
 }
 
 /// [`encode_transfer`] with the layers encoded by `compression`.
@@ -53,11 +57,12 @@ pub fn encode_transfer_compressed(
     layout: &KvLayout,
     desc: &TransferDesc,
     layers: &[LayerRegions<'_>],
-    checksum: bool,
+    mac: bool,
     compression: Compression,
 ) -> Result<Vec<u8>> {
     let empty: &[u8] = &[];
-    let mut core = SenderCore::new(SliceTransport::new(empty), *layout, checksum)
+    let auth = mac.then(|| FrameAuth::new(&SessionKey::for_codec()));
+    let mut core = SenderCore::new(SliceTransport::new(empty), *layout, auth.clone())
         .with_compression(compression);
     run_ready(async {
         core.begin(desc.clone()).await?;
@@ -66,39 +71,39 @@ pub fn encode_transfer_compressed(
         }
         Ok::<(), Error>(())
     })??;
-    // END without waiting for a verdict (there is no receiver here).
+    // END without waiting for a verdict (there is no receiver here), under the next frame
+    // key: BEGIN and one per layer went before it.
     let mut out = std::mem::take(&mut core.io.output);
-    let end = crate::protocol::frame::FrameHeader::new(
-        crate::protocol::frame::TAG_END,
-        checksum,
-        0,
-        crate::protocol::frame::END_LEN as u64,
-    )
-    .encode();
-    let body = crate::protocol::frame::encode_end(desc.request_id, layers.len() as u32);
-    let start = out.len();
-    out.extend_from_slice(&end);
+    let mac_on = auth.is_some();
+    let hdr = FrameHeader::new(TAG_END, mac_on, 0, END_LEN as u64).encode();
+    let body = encode_end(desc.request_id, layers.len() as u32);
+    out.extend_from_slice(&hdr);
     out.extend_from_slice(&body);
-    if checksum {
-        let c = crc32c::crc32c(&out[start..]);
-        out.extend_from_slice(&c.to_le_bytes());
+    if let Some(mut auth) = auth {
+        for _ in 0..=layers.len() {
+            auth.start(&hdr);
+        }
+        out.extend_from_slice(&tag_of(&mut auth, &hdr, &[&body]));
     }
     Ok(out)
 }
 
-/// Decodes one transfer from `bytes` into `sink`, exactly as a network receiver would.
+/// Decodes one transfer from `bytes` into `sink`, exactly as a network receiver would on a
+/// connection keyed with [`SessionKey::for_codec`]; `require_mac` refuses frames without.
 pub fn decode_transfer<S: KvSink + Send>(
     layout: &KvLayout,
     bytes: &[u8],
     sink: &mut S,
-    require_checksum: bool,
+    require_mac: bool,
 ) -> Result<TransferReceipt> {
     let mut io = SliceTransport::new(bytes);
+    let mut auth = FrameAuth::new(&SessionKey::for_codec());
     run_ready(receive_transfer(
         &mut io,
         layout,
         sink,
-        ReceivePolicy { require_checksum },
+        ReceivePolicy { require_mac },
+        &mut auth,
         &mut Vec::new(),
     ))?
 }

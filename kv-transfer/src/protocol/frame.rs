@@ -6,6 +6,7 @@
 use crate::error::{from_wire_code, wire_code, Error, ErrorClass, Result};
 use crate::layout::MAX_BLOCKS_PER_TRANSFER;
 use crate::protocol::compress::Compression;
+pub(crate) use crate::protocol::integrity::MAC_LEN;
 use crate::protocol::{HEADER_LEN, MAX_REASON_LEN};
 
 pub(crate) const TAG_BEGIN: u8 = 0x01;
@@ -20,13 +21,13 @@ pub(crate) const TAG_CREDIT: u8 = 0x82;
 /// shm pull mode: the receiver has copied the layer announced by the last PULL.
 pub(crate) const TAG_PULLED: u8 = 0x83;
 
-pub(crate) const FLAG_CRC: u8 = 0x01;
+/// A MAC trailer ([`MAC_LEN`] bytes) follows the body.
+pub(crate) const FLAG_MAC: u8 = 0x01;
 
 pub(crate) const BEGIN_FIXED_LEN: usize = 24;
 pub(crate) const END_LEN: usize = 16;
 pub(crate) const ABORT_LEN: usize = 16;
 pub(crate) const VERDICT_FIXED_LEN: usize = 16;
-pub(crate) const CRC_LEN: usize = 4;
 
 /// Largest BEGIN body.
 pub(crate) const MAX_BEGIN_LEN: u64 = BEGIN_FIXED_LEN as u64 + 4 * MAX_BLOCKS_PER_TRANSFER as u64;
@@ -68,17 +69,18 @@ pub(crate) fn tag_name(tag: u8) -> &'static str {
 }
 
 impl FrameHeader {
-    pub(crate) fn new(tag: u8, crc: bool, arg: u32, len: u64) -> Self {
+    pub(crate) fn new(tag: u8, mac: bool, arg: u32, len: u64) -> Self {
         FrameHeader {
             tag,
-            flags: if crc { FLAG_CRC } else { 0 },
+            flags: if mac { FLAG_MAC } else { 0 },
             arg,
             len,
         }
     }
 
-    pub(crate) fn crc(&self) -> bool {
-        self.flags & FLAG_CRC != 0
+    /// Whether a MAC trailer follows the body.
+    pub(crate) fn mac(&self) -> bool {
+        self.flags & FLAG_MAC != 0
     }
 
     pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
@@ -99,7 +101,7 @@ impl FrameHeader {
             ));
         }
         let flags = b[1];
-        if flags & !FLAG_CRC != 0 {
+        if flags & !FLAG_MAC != 0 {
             return Err(Error::malformed(
                 "frame header",
                 format!("unknown flag bits {flags:#04x}"),
@@ -211,7 +213,7 @@ pub(crate) fn truncate_utf8(s: &str, max: usize) -> &str {
 }
 
 impl Verdict {
-    /// Encodes header + body (no crc; verdicts are small and sent on a checked channel).
+    /// Encodes header + body (no MAC: see `docs/security.md` for what a forged verdict can do).
     pub(crate) fn encode(&self) -> Vec<u8> {
         let reason = truncate_utf8(&self.reason, MAX_REASON_LEN).as_bytes();
         let len = VERDICT_FIXED_LEN + reason.len();
@@ -234,7 +236,7 @@ impl Verdict {
                 tag: h.tag,
             });
         }
-        if h.crc() || h.arg != 0 {
+        if h.mac() || h.arg != 0 {
             return Err(Error::malformed("VERDICT", "flags/arg must be zero"));
         }
         let max = (VERDICT_FIXED_LEN + MAX_REASON_LEN) as u64;

@@ -1,4 +1,4 @@
-//! The duet KV-transfer wire protocol, version 1. All integers are little-endian.
+//! The duet KV-transfer wire protocol, version 2. All integers are little-endian.
 //!
 //! # Connection handshake
 //!
@@ -15,9 +15,9 @@
 //! 49 reserved [u8; 7] = 0       ServerHello (128 bytes, receiver -> sender)
 //!                                 0..96 as Hello, with the receiver's layout and nonce
 //!                                96 mac [u8; 32] = HMAC-SHA256(secret,
-//!                                      "duet-kv-transfer/1 server" || Hello || ServerHello[0..96])
+//!                                      "duet-kv-transfer/2 server" || Hello || ServerHello[0..96])
 //! ClientAuth (32 bytes, sender -> receiver)
-//!   mac = HMAC-SHA256(secret, "duet-kv-transfer/1 client" || Hello || ServerHello)
+//!   mac = HMAC-SHA256(secret, "duet-kv-transfer/2 client" || Hello || ServerHello)
 //! Verdict (8 bytes, receiver -> sender)
 //!   "DKVT", status u8 (0 ok, 1 unauthenticated, 2 layout mismatch), reserved [u8; 3]
 //! ```
@@ -34,14 +34,18 @@
 //! ```text
 //!  0 tag   u8    0x01 BEGIN, 0x02 LAYER, 0x03 END, 0x04 ABORT, 0x05 CHUNK (shm)
 //!                0x81 VERDICT, 0x82 CREDIT (shm)            (receiver -> sender)
-//!  1 flags u8    bit 0: a crc32c trailer (u32) follows the body; other bits must be 0
+//!  1 flags u8    bit 0: a 16-byte MAC trailer follows the body; other bits must be 0
 //!  2 rsv   u16   must be 0
 //!  4 arg   u32   LAYER: layer index; CHUNK/CREDIT: slot; otherwise 0
 //!  8 len   u64   body length in bytes (LAYER: payload length; CHUNK: bytes in the slot)
 //! ```
 //!
-//! The crc32c trailer, when flagged, covers the header and the whole body. The flag is chosen
-//! by the sender in BEGIN and must be identical on every frame of that transfer.
+//! The MAC trailer, when flagged, covers the header and the whole body under a key of its
+//! own per frame (see [`integrity`]: NH-Poly1305 under keys derived from the handshake's
+//! session key and the frame's index on the connection). The sender chooses the flag in BEGIN
+//! (`--kv-integrity`) and must keep it on every frame of that transfer; a receiver that
+//! requires MACs refuses a BEGIN without. Transport-internal frames (CHUNK, CREDIT, PULL,
+//! PULLED) and VERDICT carry no MAC: the payload they move is covered by its LAYER's MAC.
 //!
 //! ```text
 //! BEGIN   body (24 + 4n): request_id u64, token_start u32, token_count u32, n_blocks u32,
@@ -69,7 +73,7 @@
 //! - A LAYER `len` must equal `compression.layer_wire_bytes(layout, n)` (for `none`,
 //!   `layout.layer_frame_bytes(n)`); its index must be below `layers`.
 //! - A compressed LAYER is read whole into one per-connection staging buffer and checked
-//!   (crc) before any region is decoded into the sink; an uncompressed one is read straight
+//!   (MAC) before any region is decoded into the sink; an uncompressed one is read straight
 //!   into the sink's regions.
 //! - A VERDICT reason is at most [`MAX_REASON_LEN`] bytes.
 //! - The decoder never allocates from an untrusted length except the block list, which is
@@ -78,7 +82,11 @@
 
 pub(crate) mod codec;
 pub mod compress;
+#[cfg(feature = "fault-injection")]
+pub mod faults;
 pub(crate) mod frame;
+pub mod integrity;
+pub(crate) mod nh;
 pub(crate) mod receive;
 pub(crate) mod send;
 pub(crate) mod tracker;
@@ -86,11 +94,12 @@ pub(crate) mod transport;
 
 pub use codec::{decode_transfer, encode_transfer, encode_transfer_compressed};
 pub use compress::Compression;
+pub use integrity::{Integrity, SessionKey, MAC_LEN};
 
 /// Protocol magic, first four bytes of every handshake message.
 pub const MAGIC: [u8; 4] = *b"DKVT";
 /// Protocol version spoken by this crate.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Size of every frame header.
 pub const HEADER_LEN: usize = 16;
 /// Longest accepted VERDICT reason text.

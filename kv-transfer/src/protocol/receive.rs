@@ -4,8 +4,14 @@
 //! - no sink region is requested before BEGIN validated and every block is reserved;
 //! - an uncompressed region is filled by reading exactly `region_bytes` payload bytes into the
 //!   slice the sink returned (no staging buffer); a compressed layer is read into one
-//!   per-connection staging buffer, crc-checked, then decoded region by region into the
+//!   per-connection staging buffer, MAC-checked, then decoded region by region into the
 //!   sink's slices; either way nothing outside reserved regions is written;
+//! - with MACs on, a frame is acted on only after its MAC verified: BEGIN before any block
+//!   is looked up, END before the transfer is reported complete; a LAYER's bytes land in the
+//!   transfer's own reserved blocks as they arrive (hashed in groups of [`MAC_GROUP_BYTES`]
+//!   while they are in cache) and the layer counts as received only after its MAC verified,
+//!   so a bad MAC fails the transfer and its blocks go back unused (no sequence reads a
+//!   reserved block before the whole transfer verified);
 //! - the only allocations are per transfer (block list, layer bitmap) and the staging
 //!   buffer growing to the largest compressed layer seen, none per frame;
 //! - any failure after the request id is known is returned as [`Error::Aborted`].
@@ -18,36 +24,40 @@ use crate::layout::{KvKind, KvLayout, TransferDesc};
 use crate::protocol::compress::{decode_region, Compression};
 use crate::protocol::frame::{
     decode_abort, decode_block_ids, decode_end, tag_name, BeginFixed, FrameHeader, ABORT_LEN,
-    BEGIN_FIXED_LEN, CRC_LEN, END_LEN, MAX_BEGIN_LEN, TAG_ABORT, TAG_BEGIN, TAG_END, TAG_LAYER,
+    BEGIN_FIXED_LEN, END_LEN, MAC_LEN, MAX_BEGIN_LEN, TAG_ABORT, TAG_BEGIN, TAG_END, TAG_LAYER,
 };
+use crate::protocol::integrity::{FrameAuth, FrameMac};
 use crate::protocol::tracker::{aborted, Tracker};
 use crate::protocol::transport::FrameTransport;
 use crate::protocol::HEADER_LEN;
 use crate::sink::KvSink;
 
+/// Payload bytes read between two MAC updates: small enough to stay in a core's L2 cache
+/// from the copy into the pool to the hash.
+pub(crate) const MAC_GROUP_BYTES: usize = 256 << 10;
+
 /// Receiver policy.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct ReceivePolicy {
-    /// Refuse transfers whose frames carry no crc32c trailer.
-    pub require_checksum: bool,
+    /// Refuse transfers whose frames carry no MAC.
+    pub require_mac: bool,
 }
 
-async fn read_trailer<T: FrameTransport>(
+/// Reads a frame's MAC trailer and checks it against `mac` (when the frame carries one).
+async fn check_trailer<T: FrameTransport>(
     io: &mut T,
     frame: &'static str,
-    computed: u32,
+    mac: Option<FrameMac>,
 ) -> Result<()> {
-    let mut t = [0u8; CRC_LEN];
-    io.read_ctl(&mut t, "reading a crc32c trailer").await?;
-    let received = u32::from_le_bytes(t);
-    if received != computed {
-        return Err(Error::ChecksumMismatch {
-            frame,
-            computed,
-            received,
-        });
-    }
-    Ok(())
+    let Some(mac) = mac else { return Ok(()) };
+    let mut t = [0u8; MAC_LEN];
+    io.read_ctl(&mut t, "reading a MAC trailer").await?;
+    mac.verify(frame, &t)
+}
+
+/// The MAC of the frame `hdr` heads, when it carries one.
+fn start(auth: &mut FrameAuth, h: &FrameHeader, hdr: &[u8; HEADER_LEN]) -> Option<FrameMac> {
+    h.mac().then(|| auth.start(hdr))
 }
 
 /// Reads one whole transfer. `Err(PeerClosed { during: IDLE })` means the peer closed the
@@ -57,6 +67,7 @@ pub(crate) async fn receive_transfer<T: FrameTransport, S: KvSink + Send>(
     layout: &KvLayout,
     sink: &mut S,
     policy: ReceivePolicy,
+    auth: &mut FrameAuth,
     stage: &mut Vec<u8>,
 ) -> Result<TransferReceipt> {
     let mut hdr = [0u8; HEADER_LEN];
@@ -79,7 +90,7 @@ pub(crate) async fn receive_transfer<T: FrameTransport, S: KvSink + Send>(
             limit: MAX_BEGIN_LEN,
         });
     }
-    let crc_on = h.crc();
+    let mac_on = h.mac();
     let mut fixed = [0u8; BEGIN_FIXED_LEN];
     io.read_ctl(&mut fixed, "reading BEGIN").await?;
     let f = BeginFixed::decode(&fixed)?;
@@ -93,12 +104,12 @@ pub(crate) async fn receive_transfer<T: FrameTransport, S: KvSink + Send>(
     // Bounded by MAX_BEGIN_LEN checked above.
     let mut ids = vec![0u8; ids_len as usize];
     io.read_ctl(&mut ids, "reading BEGIN block list").await?;
-    if crc_on {
-        let mut c = crc32c::crc32c(&hdr);
-        c = crc32c::crc32c_append(c, &fixed);
-        c = crc32c::crc32c_append(c, &ids);
-        read_trailer(io, "BEGIN", c).await?;
+    let mut mac = start(auth, &h, &hdr);
+    if let Some(m) = &mut mac {
+        m.update(&fixed);
+        m.update(&ids);
     }
+    check_trailer(io, "BEGIN", mac).await?;
     let desc = TransferDesc {
         request_id: f.request_id,
         token_start: f.token_start,
@@ -106,12 +117,16 @@ pub(crate) async fn receive_transfer<T: FrameTransport, S: KvSink + Send>(
         dst_blocks: decode_block_ids(&ids),
     };
     drop(ids);
-    if policy.require_checksum && !crc_on {
-        let e = Error::malformed("BEGIN", "receiver requires crc32c trailers");
+    if policy.require_mac && !mac_on {
+        let e = Error::malformed(
+            "BEGIN",
+            "receiver requires frame MACs (the sender runs with --kv-integrity off)",
+        );
         return Err(aborted(desc.request_id, Vec::new(), e));
     }
     let mut tracker = Tracker::accept(layout, desc, &*sink)?;
-    match receive_layers(io, layout, sink, &mut tracker, crc_on, f.compression, stage).await {
+    let frames = Frames { mac_on, auth };
+    match receive_layers(io, layout, sink, &mut tracker, frames, f.compression, stage).await {
         Ok(()) => Ok(TransferReceipt {
             payload_bytes: tracker.desc.payload_bytes(layout),
             wire_bytes: tracker.desc.wire_bytes(layout, f.compression),
@@ -140,7 +155,14 @@ fn bad_region(what: &str, got: usize) -> Error {
     ))
 }
 
-/// Decodes a compressed LAYER body (`stage`, already read and crc-checked) region by region
+/// How the frames after BEGIN are authenticated.
+struct Frames<'a> {
+    /// Whether BEGIN carried a MAC (every later frame must match).
+    mac_on: bool,
+    auth: &'a mut FrameAuth,
+}
+
+/// Decodes a compressed LAYER body (`stage`, already read and MAC-checked) region by region
 /// into the sink's blocks.
 fn decode_layer<S: KvSink>(
     layout: &KvLayout,
@@ -172,10 +194,11 @@ async fn receive_layers<T: FrameTransport, S: KvSink + Send>(
     layout: &KvLayout,
     sink: &mut S,
     tracker: &mut Tracker,
-    crc_on: bool,
+    frames: Frames<'_>,
     compression: Compression,
     stage: &mut Vec<u8>,
 ) -> Result<()> {
+    let Frames { mac_on, auth } = frames;
     let region_len = layout.region_bytes();
     let frame_len = compression.layer_wire_bytes(layout, tracker.desc.dst_blocks.len());
     let request_id = tracker.desc.request_id;
@@ -185,12 +208,13 @@ async fn receive_layers<T: FrameTransport, S: KvSink + Send>(
     loop {
         io.read_ctl(&mut hdr, "reading a frame header").await?;
         let h = FrameHeader::decode(&hdr)?;
-        if h.crc() != crc_on {
+        if h.mac() != mac_on {
             return Err(Error::malformed(
                 tag_name(h.tag),
-                "crc32c flag differs from BEGIN's",
+                "MAC flag differs from BEGIN's",
             ));
         }
+        let mut mac = start(auth, &h, &hdr);
         match h.tag {
             TAG_LAYER => {
                 let layer = h.arg;
@@ -204,21 +228,22 @@ async fn receive_layers<T: FrameTransport, S: KvSink + Send>(
                 }
                 io.begin_payload(frame_len).await?;
                 if compression != Compression::None {
-                    // Read whole and checked first: a corrupted frame (crc on) never reaches
+                    // Read whole and checked first: a corrupted frame (MAC on) never reaches
                     // the sink. Bounded: the length was checked against the reserved blocks.
                     stage.resize(frame_len as usize, 0);
                     io.read_payload(stage).await?;
-                    if crc_on {
-                        let c = crc32c::crc32c_append(crc32c::crc32c(&hdr), stage);
-                        read_trailer(io, "LAYER", c).await?;
+                    if let Some(m) = &mut mac {
+                        m.update(stage);
                     }
+                    check_trailer(io, "LAYER", mac).await?;
                     let blocks = &tracker.desc.dst_blocks;
                     decode_layer(layout, sink, blocks, layer, compression, stage)?;
                     tracker.finish_layer(layer);
                     sink.layer_done(request_id, layer);
                     continue;
                 }
-                let mut crc = if crc_on { crc32c::crc32c(&hdr) } else { 0 };
+                // Regions per MAC group: hashed right after they were read, while in cache.
+                let group = (MAC_GROUP_BYTES / region_len.max(1)).max(1);
                 for kind in KvKind::ORDER {
                     let mut batch = recycle(std::mem::take(&mut spare));
                     let batched = sink
@@ -231,10 +256,10 @@ async fn receive_layers<T: FrameTransport, S: KvSink + Send>(
                         if let Some(r) = batch.iter().find(|r| r.len() != region_len) {
                             return Err(bad_region("region size", r.len()));
                         }
-                        io.read_payload_vectored(&mut batch).await?;
-                        if crc_on {
-                            for r in &batch {
-                                crc = crc32c::crc32c_append(crc, r);
+                        for g in batch.chunks_mut(group) {
+                            io.read_payload_vectored(g).await?;
+                            if let Some(m) = &mut mac {
+                                m.update_all(g);
                             }
                         }
                         spare = recycle(batch);
@@ -246,14 +271,12 @@ async fn receive_layers<T: FrameTransport, S: KvSink + Send>(
                             return Err(bad_region("region size", dst.len()));
                         }
                         io.read_payload(dst).await?;
-                        if crc_on {
-                            crc = crc32c::crc32c_append(crc, dst);
+                        if let Some(m) = &mut mac {
+                            m.update(dst);
                         }
                     }
                 }
-                if crc_on {
-                    read_trailer(io, "LAYER", crc).await?;
-                }
+                check_trailer(io, "LAYER", mac).await?;
                 tracker.finish_layer(layer);
                 sink.layer_done(request_id, layer);
             }
@@ -263,10 +286,10 @@ async fn receive_layers<T: FrameTransport, S: KvSink + Send>(
                 }
                 let mut body = [0u8; END_LEN];
                 io.read_ctl(&mut body, "reading END").await?;
-                if crc_on {
-                    let c = crc32c::crc32c_append(crc32c::crc32c(&hdr), &body);
-                    read_trailer(io, "END", c).await?;
+                if let Some(m) = &mut mac {
+                    m.update(&body);
                 }
+                check_trailer(io, "END", mac).await?;
                 let (rid, layers_sent) = decode_end(&body)?;
                 return tracker.end(rid, layers_sent);
             }
@@ -276,6 +299,10 @@ async fn receive_layers<T: FrameTransport, S: KvSink + Send>(
                 }
                 let mut body = [0u8; ABORT_LEN];
                 io.read_ctl(&mut body, "reading ABORT").await?;
+                if let Some(m) = &mut mac {
+                    m.update(&body);
+                }
+                check_trailer(io, "ABORT", mac).await?;
                 let (_, class) = decode_abort(&body);
                 return Err(Error::SenderAborted { class });
             }

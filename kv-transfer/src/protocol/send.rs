@@ -20,8 +20,9 @@ use crate::layout::{KvLayout, TransferDesc};
 use crate::protocol::compress::{encode_region, Compression};
 use crate::protocol::frame::{
     encode_abort, encode_block_ids, encode_end, BeginFixed, FrameHeader, Verdict, BEGIN_FIXED_LEN,
-    CRC_LEN, TAG_ABORT, TAG_BEGIN, TAG_END, TAG_LAYER,
+    MAC_LEN, TAG_ABORT, TAG_BEGIN, TAG_END, TAG_LAYER,
 };
+use crate::protocol::integrity::{tag_of, FrameAuth, FrameMac};
 use crate::protocol::receive::{receive_transfer, ReceivePolicy};
 use crate::protocol::transport::FrameTransport;
 use crate::protocol::{HEADER_LEN, MAX_REASON_LEN};
@@ -44,12 +45,15 @@ enum SendState {
 pub(crate) struct SenderCore<T> {
     pub(crate) io: T,
     layout: KvLayout,
-    checksum: bool,
+    /// Frame MACs (`None`: integrity off).
+    auth: Option<FrameAuth>,
     /// Encoding of LAYER payloads (already [`Compression::effective`] for the layout).
     compression: Compression,
     /// Encoded layer (compressed transfers only); reused, so it grows to the largest layer.
     stage: Vec<u8>,
     state: SendState,
+    #[cfg(feature = "fault-injection")]
+    faults: crate::protocol::faults::Injector,
 }
 
 fn check_regions<R: AsRef<[u8]>>(
@@ -79,15 +83,65 @@ fn check_regions<R: AsRef<[u8]>>(
 }
 
 impl<T: FrameTransport> SenderCore<T> {
-    pub(crate) fn new(io: T, layout: KvLayout, checksum: bool) -> Self {
+    pub(crate) fn new(io: T, layout: KvLayout, auth: Option<FrameAuth>) -> Self {
         SenderCore {
             io,
             layout,
-            checksum,
+            auth,
             compression: Compression::None,
             stage: Vec::new(),
             state: SendState::Idle,
+            #[cfg(feature = "fault-injection")]
+            faults: Default::default(),
         }
+    }
+
+    /// Applies the sender settings of `cfg` (compression; with feature `fault-injection`,
+    /// its fault plan).
+    pub(crate) fn configured(self, cfg: &crate::config::TransferConfig) -> Self {
+        #[allow(unused_mut)]
+        let mut core = self.with_compression(cfg.compression);
+        #[cfg(feature = "fault-injection")]
+        {
+            core.faults.plan = cfg.faults.clone();
+        }
+        core
+    }
+
+    /// Whether a fault plan routes this transfer's frames through the injector.
+    fn injecting(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        {
+            self.faults.plan.is_some()
+        }
+        #[cfg(not(feature = "fault-injection"))]
+        {
+            false
+        }
+    }
+
+    /// Writes a control frame (BEGIN, END, ABORT).
+    async fn write_frame(&mut self, msg: &[u8], during: &'static str) -> Result<()> {
+        #[cfg(feature = "fault-injection")]
+        if self.injecting() {
+            return self.faults.ctl(&mut self.io, msg, during).await;
+        }
+        self.io.write_ctl(msg, during).await
+    }
+
+    /// Writes a LAYER frame whose trailer is already computed.
+    async fn write_with_trailer<R: AsRef<[u8]> + Sync>(
+        &mut self,
+        hdr: &[u8; HEADER_LEN],
+        k: &[R],
+        v: &[R],
+        trailer: Option<[u8; MAC_LEN]>,
+    ) -> Result<()> {
+        #[cfg(feature = "fault-injection")]
+        if self.injecting() {
+            return self.faults.layer(&mut self.io, hdr, k, v, trailer).await;
+        }
+        self.io.write_layer(hdr, k, v, trailer).await
     }
 
     /// Encodes every later transfer's layers with `c` (see [`crate::protocol::compress`]).
@@ -133,16 +187,17 @@ impl<T: FrameTransport> SenderCore<T> {
         }
         .encode();
         let len = (BEGIN_FIXED_LEN + ids.len()) as u64;
-        let hdr = FrameHeader::new(TAG_BEGIN, self.checksum, 0, len).encode();
-        let mut msg = Vec::with_capacity(HEADER_LEN + len as usize + CRC_LEN);
+        let hdr = FrameHeader::new(TAG_BEGIN, self.auth.is_some(), 0, len).encode();
+        let mut msg = Vec::with_capacity(HEADER_LEN + len as usize + MAC_LEN);
         msg.extend_from_slice(&hdr);
         msg.extend_from_slice(&fixed);
         msg.extend_from_slice(&ids);
-        if self.checksum {
-            let c = crc32c::crc32c(&msg);
-            msg.extend_from_slice(&c.to_le_bytes());
+        if let Some(auth) = &mut self.auth {
+            msg.extend_from_slice(&tag_of(auth, &hdr, &[&fixed, &ids]));
         }
-        let r = self.io.write_ctl(&msg, "sending BEGIN").await;
+        #[cfg(feature = "fault-injection")]
+        self.faults.begin();
+        let r = self.write_frame(&msg, "sending BEGIN").await;
         self.poison(r)?;
         self.state = SendState::InTransfer {
             seen: vec![false; self.layout.layers() as usize],
@@ -206,8 +261,16 @@ impl<T: FrameTransport> SenderCore<T> {
         self.stage_layer(&k, &v)?;
         let r = if self.compression == Compression::None {
             let hdr = self.layer_header(layer, n_blocks);
-            let trailer = self.checksum.then(|| crc_of(&hdr, k.iter().chain(&v)));
-            self.io.write_layer_owned(&hdr, k, v, trailer).await
+            let trailer = self.mac(&hdr).map(|mut m| {
+                m.update_all(&k);
+                m.update_all(&v);
+                m.finish()
+            });
+            if self.injecting() {
+                self.write_with_trailer(&hdr, &k, &v, trailer).await
+            } else {
+                self.io.write_layer_owned(&hdr, k, v, trailer).await
+            }
         } else {
             self.write_layer(layer, n_blocks, &k, &v).await
         };
@@ -235,7 +298,12 @@ impl<T: FrameTransport> SenderCore<T> {
     /// The LAYER frame header of `layer` over `n_blocks` blocks, as encoded on the wire.
     fn layer_header(&self, layer: u32, n_blocks: usize) -> [u8; HEADER_LEN] {
         let len = self.compression.layer_wire_bytes(&self.layout, n_blocks);
-        FrameHeader::new(TAG_LAYER, self.checksum, layer, len).encode()
+        FrameHeader::new(TAG_LAYER, self.auth.is_some(), layer, len).encode()
+    }
+
+    /// The MAC of the next frame (`None`: integrity off).
+    fn mac(&mut self, header: &[u8; HEADER_LEN]) -> Option<FrameMac> {
+        self.auth.as_mut().map(|a| a.start(header))
     }
 
     /// Writes one layer frame: the regions, or with compression the staged encoding.
@@ -247,13 +315,32 @@ impl<T: FrameTransport> SenderCore<T> {
         v: &[R],
     ) -> Result<()> {
         let hdr = self.layer_header(layer, n_blocks);
+        let mac = self.mac(&hdr);
+        if self.injecting() {
+            let stage = std::mem::take(&mut self.stage);
+            let compressed: [&[u8]; 1] = [&stage];
+            let (k, v): (&[&[u8]], Vec<&[u8]>) = if self.compression == Compression::None {
+                (&[], k.iter().chain(v).map(AsRef::as_ref).collect())
+            } else {
+                (&compressed, Vec::new())
+            };
+            let r = match mac {
+                Some(mut m) => {
+                    m.update_all(k);
+                    m.update_all(&v);
+                    let t = m.finish();
+                    self.write_with_trailer(&hdr, k, &v, Some(t)).await
+                }
+                None => self.write_with_trailer(&hdr, k, &v, None).await,
+            };
+            self.stage = stage;
+            return r;
+        }
         if self.compression == Compression::None {
-            let trailer = self.checksum.then(|| crc_of(&hdr, k.iter().chain(v)));
-            self.io.write_layer(&hdr, k, v, trailer).await
+            self.io.write_layer_mac(&hdr, k, v, mac).await
         } else {
             let body: [&[u8]; 1] = [&self.stage];
-            let trailer = self.checksum.then(|| crc_of(&hdr, body.iter()));
-            self.io.write_layer(&hdr, &body, &[], trailer).await
+            self.io.write_layer_mac(&hdr, &body, &[], mac).await
         }
     }
 
@@ -319,19 +406,9 @@ impl<T: FrameTransport> SenderCore<T> {
         else {
             return Err(Error::Internal("sender state changed unexpectedly".into()));
         };
-        let hdr = FrameHeader::new(TAG_END, self.checksum, 0, 16).encode();
         let body = encode_end(desc.request_id, sent);
-        let mut msg = [0u8; HEADER_LEN + 16 + CRC_LEN];
-        msg[..HEADER_LEN].copy_from_slice(&hdr);
-        msg[HEADER_LEN..HEADER_LEN + 16].copy_from_slice(&body);
-        let n = if self.checksum {
-            let c = crc32c::crc32c(&msg[..HEADER_LEN + 16]);
-            msg[HEADER_LEN + 16..].copy_from_slice(&c.to_le_bytes());
-            msg.len()
-        } else {
-            HEADER_LEN + 16
-        };
-        self.io.write_ctl(&msg[..n], "sending END").await?;
+        let (msg, n) = self.control_frame(TAG_END, &body);
+        self.write_frame(&msg[..n], "sending END").await?;
         let mut reply = [0u8; HEADER_LEN];
         self.io.read_reply_header(&mut reply).await?;
         let v = self.read_verdict_body(&reply).await?;
@@ -355,20 +432,29 @@ impl<T: FrameTransport> SenderCore<T> {
     }
 
     async fn abort_inner(&mut self, request_id: u64) -> Result<()> {
-        let hdr = FrameHeader::new(TAG_ABORT, self.checksum, 0, 16).encode();
         let body = encode_abort(request_id, ErrorClass::Unavailable);
-        let mut msg = [0u8; HEADER_LEN + 16 + CRC_LEN];
-        msg[..HEADER_LEN].copy_from_slice(&hdr);
-        msg[HEADER_LEN..HEADER_LEN + 16].copy_from_slice(&body);
-        let n = if self.checksum {
-            let c = crc32c::crc32c(&msg[..HEADER_LEN + 16]);
-            msg[HEADER_LEN + 16..].copy_from_slice(&c.to_le_bytes());
-            msg.len()
-        } else {
-            HEADER_LEN + 16
-        };
+        let (msg, n) = self.control_frame(TAG_ABORT, &body);
         self.state = SendState::Broken;
-        self.io.write_ctl(&msg[..n], "sending ABORT").await
+        self.write_frame(&msg[..n], "sending ABORT").await
+    }
+
+    /// A 16-byte-body control frame (END, ABORT) with its MAC; the bytes to send are `..n`.
+    fn control_frame(
+        &mut self,
+        tag: u8,
+        body: &[u8; 16],
+    ) -> ([u8; HEADER_LEN + 16 + MAC_LEN], usize) {
+        let hdr = FrameHeader::new(tag, self.auth.is_some(), 0, 16).encode();
+        let mut msg = [0u8; HEADER_LEN + 16 + MAC_LEN];
+        msg[..HEADER_LEN].copy_from_slice(&hdr);
+        msg[HEADER_LEN..HEADER_LEN + 16].copy_from_slice(body);
+        match &mut self.auth {
+            Some(auth) => {
+                msg[HEADER_LEN + 16..].copy_from_slice(&tag_of(auth, &hdr, &[body]));
+                (msg, msg.len())
+            }
+            None => (msg, HEADER_LEN + 16),
+        }
     }
 
     /// Abandons the current transfer: the receiver releases its blocks. The connection is
@@ -380,15 +466,6 @@ impl<T: FrameTransport> SenderCore<T> {
             SendState::Broken => Err(Error::Broken),
         }
     }
-}
-
-/// crc32c over a frame header and its body parts.
-fn crc_of<'a, R: AsRef<[u8]> + 'a>(hdr: &[u8], parts: impl Iterator<Item = &'a R>) -> [u8; 4] {
-    let mut c = crc32c::crc32c(hdr);
-    for p in parts {
-        c = crc32c::crc32c_append(c, p.as_ref());
-    }
-    c.to_le_bytes()
 }
 
 fn rejected(v: Verdict) -> Error {
@@ -404,17 +481,20 @@ pub(crate) struct ReceiverCore<T> {
     pub(crate) io: T,
     layout: KvLayout,
     policy: ReceivePolicy,
+    /// Verifies the sender's frame MACs (keys from the handshake).
+    auth: FrameAuth,
     broken: bool,
     /// Staging buffer for compressed layers (grows to the largest one seen).
     stage: Vec<u8>,
 }
 
 impl<T: FrameTransport> ReceiverCore<T> {
-    pub(crate) fn new(io: T, layout: KvLayout, require_checksum: bool) -> Self {
+    pub(crate) fn new(io: T, layout: KvLayout, auth: FrameAuth, require_mac: bool) -> Self {
         ReceiverCore {
             io,
             layout,
-            policy: ReceivePolicy { require_checksum },
+            policy: ReceivePolicy { require_mac },
+            auth,
             broken: false,
             stage: Vec::new(),
         }
@@ -441,6 +521,7 @@ impl<T: FrameTransport> ReceiverCore<T> {
             &self.layout,
             sink,
             self.policy,
+            &mut self.auth,
             &mut self.stage,
         )
         .await;

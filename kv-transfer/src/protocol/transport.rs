@@ -11,7 +11,8 @@ use std::future::Future;
 use bytes::Bytes;
 
 use crate::error::{Error, Result};
-use crate::protocol::frame::TAG_VERDICT;
+use crate::protocol::frame::{MAC_LEN, TAG_VERDICT};
+use crate::protocol::integrity::FrameMac;
 use crate::protocol::{HEADER_LEN, IDLE};
 
 /// Moves protocol bytes. Control bytes (headers, small bodies, trailers) and layer payload
@@ -59,15 +60,35 @@ pub(crate) trait FrameTransport: Send {
         during: &'static str,
     ) -> impl Future<Output = Result<()>> + Send;
 
-    /// Writes one LAYER frame: header, K regions, V regions, optional crc trailer. `k` and
+    /// Writes one LAYER frame: header, K regions, V regions, optional MAC trailer. `k` and
     /// `v` may differ in length (a compressed layer comes as one staged buffer in `k`).
     fn write_layer<R: AsRef<[u8]> + Sync>(
         &mut self,
         header: &[u8; HEADER_LEN],
         k: &[R],
         v: &[R],
-        trailer: Option<[u8; 4]>,
+        trailer: Option<[u8; MAC_LEN]>,
     ) -> impl Future<Output = Result<()>> + Send;
+
+    /// [`write_layer`](Self::write_layer) with the trailer still to compute: `mac` must see
+    /// every K then V byte in order. The default hashes everything first; a transport may
+    /// hash each piece just before it writes it, while the piece is in cache.
+    fn write_layer_mac<R: AsRef<[u8]> + Sync>(
+        &mut self,
+        header: &[u8; HEADER_LEN],
+        k: &[R],
+        v: &[R],
+        mac: Option<FrameMac>,
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            let trailer = mac.map(|mut m| {
+                m.update_all(k);
+                m.update_all(v);
+                m.finish()
+            });
+            self.write_layer(header, k, v, trailer).await
+        }
+    }
 
     /// [`write_layer`](Self::write_layer) with owned regions, which the transport may keep
     /// until the receiver has consumed them instead of waiting for it (the default waits).
@@ -76,7 +97,7 @@ pub(crate) trait FrameTransport: Send {
         header: &[u8; HEADER_LEN],
         k: Vec<Bytes>,
         v: Vec<Bytes>,
-        trailer: Option<[u8; 4]>,
+        trailer: Option<[u8; MAC_LEN]>,
     ) -> impl Future<Output = Result<()>> + Send {
         async move { self.write_layer(header, &k, &v, trailer).await }
     }
@@ -158,7 +179,7 @@ impl FrameTransport for SliceTransport<'_> {
         header: &[u8; HEADER_LEN],
         k: &[R],
         v: &[R],
-        trailer: Option<[u8; 4]>,
+        trailer: Option<[u8; MAC_LEN]>,
     ) -> Result<()> {
         self.output.extend_from_slice(header);
         for r in k.iter().chain(v) {

@@ -10,7 +10,7 @@ use duet_bench::transfer::{self as bench, BenchOptions, E2eOptions};
 use duet_kv_transfer::BackendKind;
 use serde::Serialize;
 
-use crate::cmd::cluster::args::CompressionArg;
+use crate::cmd::cluster::args::{CompressionArg, Switch};
 
 #[derive(Args, Debug)]
 pub struct TransferBenchArgs {
@@ -23,9 +23,9 @@ pub struct TransferBenchArgs {
     /// Parallel connections (tcp).
     #[arg(long, default_value_t = 1)]
     pub streams: usize,
-    /// Disable per-frame crc32c.
-    #[arg(long)]
-    pub no_checksum: bool,
+    /// Frame MACs (`on`, as workers run by default) or `off` (`--kv-integrity off`).
+    #[arg(long, value_enum, default_value = "on")]
+    pub integrity: Switch,
     /// Encoding of the KV on the wire (tcp, shm); GB/s count the KV as stored.
     #[arg(long, value_enum, default_value = "none")]
     pub compression: CompressionArg,
@@ -64,7 +64,7 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
         backend: a.backend,
         max_bytes: a.bytes,
         streams: a.streams,
-        checksum: !a.no_checksum,
+        integrity: a.integrity == Switch::On,
         compression: a.compression.into(),
         shm_ring: a.shm_ring,
         huge_pages: a.huge_pages,
@@ -73,7 +73,7 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
     }))?;
     let end_to_end = rt.block_on(bench::end_to_end(E2eOptions {
         backend: a.backend,
-        checksum: !a.no_checksum,
+        integrity: a.integrity == Switch::On,
         compression: a.compression.into(),
         shm_ring: a.shm_ring,
         shm_arena: !a.shm_no_arena,
@@ -85,14 +85,14 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
     } else {
         let s = &report.sizes;
         println!(
-            "backend {:?}{}{}, {} stream(s), checksum {}, compression {}, reference {}",
+            "backend {:?}{}{}, {} stream(s), integrity {}, compression {}, reference {}",
             s.backend,
             s.shm_mode
                 .as_ref()
                 .map_or(String::new(), |m| format!(" ({m} mode)")),
             if s.huge_pages { ", huge pages" } else { "" },
             s.streams,
-            s.checksum,
+            if s.integrity { "on" } else { "off" },
             s.compression,
             s.reference_kind
         );

@@ -7,6 +7,7 @@ use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use duet_discovery::{EtcdOptions, EtcdRegistry, RegistrationOptions, Registry};
 use duet_engine::{KvCacheConfig, KvDtype, Model, PrefixCacheConfig};
+use duet_kv_transfer::protocol::Integrity;
 use duet_kv_transfer::{Compression, SharedSecret, TransferConfig};
 use duet_serving::cluster_auth::ClusterToken;
 
@@ -153,6 +154,12 @@ pub struct KvArgs {
     /// kv-transfer/README.md for what it does to greedy tokens).
     #[arg(long, env = "DUET_KV_COMPRESSION", value_enum, default_value = "none")]
     pub kv_compression: CompressionArg,
+    /// Frame integrity on the KV link (tcp, shm, rdma, nccl): `on` MACs every frame under a
+    /// key of its own (NH-Poly1305, keys from the handshake) and a decode worker refuses
+    /// frames without one, so KV changed, cut or replayed on the way never reaches a pool;
+    /// `off` only for links trusted end to end (docs/security.md).
+    #[arg(long, env = "DUET_KV_INTEGRITY", value_enum, default_value = "on")]
+    pub kv_integrity: Switch,
     /// Prefix caching: keep the KV blocks of finished requests and reuse them for prompts
     /// that start the same way (whole 16-token blocks); least recently used blocks are
     /// evicted when room is needed.
@@ -290,6 +297,15 @@ impl KvArgs {
         let mut cfg = TransferConfig::new(layout, secret.clone());
         cfg.timeouts.io = self.kv_timeout;
         cfg.compression = self.kv_compression.into();
+        cfg.integrity = match self.kv_integrity {
+            Switch::On => Integrity::Mac,
+            Switch::Off => Integrity::Off,
+        };
+        #[cfg(feature = "fault-injection")]
+        if let Ok(spec) = std::env::var("DUET_KV_FAULTS") {
+            cfg.faults = Some(duet_kv_transfer::protocol::faults::FaultPlan::parse(&spec)?);
+            tracing::warn!(%spec, "test build: injecting faults into this worker's KV transfers");
+        }
         Ok(cfg)
     }
 }

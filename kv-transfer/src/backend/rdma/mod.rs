@@ -29,6 +29,7 @@ use crate::backend::tcp::{
 use crate::config::TransferConfig;
 use crate::error::{Error, Result};
 use crate::layout::KvLayout;
+use crate::protocol::integrity::{sender_auth, FrameAuth};
 use crate::protocol::send::{ReceiverCore, SenderCore};
 use crate::protocol::transport::FrameTransport;
 use crate::protocol::HEADER_LEN;
@@ -102,7 +103,7 @@ impl FrameTransport for RdmaTransport {
         header: &[u8; HEADER_LEN],
         k: &[R],
         v: &[R],
-        trailer: Option<[u8; 4]>,
+        trailer: Option<[u8; crate::protocol::MAC_LEN]>,
     ) -> Result<()> {
         self.ctl.write_ctl(header, "sending a layer header").await?;
         let regions: Vec<&[u8]> = k.iter().chain(v).map(|r| r.as_ref()).collect();
@@ -117,7 +118,7 @@ impl FrameTransport for RdmaTransport {
             () = self.ctl.replied() => {}
         }
         if let Some(t) = trailer {
-            self.ctl.write_ctl(&t, "sending a crc32c trailer").await?;
+            self.ctl.write_ctl(&t, "sending a MAC trailer").await?;
         }
         Ok(())
     }
@@ -207,6 +208,7 @@ impl RdmaSetup {
         msg.extend_from_slice(&addr);
         ctl.write_ctl(&msg, "sending the UCX worker address")
             .await?;
+        let auth = FrameAuth::new(&ctl.key);
         Ok(RdmaInbound {
             core: ReceiverCore::new(
                 RdmaTransport {
@@ -216,7 +218,8 @@ impl RdmaSetup {
                     io_timeout: t.io,
                 },
                 self.cfg.layout,
-                self.cfg.checksum,
+                auth,
+                self.cfg.integrity.on(),
             ),
         })
     }
@@ -268,6 +271,7 @@ impl RdmaSender {
         ctl.read_ctl(&mut peer, "reading the UCX worker address")
             .await?;
         ucx.connect(&peer)?;
+        let auth = sender_auth(cfg.integrity, &ctl.key);
         Ok(RdmaSender {
             core: SenderCore::new(
                 RdmaTransport {
@@ -277,9 +281,9 @@ impl RdmaSender {
                     io_timeout: cfg.timeouts.io,
                 },
                 cfg.layout,
-                cfg.checksum,
+                auth,
             )
-            .with_compression(cfg.compression),
+            .configured(cfg),
         })
     }
 

@@ -79,7 +79,8 @@ impl ShmSetup {
     /// Authenticates the peer on `sock` and sets up its ring (and pull mode when possible).
     pub async fn run(self, mut sock: UnixStream) -> Result<ShmInbound> {
         let t = self.cfg.timeouts;
-        handshake::server(&mut sock, &self.cfg.layout, &self.cfg.secret, t.handshake).await?;
+        let key =
+            handshake::server(&mut sock, &self.cfg.layout, &self.cfg.secret, t.handshake).await?;
         let (mut map, name) = ShmMapping::create(&self.opts.dir, self.opts.ring_len()?)?;
         if !self.opts.pull {
             // Ring for sure: back it before the sender can write a slot.
@@ -98,7 +99,12 @@ impl ShmSetup {
         let mut io = ShmTransport::new(sock, t, map, &self.opts, mode, pid);
         io.arena = arena;
         Ok(ShmInbound {
-            core: ReceiverCore::new(io, self.cfg.layout, self.cfg.checksum),
+            core: ReceiverCore::new(
+                io,
+                self.cfg.layout,
+                FrameAuth::new(&key),
+                self.cfg.integrity.on(),
+            ),
         })
     }
 }
@@ -200,6 +206,14 @@ impl ShmInbound {
         self.core.transport().mode
     }
 
+    /// The peer for logs: `shm pid N` in pull mode (the sender's process), else `shm`.
+    pub fn peer(&self) -> String {
+        match self.core.transport().peer_pid {
+            0 => "shm".to_string(),
+            pid => format!("shm pid {pid}"),
+        }
+    }
+
     /// The sender's send arena is mapped here: PULLs inside it are copied with a memcpy.
     pub fn arena_mapped(&self) -> bool {
         self.core.transport().arena.is_some()
@@ -237,7 +251,7 @@ impl ShmSender {
     ) -> Result<Self> {
         let t = cfg.timeouts;
         let mut sock = bounded(t.connect, "connecting", UnixStream::connect(path.as_ref())).await?;
-        handshake::client(&mut sock, &cfg.layout, &cfg.secret, t.handshake).await?;
+        let key = handshake::client(&mut sock, &cfg.layout, &cfg.secret, t.handshake).await?;
         let mut setup = [0u8; SETUP_LEN];
         bounded(
             t.handshake,
@@ -292,7 +306,7 @@ impl ShmSender {
         let mut io = ShmTransport::new(sock, t, map, &opts, mode, 0);
         io.arena_shared = arena_shared;
         Ok(ShmSender {
-            core: SenderCore::new(io, cfg.layout, cfg.checksum).with_compression(cfg.compression),
+            core: SenderCore::new(io, cfg.layout, sender_auth(cfg.integrity, &key)).configured(cfg),
         })
     }
 

@@ -63,7 +63,7 @@ impl FrameTransport for ShmTransport {
                         tag: h.tag,
                     });
                 }
-                if h.crc() || h.arg != self.slot_of(self.rx_seq) {
+                if h.mac() || h.arg != self.slot_of(self.rx_seq) {
                     return Err(Error::malformed("CHUNK", "wrong slot or flags"));
                 }
                 if h.len == 0 || h.len > self.slot_bytes as u64 {
@@ -101,7 +101,7 @@ impl FrameTransport for ShmTransport {
         header: &[u8; HEADER_LEN],
         k: &[R],
         v: &[R],
-        trailer: Option<[u8; 4]>,
+        trailer: Option<[u8; MAC_LEN]>,
     ) -> Result<()> {
         if self.mode == ShmMode::Pull {
             return self.pull_layer(header, k, v, trailer).await;
@@ -129,7 +129,7 @@ impl FrameTransport for ShmTransport {
             self.ring(fill).await?;
         }
         if let Some(t) = trailer {
-            self.sock_write(&t, "sending a crc32c trailer").await?;
+            self.sock_write(&t, "sending a MAC trailer").await?;
         }
         Ok(())
     }
@@ -139,7 +139,7 @@ impl FrameTransport for ShmTransport {
         header: &[u8; HEADER_LEN],
         k: Vec<Bytes>,
         v: Vec<Bytes>,
-        trailer: Option<[u8; 4]>,
+        trailer: Option<[u8; MAC_LEN]>,
     ) -> Result<()> {
         if self.mode != ShmMode::Pull {
             return self.write_layer(header, &k, &v, trailer).await;

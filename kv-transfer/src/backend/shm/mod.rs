@@ -72,8 +72,9 @@ use crate::error::{Error, Result};
 use crate::handshake;
 use crate::layout::KvLayout;
 use crate::protocol::frame::{
-    FrameHeader, Verdict, TAG_CHUNK, TAG_CREDIT, TAG_PULL, TAG_PULLED, VERDICT_FIXED_LEN,
+    FrameHeader, Verdict, MAC_LEN, TAG_CHUNK, TAG_CREDIT, TAG_PULL, TAG_PULLED, VERDICT_FIXED_LEN,
 };
+use crate::protocol::integrity::{sender_auth, FrameAuth};
 use crate::protocol::send::{ReceiverCore, SenderCore};
 use crate::protocol::transport::FrameTransport;
 use crate::protocol::{HEADER_LEN, IDLE, MAX_REASON_LEN};
@@ -298,7 +299,7 @@ impl ShmTransport {
 
     /// Sender: accounts one CREDIT header.
     fn take_credit(&mut self, h: &FrameHeader) -> Result<()> {
-        if h.len != 0 || h.crc() || self.tx_credited >= self.tx_seq {
+        if h.len != 0 || h.mac() || self.tx_credited >= self.tx_seq {
             return Err(Error::malformed("CREDIT", "unexpected credit"));
         }
         if h.arg != self.slot_of(self.tx_credited) {
@@ -347,7 +348,7 @@ impl ShmTransport {
             let mut hdr = [0u8; HEADER_LEN];
             self.sock_read(&mut hdr, "waiting for a PULL").await?;
             let h = FrameHeader::decode(&hdr)?;
-            if h.tag != TAG_PULL || h.crc() {
+            if h.tag != TAG_PULL || h.mac() {
                 return Err(Error::UnexpectedFrame {
                     expected: "PULL",
                     tag: h.tag,
@@ -391,7 +392,7 @@ impl ShmTransport {
         header: &[u8; HEADER_LEN],
         k: &[R],
         v: &[R],
-        trailer: Option<[u8; 4]>,
+        trailer: Option<[u8; MAC_LEN]>,
     ) -> Result<()> {
         self.send_pull(header, k, v, trailer).await?;
         self.wait_pulled(0).await
@@ -406,7 +407,7 @@ impl ShmTransport {
         header: &[u8; HEADER_LEN],
         k: &[R],
         v: &[R],
-        trailer: Option<[u8; 4]>,
+        trailer: Option<[u8; MAC_LEN]>,
     ) -> Result<Option<&mut InFlight>> {
         let mut frame = std::mem::take(&mut self.pull_buf);
         frame.clear();
@@ -441,7 +442,7 @@ impl ShmTransport {
     /// Sender: accounts one PULLED header, which must answer the oldest PULL in flight.
     fn take_pulled(&mut self, h: &FrameHeader) -> Result<()> {
         match self.in_flight.front() {
-            Some(f) if h.len == 0 && !h.crc() && h.arg == f.count => {
+            Some(f) if h.len == 0 && !h.mac() && h.arg == f.count => {
                 self.in_flight.pop_front();
                 Ok(())
             }
