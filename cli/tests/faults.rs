@@ -6,6 +6,9 @@
 
 mod support;
 
+/// Either side of a KV transfer frozen mid-way.
+#[path = "faults/frozen.rs"]
+mod frozen;
 /// Faults of the registry (etcd stopped, workers leaving the view) and live load.
 #[path = "faults/registry.rs"]
 mod registry;

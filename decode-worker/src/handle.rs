@@ -131,6 +131,10 @@ pub struct Reserved {
 /// thread, read by KV receivers to accept or refuse a transfer header.
 pub(crate) type ReservedBlocks = Arc<Mutex<std::collections::HashMap<u32, u64>>>;
 
+/// Who waits to hear that a request's transfer failed: request id -> the waiter. Filled by
+/// [`DecodeHandle::watch_transfer`], emptied when the failure is told or the waiter leaves.
+type TransferWatchers = Arc<Mutex<std::collections::HashMap<u64, oneshot::Sender<String>>>>;
+
 /// Cloneable handle to a decode worker's engine thread.
 #[derive(Clone)]
 pub struct DecodeHandle {
@@ -142,6 +146,7 @@ pub struct DecodeHandle {
     vocab_size: usize,
     stopped: Arc<AtomicBool>,
     kv_events: KvEventHub,
+    watchers: TransferWatchers,
 }
 
 impl DecodeHandle {
@@ -202,6 +207,7 @@ impl DecodeHandle {
             vocab_size,
             stopped,
             kv_events,
+            watchers: Arc::default(),
         })
     }
 
@@ -316,7 +322,34 @@ impl DecodeHandle {
     }
 
     pub(crate) fn transfer_failed(&self, request_id: u64, reason: String) {
+        let watcher = self
+            .watchers
+            .lock()
+            .ok()
+            .and_then(|mut w| w.remove(&request_id));
+        if let Some(w) = watcher {
+            let _ = w.send(reason.clone());
+        }
         let _ = self.send(Cmd::TransferFailed { request_id, reason });
+    }
+
+    /// Resolves with the reason if `request_id`'s KV transfer fails before
+    /// [`DecodeHandle::unwatch_transfer`]: the caller waiting on the prefill worker's answer
+    /// hears at once that the KV will not come, instead of waiting for a sender that may be
+    /// hung (the link's own timeout has already run out).
+    pub(crate) fn watch_transfer(&self, request_id: u64) -> oneshot::Receiver<String> {
+        let (tx, rx) = oneshot::channel();
+        if let Ok(mut w) = self.watchers.lock() {
+            w.insert(request_id, tx);
+        }
+        rx
+    }
+
+    /// Stops [`DecodeHandle::watch_transfer`] for `request_id`.
+    pub(crate) fn unwatch_transfer(&self, request_id: u64) {
+        if let Ok(mut w) = self.watchers.lock() {
+            w.remove(&request_id);
+        }
     }
 
     pub(crate) fn is_reserved(&self, request_id: u64, block: u32) -> bool {

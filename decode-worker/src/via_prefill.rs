@@ -21,7 +21,7 @@ use std::time::Duration;
 use duet_proto::v1 as pb;
 use duet_proto::v1::prefill_client::PrefillClient;
 use duet_serving::cluster_auth::AuthChannel;
-use duet_serving::status::mark_prefill_failed;
+use duet_serving::status::{mark_kv_link_failed, mark_prefill_failed};
 use duet_serving::trace_context::TraceContext;
 use tonic::Status;
 
@@ -50,6 +50,8 @@ pub struct Pending {
     armed: bool,
     /// The prefill was asked for and has not answered.
     prefill_outstanding: bool,
+    /// Resolves if the request's KV transfer fails.
+    transfer_failed: tokio::sync::oneshot::Receiver<String>,
 }
 
 impl Pending {
@@ -57,21 +59,36 @@ impl Pending {
     /// engine thread has not yet answered still releases what it will reserve (the release
     /// queues behind the reservation; releasing nothing is harmless).
     pub fn new(handle: DecodeHandle, client: PrefillClient<AuthChannel>, request_id: u64) -> Self {
+        let transfer_failed = handle.watch_transfer(request_id);
         Pending {
             handle,
             client,
             request_id,
             armed: true,
             prefill_outstanding: false,
+            transfer_failed,
         }
     }
 
-    /// Runs `call`, with a cancel sent if this is dropped while it is outstanding.
+    /// Runs `call`, with a cancel sent if this is dropped while it is outstanding. A failure
+    /// of the request's KV transfer (timed out on a silent sender, refused for its MAC, cut)
+    /// ends the wait at once as a failure of the KV link from that prefill worker: a frozen
+    /// sender never answers, and its connection may take the HTTP/2 keepalive's time to
+    /// break.
     pub async fn prefill(&mut self, call: ViaCall) -> Result<pb::PrefillResponse, Status> {
         self.prefill_outstanding = true;
-        let answer = call.run().await;
-        self.prefill_outstanding = false;
-        answer
+        tokio::select! {
+            a = call.run() => {
+                self.prefill_outstanding = false;
+                a
+            }
+            // The prefill stays outstanding: it is cancelled when this drops.
+            Ok(reason) = &mut self.transfer_failed => Err(mark_prefill_failed(
+                mark_kv_link_failed(Status::unavailable(format!(
+                    "the KV transfer from the prefill worker failed: {reason}"
+                ))),
+            )),
+        }
     }
 
     /// The sequence joined the batch: its event receiver owns it from now on.
@@ -82,6 +99,7 @@ impl Pending {
 
 impl Drop for Pending {
     fn drop(&mut self) {
+        self.handle.unwatch_transfer(self.request_id);
         if !self.armed {
             return;
         }

@@ -48,7 +48,7 @@ VALUE_SETS: dict[str, dict] = {
         "tls": {"enabled": True, "cert": "-----BEGIN CERTIFICATE-----", "key": "-----BEGIN PRIVATE KEY-----",
                 "ca": "-----BEGIN CERTIFICATE-----", "serverName": "duet-worker.duet.svc"},
         "kvSecret": {"existingSecret": "duet-kv-managed", "existingSecretKey": "secret"},
-        "config": {"drain": "30s"},
+        "config": {"drain": "30s", "kvIntegrity": "off"},
         "router": {"terminationGracePeriodSeconds": 60,
                    "apiKeys": {"existingSecret": "duet-api-keys-managed", "existingSecretKey": "keys"}},
         "probes": {"liveness": {"periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5}},

@@ -48,6 +48,8 @@ def test_defaults_pass_the_schema(chart):
     ({"decode": {"kvPool": "2 gigs"}}, "/decode/kvPool"),
     ({"prefill": {"prefixCache": "yes"}}, "/prefill/prefixCache"),
     ({"prefill": {"kvCompression": "zstd"}}, "/prefill/kvCompression"),
+    ({"config": {"kvIntegrity": "crc32"}}, "/config/kvIntegrity"),
+    ({"config": {"kvIntegrity": False}}, "/config/kvIntegrity"),
     ({"decode": {"kvHostPool": "lots"}}, "/decode/kvHostPool"),
     ({"config": {"extraEnv": {"RUST_LOG": "x"}}}, "invalid propertyName 'RUST_LOG'"),
     ({"kvSecret": {"value": "short"}}, "/kvSecret/value"),
@@ -383,6 +385,10 @@ def test_role_ports_and_settings(rendered: Rendered):
             assert env["DUET_KV_POOL"] == eff[role]["kvPool"]
             assert env["DUET_PREFIX_CACHE"] == eff[role]["prefixCache"]
             assert env["DUET_KV_HOST_POOL"] == str(eff[role]["kvHostPool"])
+            # The same on both ends of the KV link, on by default.
+            assert env["DUET_KV_INTEGRITY"] == eff["config"]["kvIntegrity"]
+        if role == "router":
+            assert "DUET_KV_INTEGRITY" not in env
         if role == "prefill":
             assert env["DUET_MAX_BATCH_TOKENS"] == str(eff["prefill"]["maxBatchTokens"])
             assert env["DUET_KV_COMPRESSION"] == eff["prefill"]["kvCompression"]
