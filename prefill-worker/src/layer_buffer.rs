@@ -15,7 +15,7 @@ use duet_kv_transfer::backend::shm::SendArena;
 
 /// Copies `k` then `v` into one buffer (in `arena` when it has room) and returns them as
 /// slices of it, in the same order and lengths.
-pub(crate) fn layer_bytes(
+pub fn layer_bytes(
     arena: Option<&Arc<SendArena>>,
     k: &[&[u8]],
     v: &[&[u8]],

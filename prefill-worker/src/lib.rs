@@ -22,7 +22,7 @@
 pub mod engine_loop;
 pub mod error;
 pub mod handle;
-mod layer_buffer;
+pub mod layer_buffer;
 mod metrics;
 pub mod policy;
 mod queue;

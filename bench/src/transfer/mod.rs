@@ -11,6 +11,7 @@
 mod e2e;
 mod harness;
 mod reference;
+mod worker_path;
 
 use std::time::{Duration, Instant};
 
@@ -26,6 +27,7 @@ use duet_kv_transfer::protocol::compress::{decode_region, encode_region, Compres
 use duet_kv_transfer::protocol::Integrity;
 
 pub use e2e::{end_to_end, E2eOptions, E2eReport};
+pub use worker_path::{worker_path, WorkerPathOptions, WorkerPathPoint, WorkerPathReport};
 
 /// Bytes of one bench region (4 heads × 16 slots × 64 dims × f32).
 const BENCH_REGION: u64 = 16 * 1024;

@@ -1,12 +1,13 @@
 //! `duet bench transfer`: KV transfer throughput and latency per payload
 //! size beside the reference measured in the same run (iperf3 over loopback
 //! for tcp, memcpy for shm and local), plus the pipelined end-to-end figure
-//! for a 1024-token prompt of the default model.
+//! for a 1024-token prompt of the default model. `--end-to-end` measures the workers' own
+//! path instead: a prefill worker's KV pool to a decode worker's, through their code.
 
 use std::path::PathBuf;
 
 use clap::Args;
-use duet_bench::transfer::{self as bench, BenchOptions, E2eOptions};
+use duet_bench::transfer::{self as bench, BenchOptions, E2eOptions, WorkerPathOptions};
 use duet_kv_transfer::BackendKind;
 use serde::Serialize;
 
@@ -43,6 +44,17 @@ pub struct TransferBenchArgs {
     #[arg(long)]
     pub shm_no_arena: bool,
     /// Print JSON (and write it here when a path is given).
+    /// Measure the workers' path instead (prefill worker's pool -> send arena or socket ->
+    /// decode worker's staging -> its pool, the model's f16 layout, tcp or shm) at 16, 64
+    /// and 256 MiB (or up to --bytes), beside memcpy in the same run.
+    #[arg(long)]
+    pub end_to_end: bool,
+    /// The model whose layout and decode engine `--end-to-end` uses.
+    #[arg(long, env = "DUET_MODEL", default_value = crate::cmd::model_args::DEFAULT_MODEL)]
+    pub model: PathBuf,
+    /// Measured runs per size of `--end-to-end` (median reported).
+    #[arg(long, default_value_t = 5)]
+    pub runs: u32,
     #[arg(long)]
     pub json: bool,
     #[arg(long)]
@@ -60,6 +72,9 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
         anyhow::bail!("--streams must be at least 1");
     }
     let rt = tokio::runtime::Runtime::new()?;
+    if a.end_to_end {
+        return worker_path(&rt, &a);
+    }
     let sizes = rt.block_on(bench::run(BenchOptions {
         backend: a.backend,
         max_bytes: a.bytes,
@@ -122,6 +137,47 @@ pub fn run(a: TransferBenchArgs) -> anyhow::Result<()> {
     }
     if let Some(p) = &a.out {
         super::write_json(p, &report)?;
+    }
+    Ok(())
+}
+
+/// `--end-to-end`: the workers' own KV path.
+fn worker_path(rt: &tokio::runtime::Runtime, a: &TransferBenchArgs) -> anyhow::Result<()> {
+    let sizes: Vec<u64> = [16u64 << 20, 64 << 20, 256 << 20]
+        .into_iter()
+        .filter(|&s| s <= a.bytes.max(16 << 20))
+        .collect();
+    let r = rt.block_on(bench::worker_path(WorkerPathOptions {
+        backend: a.backend,
+        model: a.model.clone(),
+        sizes,
+        runs: a.runs,
+        integrity: a.integrity == Switch::On,
+    }))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        println!(
+            "workers' KV path, backend {:?}, integrity {}, f16 layout {} bytes/token, {} copies \
+             of each byte (prefill pool -> send buffer -> decode staging -> decode pool)",
+            r.backend,
+            if r.integrity { "on" } else { "off" },
+            r.bytes_per_token,
+            r.copies
+        );
+        println!(
+            "{:>12} {:>9} {:>10} {:>12} {:>8}",
+            "bytes", "requests", "GB/s", "memcpy GB/s", "ratio"
+        );
+        for p in &r.points {
+            println!(
+                "{:>12} {:>9} {:>10.2} {:>12.2} {:>8.2}",
+                p.bytes, p.requests, p.gbps, p.memcpy_gbps, p.ratio_to_memcpy
+            );
+        }
+    }
+    if let Some(p) = &a.out {
+        super::write_json(p, &r)?;
     }
     Ok(())
 }
