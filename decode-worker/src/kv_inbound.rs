@@ -69,6 +69,8 @@ impl KvSink for StagingSink {
         self.start_layer(layer);
         self.regions
             .push((block, kind(k), vec![0u8; self.region_bytes]));
+        // The receiver fills the whole region it is handed.
+        crate::copies::staged(self.region_bytes);
         match self.regions.last_mut() {
             Some(r) => Ok(&mut r.2),
             None => Err(SinkError::new(

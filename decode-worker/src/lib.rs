@@ -23,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod copies;
 pub mod door;
 pub mod error;
 pub mod handle;

@@ -217,6 +217,7 @@ impl<C> Reservations<C> {
             let data = data.as_ref();
             if dst.len() == data.len() {
                 dst.copy_from_slice(data);
+                crate::copies::imported(data.len());
             }
         }
     }

@@ -8,10 +8,20 @@
 //! is in the connector's send arena when it has room (the receiver copies it with a memcpy
 //! from its own mapping), otherwise on the heap.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
 use duet_kv_transfer::backend::shm::SendArena;
+
+/// Payload bytes [`layer_bytes`] copied in this process (relaxed, one addition per layer): the
+/// send path's copy, counted for `duet bench transfer --end-to-end`.
+static COPIED: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes [`layer_bytes`] has copied so far in this process.
+pub fn copied_bytes() -> u64 {
+    COPIED.load(Ordering::Relaxed)
+}
 
 /// Copies `k` then `v` into one buffer (in `arena` when it has room) and returns them as
 /// slices of it, in the same order and lengths.
@@ -21,6 +31,7 @@ pub fn layer_bytes(
     v: &[&[u8]],
 ) -> (Vec<Bytes>, Vec<Bytes>) {
     let total: usize = k.iter().chain(v).map(|r| r.len()).sum();
+    COPIED.fetch_add(total as u64, Ordering::Relaxed);
     let data = match arena.and_then(|a| a.alloc(total)) {
         Some(mut buf) => {
             let mut at = 0;

@@ -67,6 +67,10 @@ pub struct WorkerPathPoint {
     /// memcpy of the same bytes in the same run, median.
     pub memcpy_gbps: f64,
     pub ratio_to_memcpy: f64,
+    /// Copies of each payload byte, counted by the workers' code over the measured runs:
+    /// the prefill worker's into its send buffer, the decode worker's into staging and from
+    /// staging into its pool (`duet_decode_worker::copies`).
+    pub copies_per_byte: f64,
 }
 
 /// Result of [`worker_path`].
@@ -76,10 +80,6 @@ pub struct WorkerPathReport {
     pub integrity: bool,
     /// KV bytes per token of the model's layout (f16).
     pub bytes_per_token: u64,
-    /// Copies of each payload byte on this path (see `docs/kv-transfer.md`): prefill pool
-    /// -> send buffer (arena over shm), -> the decode worker's staging buffer (a memcpy from
-    /// its mapping of the arena over shm, the kernel's copy over tcp), -> its pool.
-    pub copies: u32,
     pub points: Vec<WorkerPathPoint>,
 }
 
@@ -206,9 +206,11 @@ pub async fn worker_path(opts: WorkerPathOptions) -> Result<WorkerPathReport> {
         let requests = tokens.div_ceil(MAX_REQUEST_TOKENS);
         let per = (tokens / requests).div_ceil(16) * 16;
         let bytes = (per / 16) as u64 * block_bytes * requests as u64;
-        let (mut times, mut copies) = (Vec::new(), Vec::new());
+        let (mut times, mut memcpys) = (Vec::new(), Vec::new());
+        let mut copied = 0u64;
         // A warm-up round, then `runs` measured ones alternating with memcpy.
         for run in 0..=opts.runs {
+            let before = copied_so_far();
             let t = one_round(
                 &decode.handle,
                 &prefill,
@@ -220,13 +222,14 @@ pub async fn worker_path(opts: WorkerPathOptions) -> Result<WorkerPathReport> {
             )
             .await?;
             if run > 0 {
+                copied += copied_so_far() - before;
                 times.push(t.as_secs_f64());
-                copies.push(reference::memcpy(bytes, 3, false).seconds);
+                memcpys.push(reference::memcpy(bytes, 3, false).seconds);
             }
         }
         times.sort_by(|a, b| a.total_cmp(b));
-        copies.sort_by(|a, b| a.total_cmp(b));
-        let (t, m) = (times[times.len() / 2], copies[copies.len() / 2]);
+        memcpys.sort_by(|a, b| a.total_cmp(b));
+        let (t, m) = (times[times.len() / 2], memcpys[memcpys.len() / 2]);
         let gbps = bytes as f64 / t / 1e9;
         let memcpy_gbps = bytes as f64 / m / 1e9;
         points.push(WorkerPathPoint {
@@ -236,6 +239,7 @@ pub async fn worker_path(opts: WorkerPathOptions) -> Result<WorkerPathReport> {
             gbps,
             memcpy_gbps,
             ratio_to_memcpy: gbps / memcpy_gbps,
+            copies_per_byte: copied as f64 / (bytes as f64 * f64::from(opts.runs)),
         });
     }
     drop(tx);
@@ -244,9 +248,14 @@ pub async fn worker_path(opts: WorkerPathOptions) -> Result<WorkerPathReport> {
         backend: opts.backend,
         integrity: opts.integrity,
         bytes_per_token: layout.bytes_per_token() as u64,
-        copies: 3,
         points,
     })
+}
+
+/// Payload bytes the workers' code copied so far in this process, every stage together.
+fn copied_so_far() -> u64 {
+    let r = duet_decode_worker::copies::snapshot();
+    duet_prefill_worker::layer_buffer::copied_bytes() + r.staged + r.imported
 }
 
 /// Reserves `requests` prompts of `per` tokens at the decode worker, then sends each from

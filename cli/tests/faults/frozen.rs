@@ -81,6 +81,9 @@ fn frozen_mid_transfer(kv: Kv) {
             .await
             .expect("undisturbed run");
         let prefill_time = warm.timings().prefill_seconds;
+        // How long a prefill worker may still compute a prompt nobody waits for any more
+        // (its forward pass is not interrupted) before it finds the KV link gone.
+        let settle = Duration::from_secs_f64(3.0 * prefill_time) + Duration::from_secs(15);
         // 1. The decode worker receiving the KV freezes early in the prefill, its first layers sent.
         let prompt = long_prompt(700);
         let mut c2 = c.clone();
@@ -122,9 +125,9 @@ fn frozen_mid_transfer(kv: Kv) {
             done.timings().decode_worker,
             format!("decode-{}", 1 - victim)
         );
-        // The prefill worker gave the frozen receiver up within --kv-timeout.
+        // The prefill worker gave the frozen receiver up (--kv-timeout) and freed its blocks.
         for a in &prefill_addrs {
-            prefill_idle(a, Duration::from_secs(15)).await;
+            prefill_idle(a, settle).await;
         }
         cl.decode[victim].signal("-CONT");
         // Thawed, the receiver finds its transfer failed and frees the reservation.
@@ -177,8 +180,11 @@ fn frozen_mid_transfer(kv: Kv) {
             support::assert_pool_empty(a, Duration::from_secs(15)).await;
         }
         cl.prefill[victim].signal("-CONT");
+        // Thawed, the prefill worker finishes the forward pass it was frozen in (the cancel
+        // sent while it was frozen waits in its socket), finds its KV link closed, and frees
+        // everything: within one prefill of that prompt plus --kv-timeout.
         for a in &prefill_addrs {
-            prefill_idle(a, Duration::from_secs(15)).await;
+            prefill_idle(a, settle).await;
         }
         for a in &decode_addrs {
             support::assert_pool_empty(a, Duration::from_secs(10)).await;

@@ -158,21 +158,20 @@ fn worker_path(rt: &tokio::runtime::Runtime, a: &TransferBenchArgs) -> anyhow::R
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         println!(
-            "workers' KV path, backend {:?}, integrity {}, f16 layout {} bytes/token, {} copies \
-             of each byte (prefill pool -> send buffer -> decode staging -> decode pool)",
+            "workers' KV path, backend {:?}, integrity {}, f16 layout {} bytes/token \
+             (copies: counted by the workers' code, per payload byte)",
             r.backend,
             if r.integrity { "on" } else { "off" },
             r.bytes_per_token,
-            r.copies
         );
         println!(
-            "{:>12} {:>9} {:>10} {:>12} {:>8}",
-            "bytes", "requests", "GB/s", "memcpy GB/s", "ratio"
+            "{:>12} {:>9} {:>10} {:>12} {:>8} {:>7}",
+            "bytes", "requests", "GB/s", "memcpy GB/s", "ratio", "copies"
         );
         for p in &r.points {
             println!(
-                "{:>12} {:>9} {:>10.2} {:>12.2} {:>8.2}",
-                p.bytes, p.requests, p.gbps, p.memcpy_gbps, p.ratio_to_memcpy
+                "{:>12} {:>9} {:>10.2} {:>12.2} {:>8.2} {:>7.2}",
+                p.bytes, p.requests, p.gbps, p.memcpy_gbps, p.ratio_to_memcpy, p.copies_per_byte
             );
         }
     }
