@@ -261,7 +261,6 @@ fn copied_so_far() -> u64 {
 /// Reserves `requests` prompts of `per` tokens at the decode worker, then sends each from
 /// the prefill pool as the prefill worker does and waits until the decode engine imported
 /// the last byte. Returns the time from the first `begin`.
-#[allow(clippy::too_many_arguments)]
 async fn one_round(
     decode: &DecodeHandle,
     prefill: &KvCache,

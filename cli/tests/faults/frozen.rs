@@ -25,39 +25,6 @@ fn transfer_frozen_on_either_side_over_tcp_is_given_up_and_requests_complete() {
     frozen_mid_transfer(Kv::Tcp);
 }
 
-/// Index of the first of `addrs` whose status `busy` says holds the request, polled every
-/// millisecond for at most 20 s.
-async fn holder<F, Fut>(addrs: &[String], busy: F) -> usize
-where
-    F: Fn(String) -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let end = Instant::now() + Duration::from_secs(20);
-    loop {
-        for (i, a) in addrs.iter().enumerate() {
-            if busy(a.clone()).await {
-                return i;
-            }
-        }
-        assert!(Instant::now() < end, "no worker took the request");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-}
-
-/// Waits until the prefill worker at `addr` holds no scratch KV and runs nothing.
-async fn prefill_idle(addr: &str, within: Duration) {
-    let end = Instant::now() + within;
-    loop {
-        let s = support::prefill_status(addr).await;
-        // Cached prompt blocks count as free (evictable).
-        if s.kv_blocks_free == s.kv_blocks_total && s.running == 0 && s.waiting == 0 {
-            return;
-        }
-        assert!(Instant::now() < end, "{addr} still holds KV: {s:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 fn frozen_mid_transfer(kv: Kv) {
     let mut env = kv.env();
     env.push(("DUET_KV_TIMEOUT", KV_TIMEOUT));

@@ -38,20 +38,10 @@ fn decode_worker_killed_mid_transfer(kv: Kv) {
         let t0 = Instant::now();
         let task = tokio::spawn(async move { generate(&mut c2, req).await });
         // The receiving decode worker is the one holding the reservation.
-        let end = Instant::now() + Duration::from_secs(20);
-        let victim = loop {
-            let mut found = None;
-            for (i, a) in decode_addrs.iter().enumerate() {
-                if support::decode_status(a).await.reservations > 0 {
-                    found = Some(i);
-                }
-            }
-            if let Some(i) = found {
-                break i;
-            }
-            assert!(Instant::now() < end, "the request never reserved KV");
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        };
+        let victim = holder(&decode_addrs, |a| async move {
+            support::decode_status(&a).await.reservations > 0
+        })
+        .await;
         tokio::time::sleep(Duration::from_secs_f64(prefill_time / 3.0)).await;
         cl.decode[victim].kill9();
         let done = tokio::time::timeout(Duration::from_secs(120), task)
@@ -74,19 +64,7 @@ fn decode_worker_killed_mid_transfer(kv: Kv) {
             "completed on the surviving decode worker"
         );
         // The prefill worker holds nothing once the failed transfer is over.
-        let end = Instant::now() + Duration::from_secs(15);
-        loop {
-            let s = support::prefill_status(&prefill_addr).await;
-            // Cached prompt blocks count as free (evictable).
-            if s.kv_blocks_free == s.kv_blocks_total && s.running == 0 && s.waiting == 0 {
-                break;
-            }
-            assert!(
-                Instant::now() < end,
-                "the prefill worker still holds scratch KV: {s:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        prefill_idle(&prefill_addr, Duration::from_secs(15)).await;
         support::assert_pool_empty(&decode_addrs[1 - victim], Duration::from_secs(10)).await;
         assert!(
             sent_over(&cl.prefill[0], kv) >= 2.0,
