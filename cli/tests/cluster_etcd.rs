@@ -8,7 +8,10 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use rand::Rng;
-use support::{assert_pool_empty, client, generate, greedy, prefill_status, text, Cluster};
+use support::{
+    assert_pool_empty, client, generate, greedy, http_get, prefill_status, scrape_sum, text,
+    Cluster,
+};
 
 const PROMPTS: &[&str] = &[
     "The capital of France is",
@@ -109,5 +112,67 @@ fn concurrent_requests_use_every_worker_and_cancellations_free_every_block() {
             .await
             .expect("after cancellations");
         assert_eq!(r.ids, reference[0]);
+    });
+}
+
+/// A client that gives up while its long prompt is being computed stops the prefill worker's
+/// forward between layers (nobody waits for it any more): the prefill worker is idle with
+/// every block free, counted the forward as stopped and none of its tokens as computed, and
+/// serves the next request with the tokens it gave before.
+#[test]
+fn a_cancelled_prompt_stops_the_prefill_forward_it_is_in() {
+    let cl = Cluster::start(1, 1, &["--local-prefill-max-tokens", "0"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        cl.wait_workers(1, 1, Duration::from_secs(20)).await;
+        let mut c = client(&cl.url).await;
+        let before = generate(&mut c, greedy(text(PROMPTS[1]), 8))
+            .await
+            .expect("reference");
+        let p = &cl.prefill[0];
+        let (addr, metrics) = (p.workers_addr(), p.metrics_url());
+        let computed = |m: &str| scrape_sum(m, "duet_prefill_prompt_tokens_total", &[]);
+        let computed_before = computed(&http_get(&metrics).1);
+
+        // About 1,600 tokens: one forward of a second or more on these machines.
+        let long = "the river runs past the old mill and the children watch the boats ".repeat(120);
+        let mut c2 = c.clone();
+        let call = tokio::spawn(async move { generate(&mut c2, greedy(text(&long), 4)).await });
+        let end = std::time::Instant::now() + Duration::from_secs(20);
+        while prefill_status(&addr).await.running == 0 {
+            assert!(std::time::Instant::now() < end, "the prompt never started");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        call.abort();
+
+        let end = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = prefill_status(&addr).await;
+            if s.running == 0 && s.waiting == 0 && s.kv_blocks_free == s.kv_blocks_total {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < end,
+                "prefill {addr} still busy: {s:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let m = http_get(&metrics).1;
+        assert_eq!(
+            scrape_sum(&m, "duet_prefill_forwards_stopped_total", &[]),
+            1.0,
+            "the cancelled prompt's forward was not stopped"
+        );
+        assert_eq!(
+            computed(&m),
+            computed_before,
+            "the cancelled forward was counted as computed"
+        );
+        assert_pool_empty(&cl.decode[0].workers_addr(), Duration::from_secs(5)).await;
+
+        let after = generate(&mut c, greedy(text(PROMPTS[1]), 8))
+            .await
+            .expect("after the stopped forward");
+        assert_eq!(after.ids, before.ids);
     });
 }

@@ -3,7 +3,7 @@
 //! `duet.v1.KvCache` services, and graceful shutdown. `duet decode`, `duet up` and
 //! in-process tests start it the same way:
 //!
-//! ```ignore
+//! ```text
 //! DecodeWorker { id, model, cache, config, transfer }.serve(server, kv, shutdown).await
 //! ```
 //!

@@ -32,6 +32,9 @@ pub enum EngineError {
     UnknownSequence(u64),
     #[error("KV layout mismatch: {0}")]
     LayoutMismatch(String),
+    /// The caller's per-layer hook stopped the forward (nobody waits for its sequences).
+    #[error("forward stopped after layer {layer}: nobody waits for its sequences")]
+    Stopped { layer: usize },
 }
 
 impl EngineError {
@@ -52,6 +55,7 @@ impl EngineError {
             }
             EngineError::KvExhausted { .. } => ErrorClass::ResourceExhausted,
             EngineError::UnknownSequence(_) => ErrorClass::NotFound,
+            EngineError::Stopped { .. } => ErrorClass::Cancelled,
             EngineError::Io { .. }
             | EngineError::Format(_)
             | EngineError::Candle(_)

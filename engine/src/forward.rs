@@ -6,6 +6,8 @@
 //! per (row, head) over that row's own sequence blocks, so sequences at
 //! different positions share one forward.
 
+use std::ops::ControlFlow;
+
 use half::f16;
 use rayon::prelude::*;
 
@@ -158,12 +160,14 @@ impl Model {
     /// KV into `cache`. Returns, per chunk, the logits of its last token
     /// (empty when the chunk asked for none). `on_layer(l, cache)` runs after
     /// layer `l`'s KV is in the cache: a prefill worker streams it from there
-    /// while the next layer computes.
+    /// while the next layer computes. When it returns `Break` the forward ends
+    /// there with [`EngineError::Stopped`] and no token is committed (the
+    /// caller frees the sequences: nobody waits for them).
     pub fn forward_with(
         &self,
         cache: &mut KvCache,
         batch: &[SeqChunk<'_>],
-        on_layer: &mut (dyn FnMut(usize, &KvCache) + Send),
+        on_layer: &mut (dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send),
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let layout = cache.layout().clone();
@@ -262,7 +266,7 @@ impl Model {
 
     /// [`Self::forward_with`] without a per-layer hook.
     pub fn forward(&self, cache: &mut KvCache, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
-        self.forward_with(cache, batch, &mut |_, _| {})
+        self.forward_with(cache, batch, &mut |_, _| ControlFlow::Continue(()))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -274,7 +278,7 @@ impl Model {
         tokens: &[u32],
         tables: &[Vec<BlockId>],
         kernel_rows: KernelRows,
-        on_layer: &mut (dyn FnMut(usize, &KvCache) + Send),
+        on_layer: &mut (dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send),
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let (d, hd, n) = (c.hidden, c.head_dim, rows.len());
@@ -320,7 +324,9 @@ impl Model {
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
-            on_layer(l, cache);
+            if on_layer(l, cache).is_break() {
+                return Err(EngineError::Stopped { layer: l });
+            }
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut xn);
             let gu = layer.w_gate_up.forward_with(&xn, n, kernel_rows)?;
             let f = c.ffn_hidden;

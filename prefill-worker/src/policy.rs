@@ -11,6 +11,8 @@
 //! - **Jobs the pool can take**: a prompt needing more blocks than the whole scratch pool
 //!   is refused (it could never run); its destination must start at a block boundary below
 //!   its end and list exactly one block per remaining block of the prompt.
+//! - **Stopping**: a forward stops between layers only when nobody waits for any of its
+//!   chunks (every caller gone or transfer failed): its work would be thrown away.
 //! - **Room**: a queued prompt starts only if its blocks fit next to the blocks the running
 //!   prompts will still allocate (a started prompt never waits for memory mid-way).
 
@@ -97,6 +99,21 @@ pub fn has_room(need: usize, pending: usize, free: usize) -> bool {
     need + pending <= free
 }
 
+/// Whether a forward whose chunks are each `abandoned` or not (caller gone, transfer failed)
+/// computes for nobody: then it stops after the layer it is in. A forward with any chunk
+/// still awaited runs to the end (its layers already streamed cannot be taken back), and an
+/// empty one is never stopped.
+pub fn nobody_waits(abandoned: impl IntoIterator<Item = bool>) -> bool {
+    let mut any = false;
+    for a in abandoned {
+        if !a {
+            return false;
+        }
+        any = true;
+    }
+    any
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,5 +165,13 @@ mod tests {
         // What is left after a whole prompt may be less than a block: the forward stops.
         assert_eq!(plan_chunks(&[250, 100, 10], 256, 16), [(0, 250)]);
         assert!(plan_chunks(&[], 256, 16).is_empty());
+    }
+
+    #[test]
+    fn a_forward_stops_only_when_every_chunk_is_abandoned() {
+        assert!(nobody_waits([true, true, true]));
+        assert!(!nobody_waits([true, false, true]));
+        assert!(!nobody_waits([false]));
+        assert!(!nobody_waits(std::iter::empty()));
     }
 }

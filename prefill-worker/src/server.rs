@@ -3,7 +3,7 @@
 //! load, the `duet.v1.Prefill` and `duet.v1.KvCache` services, and graceful shutdown.
 //! `duet prefill`, `duet up` and in-process tests start it the same way:
 //!
-//! ```ignore
+//! ```text
 //! PrefillWorker { id, model, cache, config, transfer }.serve(server, kv, shutdown).await
 //! ```
 //!

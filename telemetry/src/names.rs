@@ -103,6 +103,8 @@ catalogue! {
         "Prompt tokens not yet computed (`worker`).";
     Gauge PREFILL_BUSY_RATIO = "duet_prefill_busy_ratio",
         "Share of the last second the engine computed, 0..1 (`worker`): the CPU stand-in for GPU utilisation.";
+    Counter PREFILL_FORWARDS_STOPPED_TOTAL = "duet_prefill_forwards_stopped_total",
+        "Forward passes stopped between layers because nobody waited for any of their prompts any more (`worker`).";
 
     // ---- decode worker ------------------------------------------------------------------------
     Gauge DECODE_RUNNING = "duet_decode_running_sequences",

@@ -2,13 +2,14 @@
 //! that hands each layer's new KV to the transfers while the next layer computes, and what
 //! a finished prompt becomes (its first token, its blocks freed and cached).
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Instant;
 
 use duet_engine::{KvCache, KvKind, Sampler, SeqChunk};
 use duet_kv_transfer::backend::shm::SendArena;
 use duet_kv_transfer::TransferDesc;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use super::Engine;
 use crate::error::PrefillError;
@@ -119,6 +120,13 @@ impl Engine {
                 )
             })
             .collect();
+        // Who waits for each chunk: when nobody waits for any of them (callers gone,
+        // transfers failed), the forward stops after the layer it is in instead of computing
+        // the rest for nobody, and the next tick frees them.
+        let waiters: Vec<(&oneshot::Sender<()>, &mpsc::UnboundedSender<Msg>)> = plan
+            .iter()
+            .map(|&(i, _, _)| (&self.running[i].watch, &self.running[i].tx))
+            .collect();
         let t0 = Instant::now();
         let mut hook = |layer: usize, cache: &KvCache| {
             for (tx, seq, first, last, arena) in &outs {
@@ -141,8 +149,23 @@ impl Engine {
                     v,
                 });
             }
+            if policy::nobody_waits(waiters.iter().map(|(w, t)| w.is_closed() || t.is_closed())) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
         };
         let result = self.model.forward_with(&mut self.cache, &chunks, &mut hook);
+        drop(waiters);
+        if let Err(duet_engine::EngineError::Stopped { layer }) = &result {
+            tracing::debug!(
+                layer,
+                forward = plan.len(),
+                "prefill forward stopped: nobody waits"
+            );
+            self.metrics.stopped.increment(1);
+            return;
+        }
         // On failure, the chunks to blame (the forward checks them all before it changes
         // anything): their requests end, the others go on.
         let blamed: Vec<(usize, duet_engine::EngineError)> = match &result {
