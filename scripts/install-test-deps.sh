@@ -32,14 +32,16 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 # Python gRPC client packages for cli/tests/python_client.rs (stubs generated from proto/
-# with grpcio-tools; health checked with grpcio-health-checking). Pinned together: the four
+# with grpcio-tools; health checked with grpcio-health-checking; reflection read with
+# grpcio-reflection, which speaks v1alpha only). Pinned together: the five
 # are released in lockstep and grpcio-tools 1.85 needs protobuf 7.x. A Debian python3 is
 # "externally managed": PIP_BREAK_SYSTEM_PACKAGES lets pip install there (older pips ignore it).
 # The official `openai` package drives the OpenAI-compatible door (cli/tests/openai_http.rs).
 PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet --disable-pip-version-check \
-  'grpcio==1.85.1' 'grpcio-tools==1.85.1' 'grpcio-health-checking==1.85.1' 'protobuf==7.36.2' \
+  'grpcio==1.85.1' 'grpcio-tools==1.85.1' 'grpcio-health-checking==1.85.1' \
+  'grpcio-reflection==1.85.1' 'protobuf==7.36.2' \
   'openai==3.57.0'
-python3 -c 'import grpc, grpc_tools.protoc, grpc_health.v1.health_pb2, openai' \
+python3 -c 'import grpc, grpc_tools.protoc, grpc_health.v1.health_pb2, grpc_reflection.v1alpha.reflection, openai' \
   || { echo "install-test-deps: the Python gRPC / openai packages do not import" >&2; exit 1; }
 command -v cargo >/dev/null || { echo "install-test-deps: cargo not found (install Rust with rustup)" >&2; exit 1; }
 echo "install-test-deps: ok"

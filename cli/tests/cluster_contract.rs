@@ -231,6 +231,10 @@ bad_requests! {
     } => InvalidArgument, "max_tokens";
     missing_prompt: req(None, 4) => InvalidArgument, "prompt";
     empty_chat_message_list: greedy(chat(vec![]), 4) => InvalidArgument, "prompt";
+    chat_message_with_an_unknown_role: greedy(chat(vec![pb::ChatMessage {
+        role: "wizard".into(),
+        content: "Hi".into(),
+    }]), 4) => InvalidArgument, "messages[0].role";
     empty_token_list: greedy(tokens(&[]), 4) => InvalidArgument, "prompt";
     token_id_outside_vocabulary: greedy(tokens(&[504, 999_999]), 4) => InvalidArgument, "prompt";
     unknown_model: pb::GenerateRequest { model: "nope".into(), ..greedy(text("Hello"), 4) }

@@ -2,8 +2,12 @@
 //! generated with grpcio-tools from proto/ stream a completion from `duet up` and get the
 //! same tokens as the Rust client, and the standard health service answers SERVING.
 //!
-//! Needs grpcio, grpcio-tools, protobuf and grpcio-health-checking for python3: installed by
-//! scripts/install-test-deps.sh. Without them the test fails (it is never skipped).
+//! Python's official reflection client (grpcio-reflection, v1alpha) lists and describes the
+//! services of every server of a cluster.
+//!
+//! Needs grpcio, grpcio-tools, protobuf, grpcio-health-checking and grpcio-reflection for
+//! python3: installed by scripts/install-test-deps.sh. Without them the test fails (it is
+//! never skipped).
 //! `DUET_TEST_PYTHON` names another interpreter (default: python3 on PATH).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
@@ -41,7 +45,8 @@ fn require_python_packages() {
     let o = Command::new(python())
         .args([
             "-c",
-            "import grpc, grpc_tools.protoc, google.protobuf, grpc_health.v1.health_pb2",
+            "import grpc, grpc_tools.protoc, google.protobuf, grpc_health.v1.health_pb2, \
+             grpc_reflection.v1alpha.proto_reflection_descriptor_database",
         ])
         .output()
         .unwrap_or_else(|e| {
@@ -54,7 +59,8 @@ fn require_python_packages() {
     assert!(
         o.status.success(),
         "the Python gRPC packages are missing: run scripts/install-test-deps.sh \
-         (it installs grpcio, grpcio-tools, protobuf and grpcio-health-checking)\n{}",
+         (it installs grpcio, grpcio-tools, protobuf, grpcio-health-checking and \
+         grpcio-reflection)\n{}",
         out_text(&o)
     );
 }
@@ -172,4 +178,90 @@ fn python_client_streams_the_same_tokens_as_rust() {
     );
     assert_eq!(v["health"][""], "SERVING", "{v}");
     assert_eq!(v["health"]["duet.v1.Generation"], "SERVING", "{v}");
+}
+
+/// Reflection as Python's official `grpcio-reflection` (v1alpha only) sees every server of a
+/// cluster: a program given nothing but the address lists the services and describes
+/// `duet.v1.Generation`'s methods from the server's descriptors; workers answer members
+/// (cluster token) only, as for every internal call.
+#[test]
+fn python_reflection_v1alpha_lists_and_describes_every_server() {
+    require_python_packages();
+    let cl = support::Cluster::start(1, 1, &[]);
+    let host = |url: &str| {
+        url.strip_prefix("http://")
+            .unwrap_or_else(|| panic!("{url:?} is not http://host:port"))
+            .to_string()
+    };
+    let secret = duet_kv_transfer::SharedSecret::new(support::TEST_SECRET).expect("secret");
+    let token: String = secret
+        .derive(duet_serving::cluster_auth::TOKEN_LABEL)
+        .expect("key")
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/reflection_client.py");
+    let reflect = |target: &str, token: Option<&str>| -> serde_json::Value {
+        let mut cmd = Command::new(python());
+        cmd.arg(&script).args(["--target", target]);
+        if let Some(t) = token {
+            cmd.args(["--token", t]);
+        }
+        let o = cmd.output().expect("run reflection_client.py");
+        assert!(
+            o.status.success(),
+            "reflection_client.py failed\n{}",
+            out_text(&o)
+        );
+        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+            panic!(
+                "reflection_client.py printed no JSON ({e})\n{}",
+                out_text(&o)
+            )
+        })
+    };
+    let servers = [
+        ("router", host(&cl.url), None),
+        (
+            "prefill",
+            host(&cl.prefill[0].workers_addr()),
+            Some(token.as_str()),
+        ),
+        (
+            "decode",
+            host(&cl.decode[0].workers_addr()),
+            Some(token.as_str()),
+        ),
+    ];
+    for (name, target, token) in &servers {
+        let v = reflect(target, *token);
+        let services: Vec<&str> = v["services"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{name}: no services listed: {v}"))
+            .iter()
+            .filter_map(|s| s.as_str())
+            .collect();
+        for want in [
+            "duet.v1.Generation",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        ] {
+            assert!(
+                services.contains(&want),
+                "{name}: {want} not listed: {services:?}"
+            );
+        }
+        let generate = &v["generation"]["methods"]["Generate"];
+        assert_eq!(generate["input"], "duet.v1.GenerateRequest", "{name}: {v}");
+        assert_eq!(
+            generate["output"], "duet.v1.GenerateResponse",
+            "{name}: {v}"
+        );
+        assert_eq!(generate["server_streaming"], true, "{name}: {v}");
+        if token.is_some() {
+            let stranger = reflect(target, None);
+            assert_eq!(stranger["error"], "UNAUTHENTICATED", "{name}: {stranger}");
+        }
+    }
 }

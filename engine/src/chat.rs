@@ -12,11 +12,34 @@ pub struct ChatMessage {
     pub content: String,
 }
 
+/// The roles a chat message may have, as OpenAI's API names them. `developer` is OpenAI's
+/// newer name for `system` and is rendered as one (the model was trained on `system`).
+/// `tool` and `function` messages answer tool calls, which duet does not serve.
+pub const CHAT_ROLES: &[&str] = &["system", "user", "assistant", "developer"];
+
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
         Self {
             role: role.into(),
             content: content.into(),
+        }
+    }
+
+    /// The role the chat template sees, or why this message's role is refused (the one rule
+    /// of every door: gRPC, the OpenAI API, tokenize).
+    pub fn template_role(&self) -> std::result::Result<&'static str, String> {
+        match self.role.as_str() {
+            "system" | "developer" => Ok("system"),
+            "user" => Ok("user"),
+            "assistant" => Ok("assistant"),
+            "tool" | "function" => Err(format!(
+                "role `{}` answers a tool call, and duet does not serve tool calls",
+                self.role
+            )),
+            other => Err(format!(
+                "role `{other}` is not one of {}",
+                CHAT_ROLES.join(", ")
+            )),
         }
     }
 }
@@ -61,6 +84,17 @@ impl ChatTemplate {
         if messages.is_empty() {
             return Err(EngineError::invalid("messages", "no messages"));
         }
+        let messages = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| match m.template_role() {
+                Ok(role) => Ok(ChatMessage::new(role, m.content.clone())),
+                Err(why) => Err(EngineError::invalid(
+                    "messages",
+                    format!("messages[{i}].role: {why}"),
+                )),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let t = self
             .env
             .get_template("chat")
@@ -72,5 +106,56 @@ impl ChatTemplate {
             eos_token => &self.eos,
         })
         .map_err(EngineError::Template)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn template() -> ChatTemplate {
+        ChatTemplate::new(
+            "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}".into(),
+            String::new(),
+            String::new(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn developer_is_rendered_as_system_and_the_others_as_given() {
+        let t = template();
+        let msgs = [
+            ChatMessage::new("developer", "a"),
+            ChatMessage::new("system", "b"),
+            ChatMessage::new("user", "c"),
+            ChatMessage::new("assistant", "d"),
+        ];
+        assert_eq!(
+            t.render(&msgs, false).unwrap(),
+            "system:a;system:b;user:c;assistant:d;"
+        );
+    }
+
+    #[test]
+    fn unknown_and_tool_roles_are_refused_naming_the_message() {
+        let t = template();
+        for role in ["wizard", "tool", "function", "", "User"] {
+            let msgs = [ChatMessage::new("user", "x"), ChatMessage::new(role, "y")];
+            let e = t.render(&msgs, true).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    EngineError::InvalidArgument {
+                        field: "messages",
+                        ..
+                    }
+                ),
+                "{role}: {e}"
+            );
+            let text = e.to_string();
+            assert!(text.contains("messages[1].role"), "{role}: {text}");
+            assert!(text.contains(&format!("`{role}`")), "{role}: {text}");
+        }
     }
 }

@@ -38,7 +38,7 @@ pub mod model;
 pub mod sampling;
 pub mod tokenizer;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, CHAT_ROLES};
 pub use config::ModelConfig;
 pub use error::{EngineError, ErrorClass, Result};
 pub use forward::{check_prompt, check_token_ids, SeqChunk};

@@ -1,6 +1,6 @@
 //! Serving a tonic router the way every duet process does: with `grpc.health.v1` (the
 //! overall service and each named service SERVING while up), server reflection for every
-//! duet proto, and graceful shutdown.
+//! duet proto (`grpc.reflection.v1` and `v1alpha`), and graceful shutdown.
 //!
 //! Shutdown sequence (linkerd2-proxy style): `shutdown` fires -> health NOT_SERVING -> the
 //! server stops accepting and lets in-flight calls finish -> after `drain` the remaining
@@ -43,12 +43,21 @@ pub async fn serve(
     health
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(duet_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
+    // Reflection in both versions: `grpc.reflection.v1`, and `v1alpha`, the only one Python's
+    // grpcio-reflection and older grpcurl speak.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(duet_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection().build_v1().map_err(ServeError::Reflection)?;
+    let reflection_v1alpha = reflection()
+        .build_v1alpha()
         .map_err(ServeError::Reflection)?;
-    let routes = routes.add_service(health_svc).add_service(reflection);
+    let routes = routes
+        .add_service(health_svc)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha);
     let stopping = CancellationToken::new();
     let names: Vec<String> = services.iter().map(|s| s.to_string()).collect();
     let watcher = {

@@ -71,6 +71,11 @@ bad_http_bodies! {
     http_unknown_model: "/v1/completions", r#"{"model": "gpt-9", "prompt": "Hi"}"# => 404, "model";
     http_chat_without_messages: "/v1/chat/completions", r#"{"messages": []}"# => 400, "messages";
     http_chat_messages_not_a_list: "/v1/chat/completions", r#"{"messages": "Hi"}"# => 400, "body";
+    http_chat_message_with_an_unknown_role: "/v1/chat/completions",
+        r#"{"messages": [{"role": "wizard", "content": "Hi"}]}"# => 400, "messages.[0].role";
+    http_chat_message_with_a_tool_role: "/v1/chat/completions",
+        r#"{"messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "42"}]}"#
+        => 400, "messages.[1].role";
     http_logprobs_requested: "/v1/chat/completions",
         r#"{"messages": [{"role": "user", "content": "Hi"}], "logprobs": true}"# => 400, "logprobs";
     http_tools_requested: "/v1/chat/completions",

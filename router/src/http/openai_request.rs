@@ -353,6 +353,14 @@ impl ChatRequest {
         }
         let mut messages = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
+            // The engine's one rule for roles; OpenAI names the field `messages.[i].role`.
+            let probe = duet_engine::ChatMessage::new(m.role.clone(), String::new());
+            if let Err(why) = probe.template_role() {
+                return Err(ApiError::invalid(
+                    &format!("messages.[{i}].role"),
+                    format!("messages[{i}].role: {why}"),
+                ));
+            }
             let content = match &m.content {
                 None => String::new(),
                 Some(Content::Text(t)) => t.clone(),
@@ -543,5 +551,13 @@ mod tests {
             c.to_generate(2048).unwrap_err().param.as_deref(),
             Some("messages")
         );
+        let c: ChatRequest = serde_json::from_value(serde_json::json!({
+            "messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]
+        }))
+        .unwrap();
+        let e = c.to_generate(2048).unwrap_err();
+        assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+        assert_eq!(e.param.as_deref(), Some("messages.[1].role"));
+        assert!(e.message.contains("`wizard`"), "{}", e.message);
     }
 }
