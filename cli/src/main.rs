@@ -91,7 +91,14 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("duet: error: {e:#}");
-            std::process::ExitCode::FAILURE
+            // A device or engine that cannot run here is a usage error, as clap's are.
+            let device = e.chain().any(|c| {
+                matches!(
+                    c.downcast_ref::<duet_engine::EngineError>(),
+                    Some(duet_engine::EngineError::Device(_))
+                )
+            });
+            std::process::ExitCode::from(if device { 2 } else { 1 })
         }
     }
 }

@@ -139,3 +139,70 @@ fn empty_prompt_and_invalid_sampling_parameters_name_the_field() {
         assert_clean_failure(&o, field);
     }
 }
+
+/// `--engine candle` on the CPU device: the reference prompt on which the candle engine
+/// keeps llama.cpp's rule longest (v08, 48 checked steps) gives llama.cpp's tokens through
+/// `duet run`, as the native engine does.
+#[test]
+fn candle_engine_on_the_cpu_device_gives_llama_cpp_tokens() {
+    let line = include_str!("../../tests/data/smollm2-q4_1-greedy.jsonl")
+        .lines()
+        .find(|l| l.contains("\"v08-emoji\""))
+        .expect("v08 reference");
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    let prompt = v["prompt"].as_str().unwrap();
+    let want: Vec<u64> = v["greedy_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    let m = model();
+    let n = want.len().to_string();
+    for engine in ["native", "candle"] {
+        let o = duet(&[
+            "run",
+            "--model",
+            m.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--engine",
+            engine,
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            &n,
+            "--json",
+        ]);
+        assert!(o.status.success(), "{engine}: {}", stderr(&o));
+        let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let ids: Vec<u64> = out["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert_eq!(ids, want, "{engine}");
+    }
+}
+
+/// A device that is not there is refused at start, exit code 2, naming what is missing.
+#[test]
+fn a_device_that_is_not_there_is_refused_with_exit_code_2() {
+    let m = model();
+    let m = m.to_str().unwrap();
+    for (args, needle) in [
+        (vec!["--device", "cuda"], "cuda:0"),
+        (vec!["--device", "cuda:1", "--engine", "native"], "cpu only"),
+        (vec!["--device", "gpu"], "`gpu` is not a device"),
+        (vec!["--engine", "fast"], "`fast` is not an engine"),
+    ] {
+        let mut a = vec!["run", "--model", m, "--prompt", "Hi"];
+        a.extend(&args);
+        let o = duet(&a);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}

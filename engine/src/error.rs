@@ -32,6 +32,10 @@ pub enum EngineError {
     UnknownSequence(u64),
     #[error("KV layout mismatch: {0}")]
     LayoutMismatch(String),
+    /// The device or engine asked for cannot run here (no CUDA in this build, no driver,
+    /// no such GPU, native on a GPU): a start-up refusal, exit code 2 in the CLI.
+    #[error("{0}")]
+    Device(String),
     /// The caller's per-layer hook stopped the forward (nobody waits for its sequences).
     #[error("forward stopped after layer {layer}: nobody waits for its sequences")]
     Stopped { layer: usize },
@@ -50,9 +54,9 @@ impl EngineError {
             EngineError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
                 ErrorClass::NotFound
             }
-            EngineError::InvalidArgument { .. } | EngineError::LayoutMismatch(_) => {
-                ErrorClass::InvalidArgument
-            }
+            EngineError::InvalidArgument { .. }
+            | EngineError::LayoutMismatch(_)
+            | EngineError::Device(_) => ErrorClass::InvalidArgument,
             EngineError::KvExhausted { .. } => ErrorClass::ResourceExhausted,
             EngineError::UnknownSequence(_) => ErrorClass::NotFound,
             EngineError::Stopped { .. } => ErrorClass::Cancelled,

@@ -15,6 +15,7 @@ use crate::forward::SeqChunk;
 use crate::kv::{KvCache, SeqId};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplingParams, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
+use crate::session::{ForwardSession, NativeSession};
 use crate::tokenizer::{Detokenizer, Tokenizer};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -296,27 +297,46 @@ pub fn generate(
     prefill_chunk: usize,
     on_step: &mut dyn FnMut(&TokenStep),
 ) -> Result<GenerationOutput> {
+    generate_in(
+        &mut NativeSession { model, cache },
+        seq,
+        prompt,
+        params,
+        prefill_chunk,
+        on_step,
+    )
+}
+
+/// [`generate`] on any engine: the prompt in chunks of `prefill_chunk` tokens (0: whole),
+/// then one decode step per token until a stop condition; the sequence is freed after.
+pub fn generate_in(
+    session: &mut dyn ForwardSession,
+    seq: SeqId,
+    prompt: &[u32],
+    params: GenerationParams,
+    prefill_chunk: usize,
+    on_step: &mut dyn FnMut(&TokenStep),
+) -> Result<GenerationOutput> {
     if prompt.is_empty() {
         return Err(EngineError::invalid("prompt", "empty"));
     }
-    params.validate(model.config.context_length)?;
-    let mut gen = Generation::new(&model.tokenizer, prompt, params)?;
-    cache.add_sequence(seq)?;
-    let res = run(model, cache, seq, prompt, &mut gen, prefill_chunk, on_step);
-    cache.free_sequence(seq);
+    params.validate(session.context_length())?;
+    let mut gen = Generation::new(session.tokenizer(), prompt, params)?;
+    session.add_sequence(seq)?;
+    let res = run(session, seq, prompt, &mut gen, prefill_chunk, on_step);
+    session.free_sequence(seq);
     res
 }
 
 fn run(
-    model: &Model,
-    cache: &mut KvCache,
+    session: &mut dyn ForwardSession,
     seq: SeqId,
     prompt: &[u32],
     gen: &mut Generation,
     prefill_chunk: usize,
     on_step: &mut dyn FnMut(&TokenStep),
 ) -> Result<GenerationOutput> {
-    let ctx = model.config.context_length;
+    let ctx = session.context_length();
     let t0 = Instant::now();
     let chunk = if prefill_chunk == 0 {
         prompt.len()
@@ -326,7 +346,7 @@ fn run(
     let mut logits = Vec::new();
     for (i, part) in prompt.chunks(chunk).enumerate() {
         let last = (i + 1) * chunk >= prompt.len();
-        let mut out = model.forward(cache, &[SeqChunk::prompt(seq, part, last, prompt.len())])?;
+        let mut out = session.forward(&[SeqChunk::prompt(seq, part, last, prompt.len())])?;
         if last {
             logits = out.pop().unwrap_or_default();
         }
@@ -335,14 +355,14 @@ fn run(
     let t1 = Instant::now();
     let mut text = String::new();
     loop {
-        let left = ctx - cache.sequence_len(seq)?;
-        let step = gen.step(&model.tokenizer, &mut logits, left);
+        let left = ctx - session.sequence_len(seq)?;
+        let step = gen.step(session.tokenizer(), &mut logits, left);
         text.push_str(&step.text);
         on_step(&step);
         if step.finished.is_some() {
             break;
         }
-        let mut out = model.forward(cache, &[SeqChunk::new(seq, &[step.id])])?;
+        let mut out = session.forward(&[SeqChunk::new(seq, &[step.id])])?;
         logits = out.pop().unwrap_or_default();
     }
     let decode = t1.elapsed();

@@ -6,6 +6,8 @@
 //!   imported from another process (what disaggregation moves);
 //! - [`Model::forward`]: one forward over any mix of prefill chunks and decode
 //!   steps of different sequences;
+//! - [`CandleModel`]: the device-generic engine on candle (its CPU device here, CUDA on
+//!   GPU nodes) with a paged KV pool on the device, selected by [`EngineChoice`];
 //! - [`Generation`]: sampling and stop conditions of one sequence, and its text state
 //!   (detokenizer, stop hold-back, seeded draws), which a migrated stream resumes.
 //!
@@ -25,8 +27,10 @@
 
 mod attention_gemm;
 mod bpe;
+pub mod candle_engine;
 pub mod chat;
 pub mod config;
+pub mod device;
 pub mod error;
 pub mod forward;
 pub mod generate;
@@ -36,14 +40,17 @@ pub mod kv;
 pub mod linear;
 pub mod model;
 pub mod sampling;
+pub mod session;
 pub mod tokenizer;
 
+pub use candle_engine::{CandleModel, DevicePool};
 pub use chat::{ChatMessage, ChatTemplate, CHAT_ROLES};
 pub use config::ModelConfig;
+pub use device::{DeviceSpec, EngineChoice, EngineKind};
 pub use error::{EngineError, ErrorClass, Result};
 pub use forward::{check_prompt, check_token_ids, SeqChunk};
 pub use generate::{
-    generate, FinishReason, Generation, GenerationOutput, GenerationParams, TokenStep,
+    generate, generate_in, FinishReason, Generation, GenerationOutput, GenerationParams, TokenStep,
 };
 pub use kv::{
     reusable_tokens, BlockHash, KvCache, KvCacheConfig, KvDtype, KvEvent, KvExport, KvKind,
@@ -52,4 +59,5 @@ pub use kv::{
 pub use linear::WeightMode;
 pub use model::{LoadOptions, Model, TextFrontend};
 pub use sampling::{Sampler, SamplingParams};
+pub use session::{CandleSession, ForwardSession, NativeSession};
 pub use tokenizer::{Detokenizer, Tokenizer};

@@ -136,7 +136,7 @@ impl Loader<'_> {
 
 /// Opens a GGUF file after the bounds-checked header walk (so a corrupt or
 /// truncated file is an error, never a panic inside the parser).
-fn open_checked(path: &Path) -> Result<(File, Content)> {
+pub(crate) fn open_checked(path: &Path) -> Result<(File, Content)> {
     let io = |source| EngineError::Io {
         path: path.to_path_buf(),
         source,
@@ -170,7 +170,7 @@ impl TextFrontend {
         Self::from_content(&content)
     }
 
-    fn from_content(content: &Content) -> Result<Self> {
+    pub(crate) fn from_content(content: &Content) -> Result<Self> {
         let config = ModelConfig::from_gguf(content)?;
         let tokenizer = Tokenizer::from_gguf(content)?;
         let token_text = |id: Option<u32>| {

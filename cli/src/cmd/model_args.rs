@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use duet_engine::{LoadOptions, Model, WeightMode};
+use duet_engine::{DeviceSpec, EngineChoice, EngineKind, LoadOptions, Model, WeightMode};
 
 /// Where `make up` puts the default model.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -42,5 +42,30 @@ impl ModelArgs {
             },
         )
         .with_context(|| format!("loading {}", self.model.display()))
+    }
+}
+
+/// Where the model runs and which engine runs it (`duet run`).
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// Compute device: `cpu`, `cuda` or `cuda:N` (CUDA needs a build with the `cuda`
+    /// feature and a driver).
+    #[arg(long, env = "DUET_DEVICE", default_value = "cpu")]
+    pub device: DeviceSpec,
+    /// Engine: `native` (the bit-exact CPU engine; the default on `cpu`) or `candle` (the
+    /// device-generic engine; the only one on `cuda`).
+    #[arg(long, env = "DUET_ENGINE")]
+    pub engine: Option<EngineKind>,
+}
+
+impl EngineArgs {
+    /// The engine that runs, or which flag is wrong.
+    pub fn resolve(&self) -> anyhow::Result<EngineKind> {
+        EngineChoice {
+            device: self.device,
+            engine: self.engine,
+        }
+        .resolve()
+        .context("--engine/--device")
     }
 }

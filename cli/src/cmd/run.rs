@@ -4,14 +4,19 @@ use std::io::Write;
 
 use anyhow::Context;
 use clap::Args;
-use duet_engine::{generate, ChatMessage, GenerationParams, KvCache, KvDtype, SamplingParams};
+use duet_engine::{
+    generate_in, CandleModel, CandleSession, ChatMessage, ChatTemplate, EngineKind, ForwardSession,
+    GenerationParams, KvCache, KvDtype, NativeSession, SamplingParams, Tokenizer,
+};
 
-use super::model_args::ModelArgs;
+use super::model_args::{EngineArgs, ModelArgs};
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// The prompt (raw text, or the user message with --chat).
     #[arg(long)]
     pub prompt: String,
@@ -68,30 +73,45 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     };
     // Reject bad parameters before spending time on loading.
     params.sampling.validate()?;
-    let model = a.model.load()?;
-    params.validate(model.config.context_length)?;
-    let (text, parse_special) = match a.chat {
-        true => {
-            let tpl = model
-                .chat_template
-                .as_ref()
-                .context("--chat: the model has no chat template")?;
-            (
-                tpl.render(&[ChatMessage::new("user", &a.prompt)], true)?,
-                true,
-            )
+    let engine = a.engine.resolve()?;
+    if engine == EngineKind::Candle && a.kv_dtype != KvDtype::F16 {
+        anyhow::bail!("--kv-dtype: the candle engine keeps an f16 KV pool");
+    }
+    a.model.validate()?;
+    // Either engine behind the one generation loop; each owns a store sized for the run.
+    let (native, candle);
+    let (mut cache, mut pool);
+    let (mut session, prompt): (Box<dyn ForwardSession + '_>, Vec<u32>) = match engine {
+        EngineKind::Native => {
+            native = a.model.load()?;
+            let prompt = prompt_ids(&a, &native.tokenizer, native.chat_template.as_ref())?;
+            params.validate(native.config.context_length)?;
+            let layout = native.kv_layout(16, a.kv_dtype);
+            let blocks = (prompt.len() + a.max_tokens).div_ceil(layout.block_size);
+            cache = KvCache::new(layout, blocks);
+            let s = NativeSession {
+                model: &native,
+                cache: &mut cache,
+            };
+            (Box::new(s), prompt)
         }
-        false => (a.prompt.clone(), false),
+        EngineKind::Candle => {
+            candle = CandleModel::load(&a.model.model, a.engine.device)
+                .with_context(|| format!("loading {}", a.model.model.display()))?;
+            let prompt = prompt_ids(&a, &candle.tokenizer, candle.chat_template.as_ref())?;
+            params.validate(candle.config.context_length)?;
+            pool = candle.new_pool(16, (prompt.len() + a.max_tokens).div_ceil(16))?;
+            let s = CandleSession {
+                model: &candle,
+                pool: &mut pool,
+            };
+            (Box::new(s), prompt)
+        }
     };
-    let prompt = model.tokenizer.encode(&text, parse_special)?;
-    let layout = model.kv_layout(16, a.kv_dtype);
-    let blocks = (prompt.len() + a.max_tokens).div_ceil(layout.block_size);
-    let mut cache = KvCache::new(layout, blocks);
     let stdout = std::io::stdout();
     let json = a.json;
-    let out = generate(
-        &model,
-        &mut cache,
+    let out = generate_in(
+        session.as_mut(),
         0,
         &prompt,
         params,
@@ -118,4 +138,23 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The prompt's token ids: the raw text, or one user message in the model's chat template.
+fn prompt_ids(
+    a: &RunArgs,
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+) -> anyhow::Result<Vec<u32>> {
+    let (text, parse_special) = match a.chat {
+        true => {
+            let tpl = template.context("--chat: the model has no chat template")?;
+            (
+                tpl.render(&[ChatMessage::new("user", &a.prompt)], true)?,
+                true,
+            )
+        }
+        false => (a.prompt.clone(), false),
+    };
+    Ok(tokenizer.encode(&text, parse_special)?)
 }

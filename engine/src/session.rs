@@ -1,0 +1,76 @@
+//! What one generation loop needs of an engine, whichever it is: a model with its KV store
+//! (the native engine's [`Model`] over a [`KvCache`], or the candle engine's
+//! [`CandleModel`] over its device pool). [`crate::generate::generate_in`] runs on it, so
+//! `duet run` drives both engines through the same sampling, stop and timing code.
+
+use crate::candle_engine::{CandleModel, DevicePool};
+use crate::error::Result;
+use crate::forward::SeqChunk;
+use crate::kv::{KvCache, SeqId};
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+
+/// A model and the KV store its sequences live in.
+pub trait ForwardSession {
+    fn tokenizer(&self) -> &Tokenizer;
+    fn context_length(&self) -> usize;
+    fn add_sequence(&mut self, seq: SeqId) -> Result<()>;
+    fn free_sequence(&mut self, seq: SeqId);
+    fn sequence_len(&self, seq: SeqId) -> Result<usize>;
+    /// One forward over `batch`; per chunk the logits of its last token where asked.
+    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>>;
+}
+
+/// The native engine over a paged CPU cache.
+pub struct NativeSession<'a> {
+    pub model: &'a Model,
+    pub cache: &'a mut KvCache,
+}
+
+impl ForwardSession for NativeSession<'_> {
+    fn tokenizer(&self) -> &Tokenizer {
+        &self.model.tokenizer
+    }
+    fn context_length(&self) -> usize {
+        self.model.config.context_length
+    }
+    fn add_sequence(&mut self, seq: SeqId) -> Result<()> {
+        self.cache.add_sequence(seq)
+    }
+    fn free_sequence(&mut self, seq: SeqId) {
+        self.cache.free_sequence(seq);
+    }
+    fn sequence_len(&self, seq: SeqId) -> Result<usize> {
+        self.cache.sequence_len(seq)
+    }
+    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.model.forward(self.cache, batch)
+    }
+}
+
+/// The candle engine over its device pool.
+pub struct CandleSession<'a> {
+    pub model: &'a CandleModel,
+    pub pool: &'a mut DevicePool,
+}
+
+impl ForwardSession for CandleSession<'_> {
+    fn tokenizer(&self) -> &Tokenizer {
+        &self.model.tokenizer
+    }
+    fn context_length(&self) -> usize {
+        self.model.config.context_length
+    }
+    fn add_sequence(&mut self, seq: SeqId) -> Result<()> {
+        self.pool.add_sequence(seq)
+    }
+    fn free_sequence(&mut self, seq: SeqId) {
+        self.pool.free_sequence(seq);
+    }
+    fn sequence_len(&self, seq: SeqId) -> Result<usize> {
+        self.pool.sequence_len(seq)
+    }
+    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.model.forward(self.pool, batch)
+    }
+}
