@@ -206,3 +206,46 @@ fn a_device_that_is_not_there_is_refused_with_exit_code_2() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+/// `duet bench engine` measures either engine and says which one it measured.
+#[test]
+fn bench_engine_reports_the_engine_and_device_it_measured() {
+    let m = model();
+    let dir = std::env::temp_dir().join(format!("duet-bench-engine-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for engine in ["native", "candle"] {
+        let out = dir.join(format!("{engine}.json"));
+        let o = duet(&[
+            "bench",
+            "engine",
+            "--model",
+            m.to_str().unwrap(),
+            "--engine",
+            engine,
+            "--prefill",
+            "32",
+            "--batch",
+            "2",
+            "--context",
+            "32",
+            "--steps",
+            "2",
+            "--kv-pool-bytes",
+            "16777216",
+            "--json",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{engine}: {}", stderr(&o));
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        assert_eq!(r["engine_kind"], engine, "{r}");
+        assert_eq!(r["device"], "cpu", "{r}");
+        assert_eq!(r["prefill"][0]["tokens"], 32, "{r}");
+        assert!(r["prefill"][0]["tok_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert_eq!(r["decode"][0]["batch"], 2, "{r}");
+        assert!(r["decode"][0]["tok_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["weight_bytes"].as_u64().unwrap() > 50_000_000, "{r}");
+        assert!(r["kv_pool_bytes"].as_u64().unwrap() > 0, "{r}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -168,6 +168,32 @@ impl CandleModel {
         &self.path
     }
 
+    /// Bytes the weights hold on the device (quantized blocks, f32 norms and embedding).
+    pub fn weight_bytes(&self) -> usize {
+        fn mm(m: &QMatMul) -> usize {
+            match m {
+                QMatMul::QTensor(q) => q.storage_size_in_bytes(),
+                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
+                    t.elem_count() * t.dtype().size_in_bytes()
+                }
+            }
+        }
+        let f32s = |t: &Tensor| t.elem_count() * 4;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .into_iter()
+                    .map(mm)
+                    .sum::<usize>()
+                    + f32s(&l.attn_norm)
+                    + f32s(&l.ffn_norm)
+            })
+            .sum();
+        layers + f32s(&self.embed) + f32s(&self.out_norm) + mm(&self.output)
+    }
+
     /// A KV pool for this model on its device: `blocks` blocks of `block_size` tokens.
     pub fn new_pool(&self, block_size: usize, blocks: usize) -> Result<DevicePool> {
         let c = &self.config;

@@ -1,21 +1,27 @@
 //! `duet bench engine`: prefill tok/s at several prompt lengths and
 //! aggregate decode tok/s at several batch sizes (every sequence with its own
-//! context of `--context` tokens), plus resident memory.
+//! context of `--context` tokens), plus resident memory, on either engine (`--engine`,
+//! `--device`: the native CPU engine or the candle engine on its device).
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use duet_engine::{sampling::argmax, KvCache, KvCacheConfig, KvDtype, Model, SeqChunk};
+use duet_engine::{
+    sampling::argmax, CandleModel, DevicePool, EngineKind, KvCache, KvCacheConfig, KvDtype, Model,
+    SeqChunk,
+};
 use serde::Serialize;
 
-use crate::cmd::model_args::ModelArgs;
+use crate::cmd::model_args::{EngineArgs, ModelArgs};
 
 #[derive(Args, Debug)]
 pub struct EngineBenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Prompt lengths for prefill.
     #[arg(long, value_delimiter = ',', default_value = "128,512,1024")]
     pub prefill: Vec<usize>,
@@ -59,6 +65,9 @@ struct Decode {
 #[derive(Serialize)]
 struct Report {
     engine: &'static str,
+    /// `native` or `candle`.
+    engine_kind: String,
+    device: String,
     threads: usize,
     weights: String,
     kv_dtype: String,
@@ -88,22 +97,70 @@ fn tokens(n: usize, salt: usize) -> Vec<u32> {
         .collect()
 }
 
+/// The model on the engine asked for, and a KV store of its own kind.
+enum Loaded {
+    Native(Model),
+    Candle(CandleModel),
+}
+
+enum Store {
+    Native(KvCache),
+    Candle(DevicePool),
+}
+
+impl Loaded {
+    fn store(&self, kv_dtype: KvDtype, blocks: usize) -> anyhow::Result<Store> {
+        Ok(match self {
+            Loaded::Native(m) => Store::Native(KvCache::new(m.kv_layout(16, kv_dtype), blocks)),
+            Loaded::Candle(m) => Store::Candle(m.new_pool(16, blocks)?),
+        })
+    }
+
+    fn forward(&self, store: &mut Store, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+        Ok(match (self, store) {
+            (Loaded::Native(m), Store::Native(c)) => m.forward(c, batch)?,
+            (Loaded::Candle(m), Store::Candle(p)) => m.forward(p, batch)?,
+            _ => anyhow::bail!("a store of another engine"),
+        })
+    }
+}
+
+impl Store {
+    fn add_sequence(&mut self, id: u64) -> anyhow::Result<()> {
+        match self {
+            Store::Native(c) => c.add_sequence(id)?,
+            Store::Candle(p) => p.add_sequence(id)?,
+        }
+        Ok(())
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
 pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
-    let model = a.model.load()?;
+    let kind = a.engine.resolve()?;
+    if kind == EngineKind::Candle && a.kv_dtype != KvDtype::F16 {
+        anyhow::bail!("--kv-dtype: the candle engine keeps an f16 KV pool");
+    }
+    let model = match kind {
+        EngineKind::Native => Loaded::Native(a.model.load()?),
+        EngineKind::Candle => Loaded::Candle(
+            CandleModel::load(&a.model.model, a.engine.device)
+                .with_context(|| format!("loading {}", a.model.model.display()))?,
+        ),
+    };
     let rss_after_load = rss_bytes();
     let mut prefill = Vec::new();
     for &n in &a.prefill {
         let mut runs = Vec::new();
         for i in 0..4 {
-            let mut cache = KvCache::new(model.kv_layout(16, a.kv_dtype), n.div_ceil(16));
-            cache.add_sequence(0)?;
+            let mut store = model.store(a.kv_dtype, n.div_ceil(16))?;
+            store.add_sequence(0)?;
             let t = Instant::now();
-            model.forward(&mut cache, &[SeqChunk::new(0, &tokens(n, 0))])?;
+            model.forward(&mut store, &[SeqChunk::new(0, &tokens(n, 0))])?;
             if i > 0 {
                 runs.push(t.elapsed().as_secs_f64()); // the first run warms up
             }
@@ -120,18 +177,29 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
     for &b in &a.batch {
         decode.push(bench_decode(&model, a.kv_dtype, b, a.context, a.steps)?);
     }
-    let layout = model.kv_layout(16, a.kv_dtype);
-    let c = &model.config;
+    let (config, weight_bytes) = match &model {
+        Loaded::Native(m) => (m.config.clone(), m.weight_bytes()),
+        Loaded::Candle(m) => (m.config.clone(), m.weight_bytes()),
+    };
     let sized = KvCacheConfig::from_budget(
         a.kv_pool_bytes,
         16,
         a.kv_dtype,
-        (c.n_layers, c.n_kv_heads, c.head_dim),
+        (config.n_layers, config.n_kv_heads, config.head_dim),
     );
-    let mut pool = KvCache::new(layout, sized.num_blocks);
-    pool.prefault();
+    // Held until the report is written: its resident memory is measured.
+    let mut pool = model.store(a.kv_dtype, sized.num_blocks)?;
+    let kv_pool_bytes = match &mut pool {
+        Store::Native(pool) => {
+            pool.prefault();
+            pool.pool_bytes()
+        }
+        Store::Candle(pool) => pool.bytes(),
+    };
     let report = Report {
         engine: "duet",
+        engine_kind: kind.to_string(),
+        device: a.engine.device.to_string(),
         threads: a.model.threads,
         weights: format!("{:?}", a.model.weights),
         kv_dtype: format!("{:?}", a.kv_dtype).to_lowercase(),
@@ -139,8 +207,8 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
         decode,
         rss_after_load_bytes: rss_after_load,
         rss_with_kv_pool_bytes: rss_bytes(),
-        kv_pool_bytes: pool.pool_bytes(),
-        weight_bytes: model.weight_bytes(),
+        kv_pool_bytes,
+        weight_bytes,
     };
     eprintln!(
         "RSS after load {:.1} MiB, with a {:.0} MiB KV pool {:.1} MiB",
@@ -156,14 +224,14 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
 }
 
 fn bench_decode(
-    model: &Model,
+    model: &Loaded,
     kv_dtype: KvDtype,
     batch: usize,
     context: usize,
     steps: usize,
 ) -> anyhow::Result<Decode> {
     let blocks = batch * (context + steps + 1).div_ceil(16);
-    let mut cache = KvCache::new(model.kv_layout(16, kv_dtype), blocks);
+    let mut cache = model.store(kv_dtype, blocks)?;
     // Distinct contexts per sequence, prefilled a few sequences per forward.
     let prompts: Vec<Vec<u32>> = (0..batch).map(|i| tokens(context, i + 1)).collect();
     let mut next = vec![0u32; batch];
@@ -180,7 +248,7 @@ fn bench_decode(
             next[i] = argmax(l);
         }
     }
-    let step = |cache: &mut KvCache, next: &mut Vec<u32>| -> anyhow::Result<()> {
+    let step = |cache: &mut Store, next: &mut Vec<u32>| -> anyhow::Result<()> {
         let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
         let chunks: Vec<SeqChunk> = toks
             .iter()
