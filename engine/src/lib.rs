@@ -32,6 +32,7 @@ pub mod chat;
 pub mod config;
 pub mod device;
 pub mod error;
+mod fingerprint;
 pub mod forward;
 pub mod generate;
 mod gguf_check;

@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
-use sha2::{Digest, Sha256};
 
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
+use crate::fingerprint::Fingerprinter;
 use crate::gguf_check;
 use crate::kernels::BlockFormat;
 use crate::kv::{KvDtype, KvLayout};
@@ -78,7 +78,7 @@ fn block_format(dt: GgmlDType) -> Option<BlockFormat> {
 struct Loader<'a> {
     content: &'a Content,
     file: File,
-    hasher: Sha256,
+    fp: Fingerprinter,
 }
 
 impl Loader<'_> {
@@ -87,8 +87,7 @@ impl Loader<'_> {
             return Err(EngineError::Format(format!("missing tensor `{name}`")));
         }
         let t = self.content.tensor(&mut self.file, name, &Device::Cpu)?;
-        self.hasher.update(name.as_bytes());
-        self.hasher.update(t.data()?.as_ref());
+        self.fp.tensor(name, t.data()?.as_ref());
         Ok(t)
     }
 
@@ -225,7 +224,7 @@ impl Model {
         let mut ld = Loader {
             content: &content,
             file,
-            hasher: Sha256::new(),
+            fp: Fingerprinter::default(),
         };
         let mode = options.weight_mode;
         let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
@@ -259,10 +258,7 @@ impl Model {
             Ok((layers, embed, out_norm, Linear::new(output, mode)?))
         })?;
 
-        let mut h = ld.hasher;
-        h.update(serde_json::to_vec(&config).unwrap_or_default());
-        tokenizer.digest_into(&mut h);
-        let fingerprint = hex::encode(&h.finalize()[..16]);
+        let fingerprint = ld.fp.finish(&config, &tokenizer);
         Ok(Self {
             config,
             tokenizer,

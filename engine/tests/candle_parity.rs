@@ -236,6 +236,9 @@ fn kv_moves_between_pools_and_engines_in_the_cpu_cache_format() {
     let layers = m.config.n_layers;
     let layout = native.kv_layout(16, KvDtype::F16);
     let blocks = prompt.len().div_ceil(16) + 2;
+    // One file, one identity: the engines' KV layouts are the same, fingerprint included.
+    assert_eq!(m.fingerprint(), native.fingerprint());
+    assert_eq!(m.kv_layout(16), layout);
 
     // Native prefill, exported.
     let mut cache = KvCache::new(layout.clone(), blocks);
@@ -310,7 +313,7 @@ fn kv_moves_between_pools_and_engines_in_the_cpu_cache_format() {
     // And back: the native engine continues the candle engine's prompt.
     let mut back = KvCache::new(layout.clone(), blocks);
     let ex = duet_engine::KvExport {
-        layout: layout.clone(),
+        layout: m.kv_layout(16),
         tokens: prompt.len(),
         layers: frames,
     };

@@ -29,6 +29,8 @@ use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::device::DeviceSpec;
 use crate::error::{EngineError, Result};
+use crate::fingerprint::Fingerprinter;
+use crate::kv::{KvDtype, KvLayout};
 use crate::model::TextFrontend;
 use crate::tokenizer::Tokenizer;
 
@@ -57,6 +59,7 @@ pub struct CandleModel {
     layers: Vec<Layer>,
     out_norm: Tensor,
     output: QMatMul,
+    fingerprint: String,
     path: PathBuf,
 }
 
@@ -64,12 +67,20 @@ struct Loader<'a> {
     content: &'a Content,
     file: File,
     device: &'a Device,
+    fp: Fingerprinter,
 }
 
 impl Loader<'_> {
+    /// A tensor on the device, hashed into the model's fingerprint from its GGUF bytes
+    /// (read on the host: on a GPU, read a second time onto the device).
     fn qtensor(&mut self, name: &str) -> Result<QTensor> {
         if !self.content.tensor_infos.contains_key(name) {
             return Err(EngineError::Format(format!("missing tensor `{name}`")));
+        }
+        let host = self.content.tensor(&mut self.file, name, &Device::Cpu)?;
+        self.fp.tensor(name, host.data()?.as_ref());
+        if self.device.is_cpu() {
+            return Ok(host);
         }
         Ok(self.content.tensor(&mut self.file, name, self.device)?)
     }
@@ -115,6 +126,7 @@ impl CandleModel {
             content: &content,
             file,
             device: &device,
+            fp: Fingerprinter::default(),
         };
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
@@ -146,6 +158,7 @@ impl CandleModel {
             true => ld.matmul("output.weight", c.vocab_size, c.hidden)?,
             false => ld.matmul("token_embd.weight", c.vocab_size, c.hidden)?,
         };
+        let fingerprint = ld.fp.finish(&config, &tokenizer);
         Ok(CandleModel {
             config,
             tokenizer,
@@ -156,8 +169,27 @@ impl CandleModel {
             layers,
             out_norm,
             output,
+            fingerprint,
             path,
         })
+    }
+
+    /// The model's identity, equal to the native engine's for the same file.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// The KV layout of this engine's pool and frames: the native engine's f16 layout
+    /// ([`DevicePool::export_layer`] writes its frames).
+    pub fn kv_layout(&self, block_size: usize) -> KvLayout {
+        KvLayout {
+            fingerprint: self.fingerprint.clone(),
+            n_layers: self.config.n_layers,
+            n_kv_heads: self.config.n_kv_heads,
+            head_dim: self.config.head_dim,
+            block_size,
+            dtype: KvDtype::F16,
+        }
     }
 
     pub fn device(&self) -> DeviceSpec {

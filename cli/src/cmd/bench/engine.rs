@@ -99,20 +99,22 @@ fn tokens(n: usize, salt: usize) -> Vec<u32> {
 
 /// The model on the engine asked for, and a KV store of its own kind.
 enum Loaded {
-    Native(Model),
-    Candle(CandleModel),
+    Native(Box<Model>),
+    Candle(Box<CandleModel>),
 }
 
 enum Store {
-    Native(KvCache),
-    Candle(DevicePool),
+    Native(Box<KvCache>),
+    Candle(Box<DevicePool>),
 }
 
 impl Loaded {
     fn store(&self, kv_dtype: KvDtype, blocks: usize) -> anyhow::Result<Store> {
         Ok(match self {
-            Loaded::Native(m) => Store::Native(KvCache::new(m.kv_layout(16, kv_dtype), blocks)),
-            Loaded::Candle(m) => Store::Candle(m.new_pool(16, blocks)?),
+            Loaded::Native(m) => {
+                Store::Native(Box::new(KvCache::new(m.kv_layout(16, kv_dtype), blocks)))
+            }
+            Loaded::Candle(m) => Store::Candle(Box::new(m.new_pool(16, blocks)?)),
         })
     }
 
@@ -146,11 +148,11 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
         anyhow::bail!("--kv-dtype: the candle engine keeps an f16 KV pool");
     }
     let model = match kind {
-        EngineKind::Native => Loaded::Native(a.model.load()?),
-        EngineKind::Candle => Loaded::Candle(
+        EngineKind::Native => Loaded::Native(Box::new(a.model.load()?)),
+        EngineKind::Candle => Loaded::Candle(Box::new(
             CandleModel::load(&a.model.model, a.engine.device)
                 .with_context(|| format!("loading {}", a.model.model.display()))?,
-        ),
+        )),
     };
     let rss_after_load = rss_bytes();
     let mut prefill = Vec::new();
