@@ -54,6 +54,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
+    /// Quality measurements (perplexity).
+    #[command(subcommand)]
+    Eval(cmd::eval::EvalCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -80,6 +83,7 @@ fn main() -> std::process::ExitCode {
     let res = match cli.command {
         Command::Run(args) => cmd::run::run(args),
         Command::Bench(b) => cmd::bench::run(b),
+        Command::Eval(e) => cmd::eval::run(e),
         Command::Up(a) => cmd::cluster::up::up(a),
         Command::Router(a) => cmd::cluster::up::router(a),
         Command::Prefill(a) => cmd::cluster::up::prefill(a),

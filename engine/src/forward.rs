@@ -169,6 +169,27 @@ impl Model {
         batch: &[SeqChunk<'_>],
         on_layer: &mut (dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send),
     ) -> Result<Vec<Vec<f32>>> {
+        self.forward_inner(cache, batch, on_layer, false)
+    }
+
+    /// One prompt chunk of one sequence with the logits of **every** row: `out[r]` predicts
+    /// token `r + 1` of the chunk (perplexity). The output head runs over all rows at once,
+    /// as llama.cpp's does when it keeps every position's logits.
+    pub fn forward_every_row(
+        &self,
+        cache: &mut KvCache,
+        chunk: SeqChunk<'_>,
+    ) -> Result<Vec<Vec<f32>>> {
+        self.forward_inner(cache, &[chunk], &mut |_, _| ControlFlow::Continue(()), true)
+    }
+
+    fn forward_inner(
+        &self,
+        cache: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        on_layer: &mut (dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send),
+        every_row: bool,
+    ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let layout = cache.layout().clone();
         if (layout.n_layers, layout.n_kv_heads, layout.head_dim)
@@ -232,7 +253,8 @@ impl Model {
             (false, false) => KernelRows::As(rows.len()),
         };
         let logits = self.pool.install(|| {
-            self.run_layers(cache, batch, &rows, &tokens, &tables, kernel_rows, on_layer)
+            let sel = (kernel_rows, every_row);
+            self.run_layers(cache, batch, &rows, &tokens, &tables, sel, on_layer)
         })?;
         for ch in batch {
             cache.commit_append(ch.seq, ch.tokens.len())?;
@@ -277,7 +299,7 @@ impl Model {
         rows: &[Row],
         tokens: &[u32],
         tables: &[Vec<BlockId>],
-        kernel_rows: KernelRows,
+        (kernel_rows, every_row): (KernelRows, bool),
         on_layer: &mut (dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send),
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
@@ -342,16 +364,19 @@ impl Model {
                 *a += b;
             }
         }
-        // Logits only for the last row of the chunks that want them.
+        // Logits only for the last row of the chunks that want them (or of every row).
         let mut want = Vec::new();
         let mut end = 0;
         for (i, ch) in batch.iter().enumerate() {
             end += ch.tokens.len();
-            if ch.logits {
+            if ch.logits && !every_row {
                 want.push((i, end - 1));
             }
         }
-        let mut out = vec![Vec::new(); batch.len()];
+        if every_row {
+            want = (0..n).map(|r| (r, r)).collect();
+        }
+        let mut out = vec![Vec::new(); want.len().max(batch.len())];
         if want.is_empty() {
             return Ok(out);
         }

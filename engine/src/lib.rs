@@ -40,6 +40,7 @@ pub mod kernels;
 pub mod kv;
 pub mod linear;
 pub mod model;
+pub mod perplexity;
 pub mod sampling;
 pub mod session;
 pub mod tokenizer;

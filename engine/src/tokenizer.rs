@@ -270,6 +270,11 @@ impl Tokenizer {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
+    /// Whether [`Self::encode`] starts the ids with BOS (`tokenizer.ggml.add_bos_token`).
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos
+    }
+
     pub fn bos_token_id(&self) -> Option<u32> {
         self.bos
     }

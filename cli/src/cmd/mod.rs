@@ -1,4 +1,5 @@
 pub mod bench;
 pub mod cluster;
+pub mod eval;
 pub mod model_args;
 pub mod run;

@@ -1,0 +1,224 @@
+//! Perplexity of the model over a text, computed as llama.cpp's `llama-perplexity` computes
+//! it, so the two can be compared number for number:
+//!
+//! - The text is tokenized once (with BOS when the model's tokenizer adds one).
+//! - Default mode: the tokens are cut into consecutive windows of `ctx` tokens (a partial
+//!   last window is dropped); each window is evaluated on its own from an empty cache,
+//!   its first token replaced by BOS when the tokenizer adds one, and only the second half
+//!   is scored: position `j` in `ctx/2 .. ctx-1` predicts token `j + 1`. The first half
+//!   gives every scored token some context.
+//! - Stride mode (`stride > 0`, llama.cpp's `--ppl-stride`): windows of `ctx` tokens start
+//!   every `stride` tokens and score their last `stride` predictions.
+//! - Each scored token adds `-log softmax(logits)[next]`, with the softmax's sum of `expf`
+//!   accumulated in f64 after subtracting the largest logit (llama.cpp's `log_softmax`).
+//!   `ppl = exp(mean)`, and its standard error is `ppl * sqrt(var / (n - 1))`.
+
+use serde::Serialize;
+
+use crate::error::{EngineError, Result};
+use crate::forward::SeqChunk;
+use crate::kv::{KvCache, KvDtype};
+use crate::model::Model;
+
+/// How to cut the text into windows.
+#[derive(Debug, Clone, Copy)]
+pub struct PerplexityConfig {
+    /// Tokens per window.
+    pub ctx: usize,
+    /// 0: llama.cpp's default windows; otherwise its `--ppl-stride` windows.
+    pub stride: usize,
+    /// At most this many windows (`None`: all).
+    pub max_windows: Option<usize>,
+    pub kv_dtype: KvDtype,
+}
+
+/// The result, as `duet eval perplexity --json` prints it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PerplexityReport {
+    pub ppl: f64,
+    /// Standard error of `ppl`.
+    pub ppl_stderr: f64,
+    /// Mean negative log-likelihood per scored token (nats).
+    pub nll: f64,
+    pub tokens_scored: usize,
+    pub tokens_total: usize,
+    pub windows: usize,
+    pub ctx: usize,
+    pub stride: usize,
+    /// The most KV bytes a window's sequence held in the cache.
+    pub kv_bytes_peak: usize,
+}
+
+/// `-log softmax(logits)[target]` as llama.cpp computes it.
+pub fn neg_log_softmax(logits: &[f32], target: usize) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
+    -(f64::from(logits[target] - max) - sum.ln())
+}
+
+/// Running sums of the scored tokens' negative log-likelihoods.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NllSums {
+    sum: f64,
+    sum_sq: f64,
+    n: usize,
+}
+
+impl NllSums {
+    pub fn add(&mut self, v: f64) {
+        self.sum += v;
+        self.sum_sq += v * v;
+        self.n += 1;
+    }
+
+    /// `(mean nll, ppl, ppl's standard error)`.
+    pub fn finish(&self) -> (f64, f64, f64) {
+        let n = self.n.max(1) as f64;
+        let mean = self.sum / n;
+        let ppl = mean.exp();
+        let var = self.sum_sq / n - mean * mean;
+        let se = if var > 0.0 && self.n > 1 {
+            (var / (n - 1.0)).sqrt() * ppl
+        } else {
+            0.0
+        };
+        (mean, ppl, se)
+    }
+}
+
+/// The windows of `tokens`: `(start, first scored position)` per window.
+pub fn windows(total: usize, cfg: &PerplexityConfig) -> Result<Vec<(usize, usize)>> {
+    let ctx = cfg.ctx;
+    if ctx < 4 {
+        return Err(EngineError::invalid("ctx", "at least 4 tokens"));
+    }
+    let w: Vec<(usize, usize)> = if cfg.stride == 0 {
+        if total < 2 * ctx {
+            return Err(EngineError::invalid(
+                "file",
+                format!("{total} tokens; at least {} (2 x ctx) are needed", 2 * ctx),
+            ));
+        }
+        (0..total / ctx).map(|i| (i * ctx, ctx / 2)).collect()
+    } else {
+        if cfg.stride >= ctx || total <= ctx {
+            return Err(EngineError::invalid(
+                "stride",
+                format!(
+                    "{} must be below ctx {ctx}, with more than ctx tokens ({total})",
+                    cfg.stride
+                ),
+            ));
+        }
+        let n = (total - ctx).div_ceil(cfg.stride);
+        (0..n)
+            .map(|i| (i * cfg.stride, ctx - cfg.stride - 1))
+            .collect()
+    };
+    Ok(match cfg.max_windows {
+        Some(m) => w.into_iter().take(m).collect(),
+        None => w,
+    })
+}
+
+/// Perplexity of `model` over `tokens` (see the module docs for the windows).
+pub fn perplexity(
+    model: &Model,
+    tokens: &[u32],
+    cfg: &PerplexityConfig,
+) -> Result<PerplexityReport> {
+    if cfg.ctx > model.config.context_length {
+        return Err(EngineError::invalid(
+            "ctx",
+            format!(
+                "{} exceeds the model's context {}",
+                cfg.ctx, model.config.context_length
+            ),
+        ));
+    }
+    let wins = windows(tokens.len(), cfg)?;
+    let layout = model.kv_layout(16, cfg.kv_dtype);
+    let bos = model
+        .tokenizer
+        .bos_token_id()
+        .filter(|_| model.tokenizer.adds_bos());
+    let mut sums = NllSums::default();
+    let mut kv_peak = 0;
+    let mut cache = KvCache::new(layout, cfg.ctx.div_ceil(16));
+    for &(start, first) in &wins {
+        let mut window = tokens[start..start + cfg.ctx].to_vec();
+        if let Some(b) = bos {
+            window[0] = b;
+        }
+        cache.add_sequence(0)?;
+        let logits =
+            model.forward_every_row(&mut cache, SeqChunk::prompt(0, &window, true, window.len()));
+        kv_peak = kv_peak
+            .max(cache.used_blocks() * cache.layout().n_layers * 2 * cache.layout().region_bytes());
+        cache.free_sequence(0);
+        let logits = logits?;
+        for j in first..cfg.ctx - 1 {
+            sums.add(neg_log_softmax(&logits[j], tokens[start + j + 1] as usize));
+        }
+    }
+    let (nll, ppl, ppl_stderr) = sums.finish();
+    Ok(PerplexityReport {
+        ppl,
+        ppl_stderr,
+        nll,
+        tokens_scored: sums.n,
+        tokens_total: tokens.len(),
+        windows: wins.len(),
+        ctx: cfg.ctx,
+        stride: cfg.stride,
+        kv_bytes_peak: kv_peak,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(ctx: usize, stride: usize) -> PerplexityConfig {
+        PerplexityConfig {
+            ctx,
+            stride,
+            max_windows: None,
+            kv_dtype: KvDtype::F16,
+        }
+    }
+
+    #[test]
+    fn windows_are_llama_cpps() {
+        // Default: whole windows only, the second half scored.
+        assert_eq!(
+            windows(1000, &cfg(256, 0)).unwrap(),
+            vec![(0, 128), (256, 128), (512, 128)]
+        );
+        assert!(windows(511, &cfg(256, 0)).is_err(), "needs 2 x ctx tokens");
+        // Stride: a window every `stride` tokens, its last `stride` predictions scored.
+        assert_eq!(
+            windows(300, &cfg(256, 16)).unwrap(),
+            vec![(0, 239), (16, 239), (32, 239)]
+        );
+        assert!(windows(300, &cfg(256, 256)).is_err());
+        let mut c = cfg(256, 0);
+        c.max_windows = Some(1);
+        assert_eq!(windows(1000, &c).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn uniform_logits_give_the_vocabulary_size_and_stats_are_exact() {
+        let logits = vec![0.5f32; 100];
+        assert!((neg_log_softmax(&logits, 3) - 100f64.ln()).abs() < 1e-9);
+        let mut s = NllSums::default();
+        for v in [1.0, 2.0, 3.0] {
+            s.add(v);
+        }
+        let (mean, ppl, se) = s.finish();
+        assert_eq!(mean, 2.0);
+        assert!((ppl - 2f64.exp()).abs() < 1e-12);
+        // var = 14/3 - 4 = 2/3; se = sqrt((2/3) / 2) * ppl.
+        assert!((se - (1.0f64 / 3.0).sqrt() * ppl).abs() < 1e-12);
+    }
+}
