@@ -267,23 +267,7 @@ impl Model {
     /// before it changes anything, so a caller whose batch failed can tell which of its
     /// sequences is to blame and go on with the others.
     pub fn check_chunk(&self, cache: &KvCache, ch: &SeqChunk<'_>) -> Result<()> {
-        let c = &self.config;
-        if ch.tokens.is_empty() {
-            return Err(EngineError::invalid("tokens", "empty chunk"));
-        }
-        check_token_ids(ch.tokens, c.vocab_size)?;
-        let len = cache.sequence_len(ch.seq)?;
-        if len + ch.tokens.len() > c.context_length {
-            return Err(EngineError::invalid(
-                "tokens",
-                format!(
-                    "{} tokens exceed the context length {}",
-                    len + ch.tokens.len(),
-                    c.context_length
-                ),
-            ));
-        }
-        Ok(())
+        check_chunk_fits(&self.config, cache.sequence_len(ch.seq)?, ch.tokens)
     }
 
     /// [`Self::forward_with`] without a per-layer hook.
@@ -553,4 +537,28 @@ pub fn check_prompt(prompt: &[u32], vocab_size: usize, context_length: usize) ->
         ));
     }
     check_token_ids(prompt, vocab_size)
+}
+
+/// The rule every engine checks a chunk by before computing anything: some tokens, all
+/// inside the vocabulary, and the sequence (`len` tokens so far) still within the context.
+pub(crate) fn check_chunk_fits(
+    c: &crate::config::ModelConfig,
+    len: usize,
+    tokens: &[u32],
+) -> Result<()> {
+    if tokens.is_empty() {
+        return Err(EngineError::invalid("tokens", "empty chunk"));
+    }
+    check_token_ids(tokens, c.vocab_size)?;
+    if len + tokens.len() > c.context_length {
+        return Err(EngineError::invalid(
+            "tokens",
+            format!(
+                "{} tokens exceed the context length {}",
+                len + tokens.len(),
+                c.context_length
+            ),
+        ));
+    }
+    Ok(())
 }

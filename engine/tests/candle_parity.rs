@@ -14,7 +14,6 @@ use std::sync::OnceLock;
 
 use duet_engine::{CandleModel, DeviceSpec, KvCache, KvDtype, SeqChunk, WeightMode};
 
-const NEAR_TIE: f64 = 0.05;
 /// Largest |candle - native| over the vocabulary at a prompt's last position allowed
 /// (measured: 0.46 to 0.95 over the 10 prompts; see `docs/gpu.md`). candle's quantized
 /// matmuls round in their own order, and on this model such differences grow over 30
@@ -30,37 +29,7 @@ fn candle() -> &'static CandleModel {
     M.get_or_init(|| CandleModel::load(common::model_path(), DeviceSpec::Cpu).expect("load"))
 }
 
-struct Case {
-    id: String,
-    prompt: Vec<u32>,
-    want: Vec<u32>,
-    checked: usize,
-}
-
-fn cases() -> Vec<Case> {
-    common::reference("smollm2-q4_1-greedy.jsonl")
-        .into_iter()
-        .map(|l| {
-            let margins: Vec<f64> = l["top2_margin"]
-                .as_array()
-                .expect("margins")
-                .iter()
-                .map(|m| m.as_f64().expect("margin"))
-                .collect();
-            let want = common::ids(&l["greedy_ids"]);
-            let checked = margins
-                .iter()
-                .position(|&m| m < NEAR_TIE)
-                .unwrap_or(want.len());
-            Case {
-                id: l["id"].as_str().expect("id").to_string(),
-                prompt: common::ids(&l["prompt_ids"]),
-                want,
-                checked,
-            }
-        })
-        .collect()
-}
+use common::greedy_cases as cases;
 
 fn argmax(v: &[f32]) -> usize {
     v.iter()

@@ -23,41 +23,10 @@ mod common;
 
 use duet_engine::{generate, GenerationParams, KvCache, KvDtype, Model, WeightMode};
 
-const NEAR_TIE: f64 = 0.05;
 /// The hybrid form (dense GEMM for prompts, f32 KV) measured 7 of 10.
 const HYBRID_MIN_KEPT: usize = 5;
 
-struct Case {
-    id: String,
-    prompt: Vec<u32>,
-    want: Vec<u32>,
-    checked: usize,
-}
-
-fn cases() -> Vec<Case> {
-    common::reference("smollm2-q4_1-greedy.jsonl")
-        .into_iter()
-        .map(|l| {
-            let margins: Vec<f64> = l["top2_margin"]
-                .as_array()
-                .expect("margins")
-                .iter()
-                .map(|m| m.as_f64().expect("margin"))
-                .collect();
-            let want = common::ids(&l["greedy_ids"]);
-            let checked = margins
-                .iter()
-                .position(|&m| m < NEAR_TIE)
-                .unwrap_or(want.len());
-            Case {
-                id: l["id"].as_str().expect("id").to_string(),
-                prompt: common::ids(&l["prompt_ids"]),
-                want,
-                checked,
-            }
-        })
-        .collect()
-}
+use common::greedy_cases as cases;
 
 struct Outcome {
     kept: usize,

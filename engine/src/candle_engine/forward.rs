@@ -10,8 +10,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::{CandleModel, DevicePool};
-use crate::error::{EngineError, Result};
-use crate::forward::{check_token_ids, SeqChunk};
+use crate::error::Result;
+use crate::forward::{check_chunk_fits, SeqChunk};
 
 /// ggml's RoPE angles for `pos`: `cos` and `sin` of `head_dim / 2` pairs.
 fn rope_angles(
@@ -72,21 +72,7 @@ impl CandleModel {
     pub fn forward(&self, pool: &mut DevicePool, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         for ch in batch {
-            if ch.tokens.is_empty() {
-                return Err(EngineError::invalid("tokens", "empty chunk"));
-            }
-            check_token_ids(ch.tokens, c.vocab_size)?;
-            let len = pool.sequence_len(ch.seq)?;
-            if len + ch.tokens.len() > c.context_length {
-                return Err(EngineError::invalid(
-                    "tokens",
-                    format!(
-                        "{} tokens exceed the context length {}",
-                        len + ch.tokens.len(),
-                        c.context_length
-                    ),
-                ));
-            }
+            check_chunk_fits(c, pool.sequence_len(ch.seq)?, ch.tokens)?;
         }
         let mut starts = Vec::with_capacity(batch.len());
         for ch in batch {

@@ -68,3 +68,41 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .map(|x| x.as_u64().expect("id") as u32)
         .collect()
 }
+
+/// llama.cpp's top-2 margin below which a greedy step may break either way.
+pub const NEAR_TIE: f64 = 0.05;
+
+/// One reference prompt: llama.cpp's greedy ids and how many steps the rule checks (up to
+/// llama.cpp's first near-tie).
+pub struct Case {
+    pub id: String,
+    pub prompt: Vec<u32>,
+    pub want: Vec<u32>,
+    pub checked: usize,
+}
+
+/// The 10 reference prompts of `smollm2-q4_1-greedy.jsonl`, in file order.
+pub fn greedy_cases() -> Vec<Case> {
+    reference("smollm2-q4_1-greedy.jsonl")
+        .into_iter()
+        .map(|l| {
+            let margins: Vec<f64> = l["top2_margin"]
+                .as_array()
+                .expect("margins")
+                .iter()
+                .map(|m| m.as_f64().expect("margin"))
+                .collect();
+            let want = ids(&l["greedy_ids"]);
+            let checked = margins
+                .iter()
+                .position(|&m| m < NEAR_TIE)
+                .unwrap_or(want.len());
+            Case {
+                id: l["id"].as_str().expect("id").to_string(),
+                prompt: ids(&l["prompt_ids"]),
+                want,
+                checked,
+            }
+        })
+        .collect()
+}
