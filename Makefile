@@ -1,14 +1,16 @@
 # duet: the two entry points a newcomer needs, plus helpers.
 #   make up    fetch the model if missing, build release, start the all-in-one server
 #   make test  install what the suite needs, fetch the model, run every test (Rust suite,
-#              then the offline checks of deploy/: Helm chart, dashboard, alert rules)
+#              then the offline checks of deploy/: Helm chart, dashboard, alert rules, then
+#              the CUDA build without a GPU: scripts/check-cuda-build.sh)
+#   make build-cuda  the binary with --device cuda (toolkit from PyPI wheels); prints its path
 
 SHELL := /bin/bash
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= Explain in one sentence why the sky is blue.
 CARGO ?= cargo
 
-.PHONY: up test model deps build lint fmt bench-engine clean-results
+.PHONY: up test model deps build build-cuda lint fmt bench-engine clean-results
 
 up: deps model
 	$(CARGO) build --release -p duet
@@ -26,6 +28,10 @@ up: deps model
 test: deps model
 	$(CARGO) test --workspace --no-fail-fast --features duet/rdma,duet/fault-injection
 	./scripts/check-deploy.sh
+	./scripts/check-cuda-build.sh
+
+build-cuda:
+	./scripts/build-cuda.sh
 
 model:
 	./scripts/fetch-model.sh

@@ -55,13 +55,16 @@ impl DeviceSpec {
             DeviceSpec::Cuda(n) => {
                 if !candle_core::utils::cuda_is_available() {
                     return Err(EngineError::Device(format!(
-                        "device cuda:{n}: this duet was built without CUDA (no GPU build exists yet; \
-                         see docs/gpu.md)"
+                        "device cuda:{n}: this duet was built without CUDA (`make build-cuda` \
+                         builds one; see docs/gpu.md)"
                     )));
                 }
                 candle_core::Device::new_cuda(n).map_err(|e| {
+                    // candle appends a backtrace when RUST_BACKTRACE is set: keep the cause.
+                    let e = e.to_string();
+                    let cause = e.lines().next().unwrap_or_default();
                     EngineError::Device(format!(
-                        "device cuda:{n}: {e} (a CUDA driver, libcuda.so.1, and a GPU with \
+                        "device cuda:{n}: {cause} (a CUDA driver, libcuda.so.1, and a GPU with \
                          this ordinal are needed)"
                     ))
                 })

@@ -5,7 +5,8 @@
 //! single ones, and every block of the device pool back after each generation.
 //!
 //! This is how the GPU engine's graph is tested without a GPU: the same code runs on
-//! `cuda:N` in a build with the `cuda` feature (never run here; `scripts/gpu-check.sh`).
+//! `cuda:N` in a build with the `cuda` feature: `DUET_TEST_DEVICE=cuda:0` runs these tests
+//! there (`scripts/gpu-check.sh`; never run here). The default, and CI's, is `cpu`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod common;
@@ -24,9 +25,17 @@ const LOGIT_TOLERANCE: f32 = 1.5;
 /// arithmetic keeps all 10 (v01, v03, v06 leave llama.cpp's path before its first near-tie).
 const MIN_KEPT: usize = 7;
 
+/// The device under test: `DUET_TEST_DEVICE` (`cpu` when unset). A value that is not a
+/// device fails the test rather than falling back.
+fn device() -> DeviceSpec {
+    std::env::var("DUET_TEST_DEVICE")
+        .map(|s| s.parse().expect("DUET_TEST_DEVICE"))
+        .unwrap_or(DeviceSpec::Cpu)
+}
+
 fn candle() -> &'static CandleModel {
     static M: OnceLock<CandleModel> = OnceLock::new();
-    M.get_or_init(|| CandleModel::load(common::model_path(), DeviceSpec::Cpu).expect("load"))
+    M.get_or_init(|| CandleModel::load(common::model_path(), device()).expect("load"))
 }
 
 use common::greedy_cases as cases;

@@ -1,5 +1,7 @@
-//! NCCL backend (feature `nccl`). Prints a skip message where CUDA, NCCL or two GPUs are
-//! missing; otherwise moves a transfer GPU 0 -> GPU 1 and checks the bytes.
+//! NCCL backend (feature `nccl`). Moves a transfer GPU 0 -> GPU 1 and checks the bytes.
+//! Where CUDA, NCCL or two GPUs are missing it checks that the backend says so
+//! (`BackendUnavailable`) and prints SKIP; with `DUET_GPU_CHECK=1` (scripts/gpu-check.sh on a
+//! machine with two GPUs) a missing GPU fails the test instead.
 #![cfg(feature = "nccl")]
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
@@ -24,11 +26,20 @@ async fn nccl_round_trip_or_skip() {
                 "{e}"
             );
             assert_eq!(e.class(), ErrorClass::Unavailable);
+            assert!(
+                std::env::var_os("DUET_GPU_CHECK").is_none(),
+                "DUET_GPU_CHECK is set but NCCL cannot run: {e}"
+            );
             eprintln!("SKIP nccl_round_trip_or_skip: no usable GPU/NCCL here: {e}");
             return;
         }
     };
     if info.devices < 2 {
+        assert!(
+            std::env::var_os("DUET_GPU_CHECK").is_none(),
+            "DUET_GPU_CHECK is set but only {} CUDA device(s) are present",
+            info.devices
+        );
         eprintln!(
             "SKIP nccl_round_trip_or_skip: needs 2 CUDA devices, found {}",
             info.devices

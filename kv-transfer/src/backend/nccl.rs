@@ -2,9 +2,10 @@
 //! over an authenticated TCP connection exactly as in the tcp backend; LAYER payload goes
 //! GPU to GPU with NCCL point-to-point send/recv through a device staging buffer.
 //!
-//! CUDA and NCCL are loaded at run time (`cudarc` with `dynamic-loading`): [`probe`] checks
-//! `is_culib_present()` for both libraries and the device count first and returns
-//! [`Error::BackendUnavailable`] with a clear reason when something is missing.
+//! CUDA and NCCL are loaded at run time (`cudarc` with `dynamic-loading`), or linked at start
+//! in a build with the engine's CUDA (feature `cuda`): [`probe`] checks that both libraries
+//! are there and the device count first and returns [`Error::BackendUnavailable`] with a
+//! clear reason when something is missing.
 //!
 //! After the handshake the receiver (rank 0) creates the NCCL unique id and sends its 128
 //! bytes on the control connection; both sides then join a 2-rank communicator.
@@ -50,6 +51,22 @@ fn unavailable(reason: impl Into<String>) -> Error {
 
 /// Checks that the CUDA driver and NCCL libraries load and that `device` exists.
 pub fn probe(device: usize) -> Result<NcclInfo> {
+    libraries_present()?;
+    let n = CudaContext::device_count()
+        .map_err(|e| unavailable(format!("CUDA initialisation failed: {e:?}")))?;
+    let n = usize::try_from(n).unwrap_or(0);
+    if device >= n {
+        return Err(unavailable(format!(
+            "CUDA device {device} requested, {n} device(s) present"
+        )));
+    }
+    Ok(NcclInfo { devices: n })
+}
+
+/// Whether libcuda and libnccl load. With run-time loading (the default) a missing library
+/// would panic at the first call, so it is checked here first.
+#[cfg(not(feature = "cuda"))]
+fn libraries_present() -> Result<()> {
     // SAFETY: `is_culib_present` only tries to dlopen the library under its candidate names
     // and drops the handle; it has no preconditions and touches no shared state.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -63,15 +80,14 @@ pub fn probe(device: usize) -> Result<NcclInfo> {
             "the NCCL library (libnccl.so) was not found; install NCCL or use the tcp backend",
         ));
     }
-    let n = CudaContext::device_count()
-        .map_err(|e| unavailable(format!("CUDA initialisation failed: {e:?}")))?;
-    let n = usize::try_from(n).unwrap_or(0);
-    if device >= n {
-        return Err(unavailable(format!(
-            "CUDA device {device} requested, {n} device(s) present"
-        )));
-    }
-    Ok(NcclInfo { devices: n })
+    Ok(())
+}
+
+/// In a build that links CUDA (feature `cuda`) the loader resolved both libraries before
+/// `main`: a process without them never starts.
+#[cfg(feature = "cuda")]
+fn libraries_present() -> Result<()> {
+    Ok(())
 }
 
 /// NCCL options.
