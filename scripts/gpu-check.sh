@@ -107,3 +107,5 @@ json.dump(out, open(report, "w"), indent=2)
 print(json.dumps(out, indent=2))
 EOF
 echo "gpu-check: report in $report"
+# Exit status: 0 only if the report says passed.
+python3 -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["passed"] else 1)' "$report"
