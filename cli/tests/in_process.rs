@@ -4,6 +4,9 @@
 //! registry, KV handed over in memory as `duet up` does by default. No process is spawned
 //! but `duet run` for the reference tokens; the real-process tests (kills, stops, cuts)
 //! stay in their own files.
+//!
+//! The same cluster runs on either engine: the native CPU engine (the default) and the
+//! candle engine on candle's CPU device, the GPU engine's code (`docs/gpu.md`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
@@ -15,7 +18,10 @@ use std::time::Duration;
 use duet_decode_worker::server::{DecodeWorker, KvReceivers};
 use duet_decode_worker::DecodeConfig;
 use duet_discovery::{MemoryRegistry, RegistrationOptions, Registry, Role};
-use duet_engine::{KvCacheConfig, KvDtype, LoadOptions, Model, TextFrontend, WeightMode};
+use duet_engine::{
+    CandleModel, DeviceSpec, EngineKind, EngineModel, KvCacheConfig, KvDtype, LoadOptions, Model,
+    TextFrontend, WeightMode,
+};
 use duet_kv_transfer::{LocalHub, SharedSecret, TransferConfig};
 use duet_prefill_worker::server::{KvSenders, PrefillWorker};
 use duet_prefill_worker::PrefillConfig;
@@ -42,16 +48,21 @@ struct Cluster {
     decode_addr: String,
 }
 
-fn load() -> Arc<Model> {
+fn load(engine: EngineKind) -> Arc<EngineModel> {
     let opts = LoadOptions {
         threads: 1,
         weight_mode: WeightMode::Quantized,
     };
-    Arc::new(Model::load(support::model(), opts).expect("model"))
+    Arc::new(match engine {
+        EngineKind::Native => Model::load(support::model(), opts).expect("model").into(),
+        EngineKind::Candle => CandleModel::load(support::model(), DeviceSpec::Cpu)
+            .expect("model")
+            .into(),
+    })
 }
 
-fn cache(model: &Model) -> KvCacheConfig {
-    let c = &model.config;
+fn cache(model: &EngineModel) -> KvCacheConfig {
+    let c = model.config();
     KvCacheConfig::from_budget(
         64 << 20,
         BLOCK_SIZE,
@@ -78,7 +89,7 @@ async fn server(registry: &Arc<dyn Registry>, token: &ClusterToken) -> (WorkerSe
     (s, addr)
 }
 
-async fn start() -> Cluster {
+async fn start(engine: EngineKind) -> Cluster {
     let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
     // The suite's secret: its status calls carry the token derived from it.
     let secret = SharedSecret::new(support::TEST_SECRET).unwrap();
@@ -87,13 +98,13 @@ async fn start() -> Cluster {
     let tag = "test".to_string();
     let shutdown = CancellationToken::new();
     let mut tasks = JoinSet::new();
-    let transfer = |m: &Model| {
-        let layout =
-            duet_worker_common::transfer_layout(&m.kv_layout(BLOCK_SIZE, KvDtype::F16)).unwrap();
+    let transfer = |m: &EngineModel| {
+        let layout = m.kv_layout(BLOCK_SIZE, KvDtype::F16).unwrap();
+        let layout = duet_worker_common::transfer_layout(&layout).unwrap();
         TransferConfig::new(layout, secret.clone())
     };
 
-    let model = load();
+    let model = load(engine);
     let (srv, decode_addr) = server(&registry, &token).await;
     let decode_addr = format!("http://{decode_addr}");
     let decode = DecodeWorker {
@@ -113,7 +124,7 @@ async fn start() -> Cluster {
         ("decode", r.map_err(|e| e.to_string()))
     });
 
-    let model = load();
+    let model = load(engine);
     let (srv, _) = server(&registry, &token).await;
     let prefill = PrefillWorker {
         id: "prefill-0".into(),
@@ -198,7 +209,7 @@ fn a_cluster_started_from_its_crates_serves_duet_runs_tokens_and_drains() {
     let want_short = support::run_reference(short, true, 8);
     let rt = support::runtime();
     rt.block_on(async {
-        let mut c = start().await;
+        let mut c = start(EngineKind::Native).await;
         registered(c.registry.as_ref()).await;
         let mut client = support::client(&c.url).await;
 
@@ -267,7 +278,7 @@ fn a_cluster_started_from_its_crates_serves_duet_runs_tokens_and_drains() {
 fn cancelled_streams_free_their_blocks() {
     let rt = support::runtime();
     rt.block_on(async {
-        let mut c = start().await;
+        let mut c = start(EngineKind::Native).await;
         registered(c.registry.as_ref()).await;
         let mut client = support::client(&c.url).await;
         let long =
@@ -289,6 +300,53 @@ fn cancelled_streams_free_their_blocks() {
         .await;
         assert!(ok.is_ok(), "a request after the cancellation works: {ok:?}");
         support::assert_pool_empty(&c.decode_addr, Duration::from_secs(1)).await;
+        c.shutdown.cancel();
+        while let Some(r) = c.tasks.join_next().await {
+            let (who, r) = r.expect("server task");
+            assert_eq!(r, Ok(()), "{who}");
+        }
+    });
+}
+
+/// The workers on the candle engine (candle's CPU device: the GPU engine's code) serve a
+/// remote prefill, its KV handed from the prefill worker's cache to the decode worker's and
+/// uploaded to its device copy, and a local prefill on the decode worker: each gets the
+/// tokens `duet run --engine candle` gets, and the decode worker's pool is empty after.
+///
+/// The short prompt goes first: candle's products round by matrix shape (not bit-exact as
+/// the native engine is), so a prompt whose chat preamble comes from the prefix cache is
+/// computed in other shapes than `duet run`'s one forward, and "Hi" then flips a near tie at
+/// its sixth token (seen: "assist" for "help"). `candle_parity.rs` bounds those differences.
+#[test]
+fn workers_on_the_candle_engine_serve_duet_run_candles_tokens() {
+    let long = "The history of the printing press begins in the fifteenth century, when \
+                Johannes Gutenberg combined movable type, an oil-based ink and a screw press \
+                into a system that could produce books quickly. Explain how it changed Europe.";
+    let short = "Hi";
+    let want_long = support::run_reference_on("candle", long, true, 12);
+    let want_short = support::run_reference_on("candle", short, true, 8);
+    let rt = support::runtime();
+    rt.block_on(async {
+        let mut c = start(EngineKind::Candle).await;
+        registered(c.registry.as_ref()).await;
+        let mut client = support::client(&c.url).await;
+        let chat = |t: &str| {
+            pb::generate_request::Prompt::Chat(pb::ChatMessages {
+                messages: vec![pb::ChatMessage {
+                    role: "user".into(),
+                    content: t.into(),
+                }],
+            })
+        };
+        let placement =
+            |c: &support::Completion| pb::PrefillPlacement::try_from(c.timings().placement);
+        let got = generate(&mut client, greedy(chat(short), 8)).await.unwrap();
+        assert_eq!(got.ids, want_short, "local prefill: {:?}", got.text);
+        assert_eq!(placement(&got), Ok(pb::PrefillPlacement::Local));
+        let got = generate(&mut client, greedy(chat(long), 12)).await.unwrap();
+        assert_eq!(got.ids, want_long, "remote prefill: {:?}", got.text);
+        assert_eq!(placement(&got), Ok(pb::PrefillPlacement::Remote));
+        support::assert_pool_empty(&c.decode_addr, Duration::from_secs(5)).await;
         c.shutdown.cancel();
         while let Some(r) = c.tasks.join_next().await {
             let (who, r) = r.expect("server task");

@@ -190,6 +190,19 @@ async fn prometheus_sees_what_the_requests_did_in_each_phase() {
         within,
     );
     prom.wait_value("sum(duet_decode_kv_blocks_used)", 0.0, 0.0, within);
+    // What each worker's engine holds on its device (cpu here): weights and KV pool.
+    prom.wait_value(
+        r#"count(duet_engine_device_memory_bytes{device="cpu"})"#,
+        4.0,
+        0.0,
+        within,
+    );
+    prom.wait_value(
+        r#"count(duet_engine_device_memory_bytes{kind="weights"} > 1e7)"#,
+        2.0,
+        0.0,
+        within,
+    );
     // The first token of a remote prefill comes from the prefill worker; the decode worker
     // generated the rest.
     prom.wait_value(

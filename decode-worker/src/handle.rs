@@ -7,7 +7,7 @@ use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use duet_engine::{BlockHash, FinishReason, GenerationParams, KvKind, Model};
+use duet_engine::{BlockHash, EngineModel, FinishReason, GenerationParams, KvKind};
 use duet_worker_common::kv_events::KvEventHub;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -154,14 +154,14 @@ impl DecodeHandle {
     /// The thread ends when `cancel` fires (every request still running gets
     /// `ShuttingDown`) or every handle is dropped.
     pub fn start(
-        model: Arc<Model>,
+        model: Arc<EngineModel>,
         kv: duet_engine::KvCacheConfig,
         cfg: DecodeConfig,
         cancel: CancellationToken,
     ) -> Result<DecodeHandle, DecodeError> {
-        let layout = model.kv_layout(kv.block_size, kv.dtype);
-        let context_length = model.config.context_length;
-        let vocab_size = model.config.vocab_size;
+        let layout = model.kv_layout(kv.block_size, kv.dtype)?;
+        let context_length = model.config().context_length;
+        let vocab_size = model.config().vocab_size;
         let (tx, rx) = std_mpsc::channel();
         let status = Arc::new(Mutex::new(DecodeStatus::default()));
         let reserved: ReservedBlocks = Arc::default();

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use duet_discovery::{Capacity, KvEndpoint, Role};
-use duet_engine::{KvCacheConfig, Model};
+use duet_engine::{EngineModel, KvCacheConfig};
 use duet_kv_transfer::backend::shm::{host_identity, ShmOptions, ShmReceiver};
 use duet_kv_transfer::backend::tcp::TcpReceiver;
 use duet_kv_transfer::{Endpoint, Inbound, LocalHub, TransferConfig};
@@ -47,7 +47,7 @@ pub struct KvReceivers {
 /// A decode worker's engine side.
 pub struct DecodeWorker {
     pub id: String,
-    pub model: Arc<Model>,
+    pub model: Arc<EngineModel>,
     /// Its KV pool.
     pub cache: KvCacheConfig,
     pub config: DecodeConfig,
@@ -70,6 +70,7 @@ impl DecodeWorker {
             config,
             transfer,
         } = self;
+        duet_worker_common::device_memory::record(&id, &model, &cache);
         let engine_stop = CancellationToken::new();
         let _stop_engine = engine_stop.clone().drop_guard();
         let handle = DecodeHandle::start(

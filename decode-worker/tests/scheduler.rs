@@ -9,32 +9,37 @@ use std::time::Duration;
 use duet_decode_worker::{
     handle::Done, DecodeConfig, DecodeHandle, Event, GenerateJob, PrefillSource, Priority,
 };
-use duet_engine::{GenerationParams, KvCacheConfig, KvDtype, LoadOptions, Model, WeightMode};
+use duet_engine::{
+    EngineModel, GenerationParams, KvCacheConfig, KvDtype, LoadOptions, Model, WeightMode,
+};
 use tokio_util::sync::CancellationToken;
 
-fn model() -> Arc<Model> {
+fn model() -> Arc<EngineModel> {
     model_with(WeightMode::Quantized)
 }
 
-fn model_with(weight_mode: WeightMode) -> Arc<Model> {
+fn model_with(weight_mode: WeightMode) -> Arc<EngineModel> {
     let p = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(p.exists(), "{} missing: run make test", p.display());
     // Quantized weights: every row takes the same kernels whatever else shares the batch
     // (hybrid switches to dense GEMM for large batches, which moves the last bits).
-    Arc::new(
-        Model::load(
-            &p,
-            LoadOptions {
-                threads: 1,
-                weight_mode,
-            },
-        )
-        .expect("load model"),
+    let m = Model::load(
+        &p,
+        LoadOptions {
+            threads: 1,
+            weight_mode,
+        },
     )
+    .expect("load model");
+    Arc::new(EngineModel::from(m))
 }
 
-fn start(m: &Arc<Model>, blocks: usize, watermark: usize) -> (DecodeHandle, CancellationToken) {
+fn start(
+    m: &Arc<EngineModel>,
+    blocks: usize,
+    watermark: usize,
+) -> (DecodeHandle, CancellationToken) {
     let cancel = CancellationToken::new();
     let h = DecodeHandle::start(
         m.clone(),
@@ -83,10 +88,16 @@ async fn collect_text(
     panic!("event stream ended without Done");
 }
 
-fn job(m: &Model, id: u64, prompt: &str, max_tokens: usize, priority: Priority) -> GenerateJob {
+fn job(
+    m: &EngineModel,
+    id: u64,
+    prompt: &str,
+    max_tokens: usize,
+    priority: Priority,
+) -> GenerateJob {
     GenerateJob {
         request_id: id,
-        prompt: m.tokenizer.encode(prompt, false).expect("encode"),
+        prompt: m.tokenizer().encode(prompt, false).expect("encode"),
         params: GenerationParams {
             max_tokens,
             ..GenerationParams::default()
@@ -124,7 +135,7 @@ fn replayed_tokens_continue_a_stream_exactly() {
     rt.block_on(async {
         let (h, stop) = start(&m, 64, 4);
         let prompt = m
-            .tokenizer
+            .tokenizer()
             .encode("Write a short story about a lighthouse keeper.", false)
             .expect("encode");
         let mut params = job_ids(1, prompt.clone(), 48, 0);
@@ -315,7 +326,7 @@ fn a_poisoned_sequence_ends_alone_and_its_batch_goes_on() {
                 other => panic!("expected a first token, got {other:?}"),
             }
         }
-        let vocab = m.config.vocab_size as u32;
+        let vocab = m.config().vocab_size as u32;
         let poisoned = job_ids(99, vec![1, 2, vocab + 5], 12, 0);
         let mut poison = h.generate(poisoned);
         match poison.recv().await {

@@ -38,6 +38,7 @@ VALUE_SETS: dict[str, dict] = {
     "monitoring-servicemonitor": {
         "monitoring": {"prometheusOperator": {"enabled": True, "monitor": "ServiceMonitor"}}},
     "gpu-off": {"gpu": {"enabled": False}},
+    "gpu-on": {"gpu": {"enabled": True}},
     "hpa": {"autoscaling": {
         "prefill": {"enabled": True},
         "decode": {"enabled": True, "metric": {
@@ -58,7 +59,7 @@ VALUE_SETS: dict[str, dict] = {
         "model": {"source": "hostPath", "hostPath": {"path": "/data/models"}},
         "router": {"mode": "colocated", "apiKeys": {"keys": ["k3y-one", "k3y-two"]}},
         "prefill": {"replicas": 0},
-        "gpu": {"runtimeClassName": "nvidia", "prefill": 0, "decode": 2},
+        "gpu": {"enabled": True, "runtimeClassName": "nvidia", "prefill": 0, "decode": 2},
         "etcd": {"replicas": 5, "persistence": {"enabled": False}},
     },
 }

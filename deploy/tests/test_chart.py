@@ -17,6 +17,8 @@ from conftest import (CHART, CRD_KINDS, DUET_ROLES, EXTERNAL_ETCD, KUBE_VERSION,
                       REPO, VALUE_SETS, Rendered, duration_seconds, render_raw)
 
 GPU = "nvidia.com/gpu"
+# What the NVIDIA container runtime reads (set by the chart on worker containers).
+NVIDIA_RUNTIME_ENV = {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
 
 
 # ---- lint, schema ------------------------------------------------------------------------------
@@ -181,6 +183,22 @@ def test_gpu_only_on_workers(rendered: Rendered):
         assert (GPU in tolerated) == bool(g["enabled"] and comp in ("prefill", "decode") and g[comp]), comp
         if spec.get("runtimeClassName"):
             assert comp in ("prefill", "decode") and g["enabled"]
+
+
+def test_workers_compute_on_the_gpu_they_request_and_on_cpu_otherwise(rendered: Rendered):
+    """No worker holds a GPU it does not use: DUET_DEVICE is cuda:0 exactly on the worker
+    containers that request a GPU, cpu on the others (which are also hidden from a default
+    NVIDIA runtime); the router never gets a device."""
+    for w in rendered.workloads():
+        comp = rendered.component(w)
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in c.get("env", []) or []}
+            if comp not in ("prefill", "decode"):
+                assert "DUET_DEVICE" not in env, comp
+                continue
+            gpu = bool(_gpu_in(c.get("resources")))
+            assert env.get("DUET_DEVICE") == ("cuda:0" if gpu else "cpu"), f"{comp}: {env.get('DUET_DEVICE')}"
+            assert (env.get("NVIDIA_VISIBLE_DEVICES") == "void") == (not gpu), comp
 
 
 def test_gpu_off_has_no_gpu_anywhere(renders):
@@ -396,7 +414,7 @@ def test_role_ports_and_settings(rendered: Rendered):
             assert env["DUET_MAX_BATCH"] == str(eff["decode"]["maxBatch"])
             assert env["DUET_KV_LISTEN"] == "0.0.0.0:50070" and ports["kv"] == 50070
         for k in env:
-            assert k.startswith("DUET_"), f"{role}: {k}"
+            assert k.startswith("DUET_") or k in NVIDIA_RUNTIME_ENV, f"{role}: {k}"
         hpa_on = role != "router" and eff["autoscaling"][role]["enabled"]
         assert ("replicas" in w["spec"]) == (not hpa_on)
         if not hpa_on:
@@ -594,7 +612,7 @@ def test_every_duet_variable_is_a_flag(renders):
     for r in renders.values():
         for w, c in r.duet_containers():
             set_by_chart |= set(r.env(w, c))
-    unknown = set_by_chart - known - PENDING_ENV
+    unknown = set_by_chart - known - PENDING_ENV - NVIDIA_RUNTIME_ENV
     assert not unknown, f"the chart sets variables duet does not read: {sorted(unknown)}"
     print("not read by the current sources (pending):", sorted((set_by_chart - known) & PENDING_ENV))
 

@@ -31,6 +31,7 @@ pub mod candle_engine;
 pub mod chat;
 pub mod config;
 pub mod device;
+pub mod engine_model;
 pub mod error;
 mod fingerprint;
 pub mod forward;
@@ -45,10 +46,11 @@ pub mod sampling;
 pub mod session;
 pub mod tokenizer;
 
-pub use candle_engine::{CandleModel, DevicePool};
+pub use candle_engine::{CandleModel, DeviceKv};
 pub use chat::{ChatMessage, ChatTemplate, CHAT_ROLES};
 pub use config::ModelConfig;
 pub use device::{DeviceSpec, EngineChoice, EngineKind};
+pub use engine_model::EngineModel;
 pub use error::{EngineError, ErrorClass, Result};
 pub use forward::{check_prompt, check_token_ids, SeqChunk};
 pub use generate::{

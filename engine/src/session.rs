@@ -1,9 +1,9 @@
-//! What one generation loop needs of an engine, whichever it is: a model with its KV store
-//! (the native engine's [`Model`] over a [`KvCache`], or the candle engine's
-//! [`CandleModel`] over its device pool). [`crate::generate::generate_in`] runs on it, so
+//! What one generation loop needs of an engine, whichever it is: a model with its KV cache
+//! (the native engine's [`Model`] or the candle engine's [`CandleModel`], each over a
+//! [`KvCache`]; the candle engine keeps its copy on the device inside the cache). [`crate::generate::generate_in`] runs on it, so
 //! `duet run` drives both engines through the same sampling, stop and timing code.
 
-use crate::candle_engine::{CandleModel, DevicePool};
+use crate::candle_engine::CandleModel;
 use crate::error::Result;
 use crate::forward::SeqChunk;
 use crate::kv::{KvCache, SeqId};
@@ -48,10 +48,10 @@ impl ForwardSession for NativeSession<'_> {
     }
 }
 
-/// The candle engine over its device pool.
+/// The candle engine over a paged cache (f16, from [`CandleModel::new_cache`]).
 pub struct CandleSession<'a> {
     pub model: &'a CandleModel,
-    pub pool: &'a mut DevicePool,
+    pub cache: &'a mut KvCache,
 }
 
 impl ForwardSession for CandleSession<'_> {
@@ -62,15 +62,15 @@ impl ForwardSession for CandleSession<'_> {
         self.model.config.context_length
     }
     fn add_sequence(&mut self, seq: SeqId) -> Result<()> {
-        self.pool.add_sequence(seq)
+        self.cache.add_sequence(seq)
     }
     fn free_sequence(&mut self, seq: SeqId) {
-        self.pool.free_sequence(seq);
+        self.cache.free_sequence(seq);
     }
     fn sequence_len(&self, seq: SeqId) -> Result<usize> {
-        self.pool.sequence_len(seq)
+        self.cache.sequence_len(seq)
     }
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
-        self.model.forward(self.pool, batch)
+        self.model.forward(self.cache, batch)
     }
 }

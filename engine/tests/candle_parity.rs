@@ -72,9 +72,7 @@ fn candle_on_the_cpu_device_agrees_with_the_native_engine_and_llama_cpp() {
             .pop()
             .unwrap();
         let steps = c.checked.max(1);
-        let mut pool = m
-            .new_pool(16, (c.prompt.len() + steps).div_ceil(16) + 1)
-            .unwrap();
+        let mut pool = m.new_cache(16, (c.prompt.len() + steps).div_ceil(16) + 1);
         pool.add_sequence(1).unwrap();
         let got = m
             .forward(
@@ -111,7 +109,7 @@ fn candle_on_the_cpu_device_agrees_with_the_native_engine_and_llama_cpp() {
             "{}: blocks leaked",
             c.id
         );
-        pool.check().unwrap();
+        pool.allocator().check().unwrap();
         let diverged = ids.iter().zip(&c.want).position(|(a, b)| a != b);
         let ok = diverged.is_none_or(|d| d >= c.checked);
         kept += usize::from(ok);
@@ -136,7 +134,7 @@ fn batched_and_chunked_forwards_equal_single_ones() {
     let cs = cases();
     let (a, b) = (&cs[0].prompt, &cs[3].prompt);
     let alone = |p: &[u32]| {
-        let mut pool = m.new_pool(16, 256).unwrap();
+        let mut pool = m.new_cache(16, 256);
         pool.add_sequence(1).unwrap();
         m.forward(&mut pool, &[SeqChunk::prompt(1, p, true, p.len())])
             .unwrap()
@@ -144,7 +142,7 @@ fn batched_and_chunked_forwards_equal_single_ones() {
             .unwrap()
     };
     let (la, lb) = (alone(a), alone(b));
-    let mut pool = m.new_pool(16, 256).unwrap();
+    let mut pool = m.new_cache(16, 256);
     pool.add_sequence(1).unwrap();
     pool.add_sequence(2).unwrap();
     // b's first 20 tokens alone, then b's rest beside all of a in one forward.
@@ -194,30 +192,30 @@ fn batched_and_chunked_forwards_equal_single_ones() {
         .unwrap();
     assert_eq!(steps.len(), 2);
     assert!(steps.iter().all(|l| l.len() == m.config.vocab_size));
-    pool.check().unwrap();
+    pool.allocator().check().unwrap();
     pool.free_sequence(1);
     pool.free_sequence(2);
     assert_eq!(pool.free_blocks(), pool.total_blocks());
 }
 
-/// KV leaves and enters the device pool in the CPU cache's frame format (what kv-transfer
-/// moves): the native engine's export imported into the pool and exported again is the
-/// same bytes; a sequence moved pool to pool decodes exactly as it would have in place;
-/// and KV moved between the engines (native -> candle and back) continues each with the
-/// other's first token.
+/// KV leaves and enters the candle engine in the CPU cache's frame format (what
+/// kv-transfer moves), through the host cache whose copy on the device the engine keeps in
+/// step: the native engine's KV imported into a cache continues on the candle engine; a
+/// candle prefill exported from the host and imported elsewhere (other block ids) decodes
+/// exactly as in place, so the rows the forward wrote back to the host are the device's; and
+/// the native engine continues the candle engine's KV.
 #[test]
-fn kv_moves_between_pools_and_engines_in_the_cpu_cache_format() {
+fn kv_moves_between_caches_and_engines_in_the_cpu_cache_format() {
     let native = common::model_with(1, WeightMode::Quantized);
     let m = candle();
     let prompt = &cases()[3].prompt;
-    let layers = m.config.n_layers;
     let layout = native.kv_layout(16, KvDtype::F16);
     let blocks = prompt.len().div_ceil(16) + 2;
     // One file, one identity: the engines' KV layouts are the same, fingerprint included.
     assert_eq!(m.fingerprint(), native.fingerprint());
     assert_eq!(m.kv_layout(16), layout);
 
-    // Native prefill, exported.
+    // Native prefill, exported, imported into the candle engine's cache.
     let mut cache = KvCache::new(layout.clone(), blocks);
     cache.add_sequence(1).unwrap();
     let native_first = native
@@ -229,55 +227,34 @@ fn kv_moves_between_pools_and_engines_in_the_cpu_cache_format() {
         .pop()
         .unwrap();
     let native_kv = cache.export(1).unwrap();
-
-    // Into the device pool and out again: the same bytes.
-    let mut pool = m.new_pool(16, blocks).unwrap();
-    pool.reserve_sequence(1, prompt.len()).unwrap();
-    for l in 0..layers {
-        pool.import_layer(1, l, &native_kv.layers[l]).unwrap();
-    }
-    pool.commit_append(1, prompt.len()).unwrap();
-    for l in 0..layers {
-        assert_eq!(
-            pool.export_layer(1, l).unwrap(),
-            native_kv.layers[l],
-            "layer {l}"
-        );
-    }
-    // A wrong-sized frame is refused.
-    pool.add_sequence(9).unwrap();
-    pool.prepare_append(9, 3).unwrap();
-    assert!(pool.import_layer(9, 0, &native_kv.layers[0][1..]).is_err());
+    let mut pool = m.new_cache(16, blocks);
+    pool.import(1, &native_kv).unwrap();
 
     // The candle engine continues the native engine's prompt.
     let t = argmax(&native_first) as u32;
-    let step = |pool: &mut duet_engine::DevicePool| {
-        m.forward(pool, &[SeqChunk::new(1, &[t])])
+    let step = |pool: &mut KvCache, seq| {
+        m.forward(pool, &[SeqChunk::new(seq, &[t])])
             .unwrap()
             .pop()
             .unwrap()
     };
-    let from_native = step(&mut pool);
+    let from_native = step(&mut pool, 1);
 
-    // Candle prefill, then moved pool to pool: decodes exactly as in place.
-    let mut own = m.new_pool(16, blocks).unwrap();
+    // Candle prefill, then moved cache to cache: decodes exactly as in place.
+    let mut own = m.new_cache(16, blocks);
     own.add_sequence(1).unwrap();
     m.forward(&mut own, &[SeqChunk::prompt(1, prompt, true, prompt.len())])
         .unwrap();
-    let frames: Vec<Vec<u8>> = (0..layers)
-        .map(|l| own.export_layer(1, l).unwrap())
-        .collect();
-    let mut moved = m.new_pool(16, blocks + 3).unwrap();
+    let ex = own.export(1).unwrap();
+    let mut moved = m.new_cache(16, blocks + 3);
     moved.add_sequence(5).unwrap();
     moved.prepare_append(5, 40).unwrap(); // another sequence first: other block ids
-    moved.reserve_sequence(1, prompt.len()).unwrap();
-    for (l, f) in frames.iter().enumerate() {
-        moved.import_layer(1, l, f).unwrap();
-    }
-    moved.commit_append(1, prompt.len()).unwrap();
-    let in_place = step(&mut own);
+                                          // The device copy exists before the import: the imported blocks must be uploaded.
+    m.forward(&mut moved, &[SeqChunk::new(5, &[t])]).unwrap();
+    moved.import(1, &ex).unwrap();
+    let in_place = step(&mut own, 1);
     assert_eq!(
-        step(&mut moved),
+        step(&mut moved, 1),
         in_place,
         "moved KV must decode as in place"
     );
@@ -289,11 +266,6 @@ fn kv_moves_between_pools_and_engines_in_the_cpu_cache_format() {
 
     // And back: the native engine continues the candle engine's prompt.
     let mut back = KvCache::new(layout.clone(), blocks);
-    let ex = duet_engine::KvExport {
-        layout: m.kv_layout(16),
-        tokens: prompt.len(),
-        layers: frames,
-    };
     back.import(1, &ex).unwrap();
     let native_after = native
         .forward(&mut back, &[SeqChunk::new(1, &[t])])
@@ -316,4 +288,58 @@ fn kv_moves_between_pools_and_engines_in_the_cpu_cache_format() {
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
     assert!(diff <= LOGIT_TOLERANCE, "native after candle KV: {diff}");
+    // f32 caches are refused with the reason (the device pool is f16).
+    let mut f32_cache = KvCache::new(native.kv_layout(16, KvDtype::F32), blocks);
+    f32_cache.add_sequence(1).unwrap();
+    let e = m
+        .forward(&mut f32_cache, &[SeqChunk::new(1, &[t])])
+        .unwrap_err();
+    assert!(e.to_string().contains("f16"), "{e}");
+}
+
+/// The prefix cache on the candle engine: a second sequence attached to the first one's
+/// registered blocks (shared on the device as on the host) decodes as the first does.
+#[test]
+fn a_cached_prefix_continues_on_the_device_as_the_original() {
+    let m = candle();
+    let prompt = &cases()[3].prompt;
+    let mut cache = m.new_cache(16, 64);
+    cache
+        .enable_prefix_cache(&duet_engine::PrefixCacheConfig::default())
+        .unwrap();
+    cache.add_sequence(1).unwrap();
+    let first = m
+        .forward(
+            &mut cache,
+            &[SeqChunk::prompt(1, prompt, true, prompt.len())],
+        )
+        .unwrap()
+        .pop()
+        .unwrap();
+    cache.register_blocks(1, prompt).unwrap();
+    let hashes = cache.prefix_hasher().hashes(prompt);
+    cache.add_sequence(2).unwrap();
+    let hit = cache
+        .attach_prefix(2, &hashes, duet_engine::reusable_tokens(prompt.len(), 16))
+        .unwrap();
+    let cached = hit.blocks() * 16;
+    assert!(cached >= 16, "{hit:?}");
+    assert_eq!(cache.sequence_len(2).unwrap(), cached);
+    let rest = &prompt[cached..];
+    let second = m
+        .forward(&mut cache, &[SeqChunk::prompt(2, rest, true, prompt.len())])
+        .unwrap()
+        .pop()
+        .unwrap();
+    assert_eq!(argmax(&second), argmax(&first));
+    let t = [argmax(&first) as u32];
+    let a = m.forward(&mut cache, &[SeqChunk::new(1, &t)]).unwrap();
+    let b = m.forward(&mut cache, &[SeqChunk::new(2, &t)]).unwrap();
+    assert_eq!(argmax(&a[0]), argmax(&b[0]));
+    cache.free_sequence(1);
+    cache.free_sequence(2);
+    cache.allocator().check().unwrap();
+    // Nothing held; the registered blocks stay cached for the next prompt.
+    assert_eq!(cache.used_blocks(), 0);
+    assert!(cache.allocator().cached_blocks() >= cached / 16);
 }

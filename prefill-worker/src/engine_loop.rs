@@ -18,7 +18,7 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use duet_engine::{KvCache, KvCacheConfig, KvKind, Model, PrefixHasher};
+use duet_engine::{EngineModel, KvCache, KvCacheConfig, KvKind, PrefixHasher};
 use duet_kv_transfer::backend::shm::SendArena;
 use duet_kv_transfer::{Connector, TransferDesc};
 use duet_worker_common::engine_thread::{EngineLoop, Wait};
@@ -39,7 +39,7 @@ mod forward;
 
 /// What the engine thread shares with its handle.
 pub(crate) struct Shared {
-    pub model: Arc<Model>,
+    pub model: Arc<EngineModel>,
     pub kv: KvCacheConfig,
     pub cfg: PrefillConfig,
     pub status: Arc<Mutex<PrefillStatus>>,
@@ -66,7 +66,7 @@ pub(crate) fn spawn(
         connector,
         kv_events,
     } = shared;
-    let layout = model.kv_layout(kv.block_size, kv.dtype);
+    let layout = model.kv_layout(kv.block_size, kv.dtype)?;
     let mut cache = KvCache::new(layout, kv.num_blocks);
     let book = match &cfg.prefix_cache {
         Some(pc) => {
@@ -128,7 +128,7 @@ struct Queued {
 }
 
 struct Engine {
-    model: Arc<Model>,
+    model: Arc<EngineModel>,
     cache: KvCache,
     /// Prefix-cache bookkeeping (`None`: the cache is off).
     book: Option<PrefixCacheBook>,
@@ -221,7 +221,7 @@ impl Engine {
         match c {
             Cmd::Prefill(job, reply) => {
                 self.pending.taken(&job);
-                let c = &self.model.config;
+                let c = self.model.config();
                 if let Err(e) =
                     duet_engine::check_prompt(&job.prompt, c.vocab_size, c.context_length)
                 {

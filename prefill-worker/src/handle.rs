@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 
-use duet_engine::{BlockHash, KvCacheConfig, Model, PrefixCacheConfig, SamplingParams};
+use duet_engine::{BlockHash, EngineModel, KvCacheConfig, PrefixCacheConfig, SamplingParams};
 use duet_kv_transfer::{Connector, Route};
 use duet_worker_common::kv_events::KvEventHub;
 use tokio::sync::oneshot;
@@ -133,7 +133,7 @@ pub struct PrefillHandle {
 impl PrefillHandle {
     /// Starts the engine thread; transfer tasks run on `rt`.
     pub fn start(
-        model: Arc<Model>,
+        model: Arc<EngineModel>,
         kv: KvCacheConfig,
         cfg: PrefillConfig,
         connector: Arc<Connector>,

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use duet_discovery::{Capacity, KvEndpoint, Role};
-use duet_engine::{KvCacheConfig, Model};
+use duet_engine::{EngineModel, KvCacheConfig};
 use duet_kv_transfer::backend::shm::SendArena;
 use duet_kv_transfer::{Connector, LocalHub, TransferConfig};
 use duet_worker_common::kv_events::KvCacheService;
@@ -39,7 +39,7 @@ pub struct KvSenders {
 /// A prefill worker's engine side.
 pub struct PrefillWorker {
     pub id: String,
-    pub model: Arc<Model>,
+    pub model: Arc<EngineModel>,
     /// Its scratch KV pool.
     pub cache: KvCacheConfig,
     pub config: PrefillConfig,
@@ -62,6 +62,7 @@ impl PrefillWorker {
             config,
             transfer,
         } = self;
+        duet_worker_common::device_memory::record(&id, &model, &cache);
         let engine_stop = CancellationToken::new();
         let _stop_engine = engine_stop.clone().drop_guard();
         let connector = Connector::new(transfer, kv.local.as_ref().map(|(h, _)| h.clone()))

@@ -117,6 +117,8 @@ catalogue! {
         "Duration of one engine step: decode rows and any local prefill chunks (`worker`).";
     Counter DECODE_GENERATED_TOKENS_TOTAL = "duet_decode_generated_tokens_total",
         "Tokens generated (`worker`).";
+    Gauge ENGINE_DEVICE_MEMORY_BYTES = "duet_engine_device_memory_bytes",
+        "Memory a worker's engine holds on its compute device (`worker`, `device`: cpu or cuda:N, `kind`: weights or kv_pool; on cpu, host memory).";
     Gauge DECODE_KV_BLOCKS_USED = "duet_decode_kv_blocks_used",
         "KV blocks held by sequences or reservations (`worker`).";
     Gauge DECODE_KV_BLOCKS_CAPACITY = "duet_decode_kv_blocks_capacity",

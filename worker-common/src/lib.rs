@@ -16,6 +16,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod device_memory;
 pub mod engine_thread;
 pub mod kv_events;
 pub mod prefix_cache;

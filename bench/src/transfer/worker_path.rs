@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{bench_config, reference};
 use duet_decode_worker::{DecodeConfig, DecodeHandle};
-use duet_engine::{KvCache, KvCacheConfig, KvDtype, KvKind, LoadOptions, Model};
+use duet_engine::{EngineModel, KvCache, KvCacheConfig, KvDtype, KvKind, LoadOptions, Model};
 use duet_kv_transfer::api::KvSender;
 use duet_kv_transfer::backend::shm::{SendArena, ShmOptions, ShmReceiver, ShmSender};
 use duet_kv_transfer::backend::tcp::{TcpReceiver, TcpSender};
@@ -94,7 +94,7 @@ struct Decode {
 async fn start_decode(
     opts: &WorkerPathOptions,
     tcfg: TransferConfig,
-    model: Arc<Model>,
+    model: Arc<EngineModel>,
     blocks: usize,
 ) -> Result<Decode> {
     let kv = KvCacheConfig {
@@ -154,8 +154,8 @@ pub async fn worker_path(opts: WorkerPathOptions) -> Result<WorkerPathReport> {
     }
     let model = Model::load(&opts.model, LoadOptions::default())
         .map_err(|e| Error::InvalidArgument(format!("{}: {e}", opts.model.display())))?;
-    let model = Arc::new(model);
     let layout = model.kv_layout(16, KvDtype::F16);
+    let model = Arc::new(EngineModel::from(model));
     let block_bytes = (layout.region_bytes() * 2 * layout.n_layers) as u64;
     let max = opts.sizes.iter().copied().max().unwrap_or(0);
     let blocks = (max / block_bytes) as usize + 8;

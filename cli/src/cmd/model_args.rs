@@ -4,7 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use duet_engine::{DeviceSpec, EngineChoice, EngineKind, LoadOptions, Model, WeightMode};
+use duet_engine::{
+    DeviceSpec, EngineChoice, EngineKind, EngineModel, LoadOptions, Model, WeightMode,
+};
 
 /// Where `make up` puts the default model.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -43,9 +45,22 @@ impl ModelArgs {
         )
         .with_context(|| format!("loading {}", self.model.display()))
     }
+
+    /// The model on the engine and device `e` names (`--threads` and `--weights` are the
+    /// native engine's).
+    pub fn load_engine(&self, e: &EngineArgs) -> anyhow::Result<EngineModel> {
+        self.validate()?;
+        let options = LoadOptions {
+            threads: self.threads,
+            weight_mode: self.weights,
+        };
+        EngineModel::load(&self.model, options, e.choice())
+            .with_context(|| format!("loading {}", self.model.display()))
+    }
 }
 
-/// Where the model runs and which engine runs it (`duet run`).
+/// Where the model runs and which engine runs it (`duet run`, `bench engine`, `up`,
+/// `prefill`, `decode`).
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
     /// Compute device: `cpu`, `cuda` or `cuda:N` (CUDA needs a build with the `cuda`
@@ -59,13 +74,15 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
-    /// The engine that runs, or which flag is wrong.
-    pub fn resolve(&self) -> anyhow::Result<EngineKind> {
+    pub fn choice(&self) -> EngineChoice {
         EngineChoice {
             device: self.device,
             engine: self.engine,
         }
-        .resolve()
-        .context("--engine/--device")
+    }
+
+    /// The engine that runs, or which flag is wrong.
+    pub fn resolve(&self) -> anyhow::Result<EngineKind> {
+        self.choice().resolve().context("--engine/--device")
     }
 }

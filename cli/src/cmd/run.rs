@@ -78,9 +78,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         anyhow::bail!("--kv-dtype: the candle engine keeps an f16 KV pool");
     }
     a.model.validate()?;
-    // Either engine behind the one generation loop; each owns a store sized for the run.
+    // Either engine behind the one generation loop; each with a cache sized for the run.
     let (native, candle);
-    let (mut cache, mut pool);
+    let mut cache;
     let (mut session, prompt): (Box<dyn ForwardSession + '_>, Vec<u32>) = match engine {
         EngineKind::Native => {
             native = a.model.load()?;
@@ -100,10 +100,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("loading {}", a.model.model.display()))?;
             let prompt = prompt_ids(&a, &candle.tokenizer, candle.chat_template.as_ref())?;
             params.validate(candle.config.context_length)?;
-            pool = candle.new_pool(16, (prompt.len() + a.max_tokens).div_ceil(16))?;
+            cache = candle.new_cache(16, (prompt.len() + a.max_tokens).div_ceil(16));
             let s = CandleSession {
                 model: &candle,
-                pool: &mut pool,
+                cache: &mut cache,
             };
             (Box::new(s), prompt)
         }

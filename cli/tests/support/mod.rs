@@ -389,6 +389,11 @@ pub async fn generate(
 
 /// `duet run --json` for a text prompt: the reference the cluster must equal.
 pub fn run_reference(prompt: &str, chat: bool, max_tokens: u32) -> Vec<u32> {
+    run_reference_on("native", prompt, chat, max_tokens)
+}
+
+/// [`run_reference`] on the engine named (`native` or `candle`, on the CPU device).
+pub fn run_reference_on(engine: &str, prompt: &str, chat: bool, max_tokens: u32) -> Vec<u32> {
     let mut args = vec![
         "run".to_string(),
         "--prompt".into(),
@@ -403,6 +408,7 @@ pub fn run_reference(prompt: &str, chat: bool, max_tokens: u32) -> Vec<u32> {
     let o = Command::new(env!("CARGO_BIN_EXE_duet"))
         .args(&args)
         .env("DUET_MODEL", model())
+        .env("DUET_ENGINE", engine)
         .output()
         .expect("duet run");
     assert!(

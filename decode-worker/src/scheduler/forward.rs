@@ -299,7 +299,7 @@ impl Scheduler {
             self.metrics.bandwidth.set(read_bytes as f64 / dt);
         }
         let mut generated = 0usize;
-        let ctx = self.model.config.context_length;
+        let ctx = self.model.config().context_length;
         let mut ended: Vec<(usize, Option<TokenStep>)> = Vec::new();
         for (k, &(i, n)) in plan.iter().enumerate() {
             let row = std::mem::take(&mut logits[k]);
@@ -309,7 +309,7 @@ impl Scheduler {
             match &mut s.phase {
                 Phase::Decode { .. } => {
                     let mut row = row;
-                    let step = s.gen.step(&self.model.tokenizer, &mut row, left);
+                    let step = s.gen.step(&self.model.tokenizer(), &mut row, left);
                     generated += 1;
                     ended.push((i, Some(step)));
                 }
@@ -333,7 +333,7 @@ impl Scheduler {
                         Some(next) => s.phase = Phase::Decode { next },
                         None => {
                             let mut row = row;
-                            let step = s.gen.step(&self.model.tokenizer, &mut row, left);
+                            let step = s.gen.step(&self.model.tokenizer(), &mut row, left);
                             generated += 1;
                             ended.push((i, Some(step)));
                         }

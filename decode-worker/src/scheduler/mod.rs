@@ -32,7 +32,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use duet_engine::{
-    BlockHash, EngineError, FinishReason, KvCache, KvCacheConfig, Model, PrefixHasher, TokenStep,
+    BlockHash, EngineError, EngineModel, FinishReason, KvCache, KvCacheConfig, PrefixHasher,
+    TokenStep,
 };
 use duet_worker_common::engine_thread::{EngineLoop, Wait};
 use duet_worker_common::kv_events::KvEventHub;
@@ -92,7 +93,7 @@ impl EngineLoop for Scheduler {
 }
 
 pub(crate) struct Scheduler {
-    model: Arc<Model>,
+    model: Arc<EngineModel>,
     cache: KvCache,
     cfg: DecodeConfig,
     status: Arc<Mutex<DecodeStatus>>,
@@ -108,14 +109,14 @@ pub(crate) struct Scheduler {
 
 impl Scheduler {
     pub(crate) fn new(
-        model: Arc<Model>,
+        model: Arc<EngineModel>,
         kv: KvCacheConfig,
         cfg: DecodeConfig,
         status: Arc<Mutex<DecodeStatus>>,
         reserved: ReservedBlocks,
         hub: KvEventHub,
     ) -> Result<Scheduler, DecodeError> {
-        let layout = model.kv_layout(kv.block_size, kv.dtype);
+        let layout = model.kv_layout(kv.block_size, kv.dtype)?;
         let mut cache = KvCache::new(layout, kv.num_blocks);
         let book = match &cfg.prefix_cache {
             Some(pc) => {
@@ -254,7 +255,7 @@ impl Scheduler {
         if self.known(id) {
             return Err(DecodeError::Duplicate(id));
         }
-        let ctx = self.model.config.context_length;
+        let ctx = self.model.config().context_length;
         if tokens == 0 || tokens >= ctx {
             return Err(EngineError::invalid(
                 "prompt_tokens",
@@ -275,13 +276,13 @@ impl Scheduler {
     fn generate(&mut self, job: GenerateJob, events: mpsc::UnboundedSender<Event>) {
         let id = job.request_id;
         let source = job.prefill;
-        if job.prompt.is_empty() || job.prompt.len() >= self.model.config.context_length {
+        if job.prompt.is_empty() || job.prompt.len() >= self.model.config().context_length {
             let e = EngineError::invalid(
                 "prompt",
                 format!(
                     "{} tokens (must be in 1..{})",
                     job.prompt.len(),
-                    self.model.config.context_length
+                    self.model.config().context_length
                 ),
             );
             let _ = events.send(Event::Error(e.into()));
@@ -421,8 +422,8 @@ impl Scheduler {
             let prompt = seq.prompt.clone();
             self.register(r.id, &prompt);
             seq.kv_wait_seconds = secs(r.claim.at);
-            let left = self.model.config.context_length - r.prompt_tokens;
-            let step = seq.gen.accept_first(&self.model.tokenizer, first, left);
+            let left = self.model.config().context_length - r.prompt_tokens;
+            let step = seq.gen.accept_first(&self.model.tokenizer(), first, left);
             seq.phase = Phase::Decode { next: first };
             if let Some(seq) = self.emit(seq, step) {
                 self.active.push(seq);

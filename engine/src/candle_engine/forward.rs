@@ -1,17 +1,29 @@
-//! One forward of [`CandleModel`] over a batch of [`SeqChunk`]s and a [`DevicePool`].
+//! One forward of [`CandleModel`] over a batch of [`SeqChunk`]s and a [`KvCache`] (its block
+//! tables; the KV itself is read from the cache's copy on the model's device,
+//! [`super::DeviceKv`]).
 //!
 //! The rows of every chunk are stacked (chunk order, then token order): RMSNorm, the
 //! projections, RoPE, the feed-forward and the output head run over all rows at once;
-//! attention runs per chunk over its sequence's rows gathered from the pool (positions
-//! `0..end` of the sequence, causal within the chunk). RoPE angles are computed on the host
+//! attention runs per chunk over its sequence's rows gathered from the device pool
+//! (positions `0..end` of the sequence, causal within the chunk). Each layer's new K and V
+//! rows go to the device pool and to the host cache before the per-layer hook runs, as the
+//! native engine's do, so a prefill worker streams them from the host while the next layer
+//! computes. RoPE angles are computed on the host
 //! exactly as ggml computes them (f32, each pair's angle the previous one times
 //! `base^(-2/dims)`) and rotate adjacent pairs (`rope_i`), as llama.cpp's normal mode does.
 
-use candle_core::{DType, Device, Tensor};
+use std::ops::ControlFlow;
 
-use super::{CandleModel, DevicePool};
-use crate::error::Result;
+use candle_core::{DType, Device, Tensor};
+use half::f16;
+
+use super::{CandleModel, DeviceKv};
+use crate::error::{EngineError, Result};
 use crate::forward::{check_chunk_fits, SeqChunk};
+use crate::kv::{BlockId, KvCache};
+
+/// The per-layer hook of [`CandleModel::forward_with`] (the native engine's shape).
+type LayerHook<'h> = dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send + 'h;
 
 /// ggml's RoPE angles for `pos`: `cos` and `sin` of `head_dim / 2` pairs.
 fn rope_angles(
@@ -66,62 +78,103 @@ fn causal_mask(start: usize, len: usize, end: usize, device: &Device) -> Result<
 
 impl CandleModel {
     /// Runs new tokens of several sequences through the model, writing their KV into
-    /// `pool`; returns per chunk the logits of its last token (empty when it asked for
+    /// `cache`; returns per chunk the logits of its last token (empty when it asked for
     /// none). Every chunk is checked and every block reserved before anything is computed;
     /// on an error no sequence's length changes.
-    pub fn forward(&self, pool: &mut DevicePool, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
+    pub fn forward(&self, cache: &mut KvCache, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.forward_with(cache, batch, &mut |_, _| ControlFlow::Continue(()))
+    }
+
+    /// [`Self::forward`], calling `on_layer(l, cache)` once layer `l`'s KV is in the host
+    /// cache; `Break` ends the forward there with [`EngineError::Stopped`], nothing
+    /// committed (the native engine's contract).
+    pub fn forward_with(
+        &self,
+        cache: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        on_layer: &mut LayerHook<'_>,
+    ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
+        let l = cache.layout();
+        if (l.n_layers, l.n_kv_heads, l.head_dim) != (c.n_layers, c.n_kv_heads, c.head_dim) {
+            return Err(EngineError::LayoutMismatch(format!(
+                "cache holds {}x{}x{}, model needs {}x{}x{}",
+                l.n_layers, l.n_kv_heads, l.head_dim, c.n_layers, c.n_kv_heads, c.head_dim
+            )));
+        }
         for ch in batch {
-            check_chunk_fits(c, pool.sequence_len(ch.seq)?, ch.tokens)?;
+            self.check_chunk(cache, ch)?;
         }
         let mut starts = Vec::with_capacity(batch.len());
         for ch in batch {
-            starts.push(pool.prepare_append(ch.seq, ch.tokens.len())?);
+            starts.push(cache.prepare_append(ch.seq, ch.tokens.len())?);
         }
-        let logits = self.run(pool, batch, &starts)?;
+        let kv = cache.take_device_kv(&self.device)?;
+        let logits = self.run(cache, &kv, batch, &starts, on_layer);
+        cache.put_device_kv(kv);
+        let logits = logits?;
         for ch in batch {
-            pool.commit_append(ch.seq, ch.tokens.len())?;
+            cache.commit_append(ch.seq, ch.tokens.len())?;
         }
         Ok(logits)
     }
 
+    /// Whether `ch` can be computed on its own (the native engine's rule).
+    pub fn check_chunk(&self, cache: &KvCache, ch: &SeqChunk<'_>) -> Result<()> {
+        check_chunk_fits(&self.config, cache.sequence_len(ch.seq)?, ch.tokens)
+    }
+
     fn run(
         &self,
-        pool: &DevicePool,
+        cache: &mut KvCache,
+        kv: &DeviceKv,
         batch: &[SeqChunk<'_>],
         starts: &[usize],
+        on_layer: &mut LayerHook<'_>,
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let dev = &self.device;
         let (hd, heads, kv_heads) = (c.head_dim, c.n_heads, c.n_kv_heads);
         let eps = c.rms_eps;
-        // Rows: tokens, positions, pool rows written, and per chunk its rows' range.
+        let bs = cache.block_size();
+        // Rows: tokens, positions, the (block, slot) and pool row each writes, and per chunk
+        // its rows' range; the blocks every chunk reads are brought up to date first.
         let mut tokens = Vec::new();
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
-        let mut new_rows = Vec::new();
+        let mut new_at: Vec<(BlockId, usize)> = Vec::new();
         let mut spans = Vec::with_capacity(batch.len());
+        let mut seen = Vec::with_capacity(batch.len());
         for (ch, &start) in batch.iter().zip(starts) {
+            let table = cache.sequence_blocks(ch.seq)?.to_vec();
+            let end = start + ch.tokens.len();
+            let block_of = |p: usize| {
+                table.get(p / bs).copied().ok_or_else(|| {
+                    EngineError::invalid("tokens", format!("position {p} has no block"))
+                })
+            };
             let first = tokens.len();
             for (j, &t) in ch.tokens.iter().enumerate() {
                 tokens.push(t);
                 rope_angles(start + j, c.rope_theta, hd, &mut cos, &mut sin);
+                new_at.push((block_of(start + j)?, (start + j) % bs));
             }
-            new_rows.extend(pool.rows(ch.seq, start, start + ch.tokens.len())?);
             spans.push((first, ch.tokens.len()));
+            cache.sync_to_device(kv, &table[..end.div_ceil(bs)])?;
+            let rows = (0..end)
+                .map(|p| kv.row(block_of(p)?, p % bs))
+                .collect::<Result<Vec<u32>>>()?;
+            seen.push((
+                Tensor::new(rows.as_slice(), dev)?,
+                causal_mask(start, ch.tokens.len(), end, dev)?,
+            ));
         }
+        let new_rows = new_at
+            .iter()
+            .map(|&(b, s)| kv.row(b, s))
+            .collect::<Result<Vec<u32>>>()?;
         let n = tokens.len();
         let cos = Tensor::from_vec(cos, (n, hd / 2), dev)?;
         let sin = Tensor::from_vec(sin, (n, hd / 2), dev)?;
-        // Per chunk: its sequence's pool rows 0..end, and its causal mask.
-        let mut seen = Vec::with_capacity(batch.len());
-        for ((ch, &start), &(_, len)) in batch.iter().zip(starts).zip(&spans) {
-            let end = start + len;
-            let rows = pool.rows(ch.seq, 0, end)?;
-            seen.push((
-                Tensor::new(rows.as_slice(), dev)?,
-                causal_mask(start, len, end, dev)?,
-            ));
-        }
         let ids = Tensor::new(tokens.as_slice(), dev)?;
         let mut x = self.embed.index_select(&ids, 0)?;
         let scale = 1.0 / (hd as f64).sqrt();
@@ -133,11 +186,20 @@ impl CandleModel {
             let v = xn.apply(&layer.wv)?;
             let q = candle_nn::rotary_emb::rope_i(&heads_first(&q, heads, hd)?, &cos, &sin)?;
             let k = candle_nn::rotary_emb::rope_i(&heads_first(&k, kv_heads, hd)?, &cos, &sin)?;
-            pool.write(l, &new_rows, &rows_first(&k)?, &v)?;
+            let (k, v) = (
+                rows_first(&k)?.to_dtype(DType::F16)?,
+                v.to_dtype(DType::F16)?,
+            );
+            kv.write(l, &new_rows, &k, &v)?;
+            let host = |t: &Tensor| -> Result<Vec<f16>> { Ok(t.flatten_all()?.to_vec1::<f16>()?) };
+            cache.write_rows_back(l, &new_at, &host(&k)?, &host(&v)?)?;
+            if on_layer(l, cache).is_break() {
+                return Err(EngineError::Stopped { layer: l });
+            }
             let mut outs = Vec::with_capacity(batch.len());
             for (&(first, len), (rows, mask)) in spans.iter().zip(&seen) {
                 let qc = q.narrow(2, first, len)?.squeeze(0)?.contiguous()?; // heads x len x hd
-                let (kc, vc) = pool.gather(l, rows)?; // end x kv_dim (f16)
+                let (kc, vc) = kv.gather(l, rows)?; // end x kv_dim (f16)
                 let end = rows.dim(0)?;
                 let expand = |t: Tensor| -> Result<Tensor> {
                     // end x kv_heads x hd -> heads x end x hd (each kv head serves `group`).

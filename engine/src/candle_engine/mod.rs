@@ -5,7 +5,9 @@
 //! - Weights stay in the GGUF's own quantized blocks on the device ([`QMatMul`]: candle's
 //!   quantized kernels for Q4_0/Q4_1/Q8_0 and the K-quants); norms and the embedding
 //!   table are dequantized to f32 once.
-//! - KV lives in a paged pool on the device ([`DevicePool`]), addressed by block tables.
+//! - KV lives in a paged pool on the device ([`DeviceKv`]) whose block tables, reference
+//!   counts and prefix cache are the host [`KvCache`]'s: the engine takes a `KvCache` as the
+//!   native engine does, so workers, export/import and the prefix cache work unchanged.
 //! - One forward runs any mix of prompt chunks and decode steps of different sequences
 //!   ([`CandleModel::forward`], the same [`SeqChunk`] batch as the native engine): the dense
 //!   parts over every row at once, attention per chunk over its sequence's gathered rows.
@@ -30,11 +32,11 @@ use crate::config::ModelConfig;
 use crate::device::DeviceSpec;
 use crate::error::{EngineError, Result};
 use crate::fingerprint::Fingerprinter;
-use crate::kv::{KvDtype, KvLayout};
+use crate::kv::{KvCache, KvDtype, KvLayout};
 use crate::model::TextFrontend;
 use crate::tokenizer::Tokenizer;
 
-pub use pool::DevicePool;
+pub use pool::DeviceKv;
 
 struct Layer {
     attn_norm: Tensor,
@@ -179,8 +181,7 @@ impl CandleModel {
         &self.fingerprint
     }
 
-    /// The KV layout of this engine's pool and frames: the native engine's f16 layout
-    /// ([`DevicePool::export_layer`] writes its frames).
+    /// The KV layout of this engine's cache and frames: the native engine's f16 layout.
     pub fn kv_layout(&self, block_size: usize) -> KvLayout {
         KvLayout {
             fingerprint: self.fingerprint.clone(),
@@ -226,15 +227,9 @@ impl CandleModel {
         layers + f32s(&self.embed) + f32s(&self.out_norm) + mm(&self.output)
     }
 
-    /// A KV pool for this model on its device: `blocks` blocks of `block_size` tokens.
-    pub fn new_pool(&self, block_size: usize, blocks: usize) -> Result<DevicePool> {
-        let c = &self.config;
-        DevicePool::new(
-            &self.device,
-            c.n_layers,
-            (c.n_kv_heads, c.head_dim),
-            block_size,
-            blocks,
-        )
+    /// A KV cache for this model: `blocks` blocks of `block_size` tokens, f16, whose copy
+    /// on the model's device is made by the first forward.
+    pub fn new_cache(&self, block_size: usize, blocks: usize) -> KvCache {
+        KvCache::new(self.kv_layout(block_size), blocks)
     }
 }

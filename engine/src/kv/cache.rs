@@ -18,6 +18,7 @@ use half::f16;
 use serde::{Deserialize, Serialize};
 
 use super::allocator::{BlockAllocator, BlockId};
+use super::device_sync::DeviceSync;
 use super::prefix::BlockHash;
 use super::prefix_cache::PrefixState;
 use crate::error::{EngineError, Result};
@@ -167,6 +168,9 @@ pub struct KvCache {
     pub(super) seqs: HashMap<SeqId, Sequence>,
     /// The prefix cache's index and lower tiers (`None`: disabled).
     pub(super) prefix: Option<PrefixState>,
+    /// The candle engine's copy of the pool on its device, and which blocks' host bytes
+    /// changed since it last copied them (`super::device_sync`).
+    pub(super) device: DeviceSync,
 }
 
 impl KvCache {
@@ -183,6 +187,7 @@ impl KvCache {
             alloc: BlockAllocator::new(num_blocks),
             seqs: HashMap::new(),
             prefix: None,
+            device: DeviceSync::default(),
         }
     }
 
@@ -378,6 +383,7 @@ impl KvCache {
     }
 
     pub(super) fn block_bytes_mut(&mut self, b: BlockId) -> &mut [u8] {
+        self.device.host_wrote(b);
         let (o, n) = self.block_span(b);
         match &mut self.storage {
             Storage::F32(d) => bytemuck::cast_slice_mut(&mut d[o..o + n]),
@@ -395,6 +401,7 @@ impl KvCache {
     }
 
     fn copy_block(&mut self, from: BlockId, to: BlockId) {
+        self.device.host_wrote(to);
         let n = self.layout.n_layers * 2 * self.layout.region_elems();
         let (a, b) = (
             self.region_offset(from, 0, KvKind::K),
@@ -418,6 +425,7 @@ impl KvCache {
         let (bs, hd) = (self.layout.block_size, self.layout.head_dim);
         let ko = self.region_offset(block, layer, KvKind::K);
         let vo = self.region_offset(block, layer, KvKind::V);
+        self.device.host_wrote(block);
         for h in 0..self.layout.n_kv_heads {
             let at = (h * bs + slot) * hd;
             let (ks, vs) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
@@ -448,6 +456,7 @@ impl KvCache {
 
     /// The bytes of one region, for a receiver that writes in place.
     pub fn region_bytes_mut(&mut self, block: BlockId, layer: usize, kind: KvKind) -> &mut [u8] {
+        self.device.host_wrote(block);
         let o = self.region_offset(block, layer, kind);
         let n = self.layout.region_elems();
         match &mut self.storage {
@@ -533,6 +542,7 @@ impl KvCache {
                 KvKind::V
             };
             let b = blocks[i % blocks.len()];
+            self.device.host_wrote(b);
             let o = self.region_offset(b, layer, kind);
             let n = self.layout.region_elems();
             write_converted(&mut self.storage, o, n, chunk, src.dtype);

@@ -3,6 +3,7 @@
 
 pub mod allocator;
 pub mod cache;
+mod device_sync;
 mod lru;
 pub mod prefix;
 pub mod prefix_cache;

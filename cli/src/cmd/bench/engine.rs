@@ -9,8 +9,7 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use duet_engine::{
-    sampling::argmax, CandleModel, DevicePool, EngineKind, KvCache, KvCacheConfig, KvDtype, Model,
-    SeqChunk,
+    sampling::argmax, EngineKind, EngineModel, KvCache, KvCacheConfig, KvDtype, SeqChunk,
 };
 use serde::Serialize;
 
@@ -97,46 +96,6 @@ fn tokens(n: usize, salt: usize) -> Vec<u32> {
         .collect()
 }
 
-/// The model on the engine asked for, and a KV store of its own kind.
-enum Loaded {
-    Native(Box<Model>),
-    Candle(Box<CandleModel>),
-}
-
-enum Store {
-    Native(Box<KvCache>),
-    Candle(Box<DevicePool>),
-}
-
-impl Loaded {
-    fn store(&self, kv_dtype: KvDtype, blocks: usize) -> anyhow::Result<Store> {
-        Ok(match self {
-            Loaded::Native(m) => {
-                Store::Native(Box::new(KvCache::new(m.kv_layout(16, kv_dtype), blocks)))
-            }
-            Loaded::Candle(m) => Store::Candle(Box::new(m.new_pool(16, blocks)?)),
-        })
-    }
-
-    fn forward(&self, store: &mut Store, batch: &[SeqChunk<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
-        Ok(match (self, store) {
-            (Loaded::Native(m), Store::Native(c)) => m.forward(c, batch)?,
-            (Loaded::Candle(m), Store::Candle(p)) => m.forward(p, batch)?,
-            _ => anyhow::bail!("a store of another engine"),
-        })
-    }
-}
-
-impl Store {
-    fn add_sequence(&mut self, id: u64) -> anyhow::Result<()> {
-        match self {
-            Store::Native(c) => c.add_sequence(id)?,
-            Store::Candle(p) => p.add_sequence(id)?,
-        }
-        Ok(())
-    }
-}
-
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -147,19 +106,16 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
     if kind == EngineKind::Candle && a.kv_dtype != KvDtype::F16 {
         anyhow::bail!("--kv-dtype: the candle engine keeps an f16 KV pool");
     }
-    let model = match kind {
-        EngineKind::Native => Loaded::Native(Box::new(a.model.load()?)),
-        EngineKind::Candle => Loaded::Candle(Box::new(
-            CandleModel::load(&a.model.model, a.engine.device)
-                .with_context(|| format!("loading {}", a.model.model.display()))?,
-        )),
+    let model = a.model.load_engine(&a.engine)?;
+    let new_cache = |blocks: usize| -> anyhow::Result<KvCache> {
+        Ok(KvCache::new(model.kv_layout(16, a.kv_dtype)?, blocks))
     };
     let rss_after_load = rss_bytes();
     let mut prefill = Vec::new();
     for &n in &a.prefill {
         let mut runs = Vec::new();
         for i in 0..4 {
-            let mut store = model.store(a.kv_dtype, n.div_ceil(16))?;
+            let mut store = new_cache(n.div_ceil(16))?;
             store.add_sequence(0)?;
             let t = Instant::now();
             model.forward(&mut store, &[SeqChunk::new(0, &tokens(n, 0))])?;
@@ -177,12 +133,15 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
     }
     let mut decode = Vec::new();
     for &b in &a.batch {
-        decode.push(bench_decode(&model, a.kv_dtype, b, a.context, a.steps)?);
+        decode.push(bench_decode(
+            &model,
+            new_cache(b * (a.context + a.steps + 1).div_ceil(16))?,
+            b,
+            a.context,
+            a.steps,
+        )?);
     }
-    let (config, weight_bytes) = match &model {
-        Loaded::Native(m) => (m.config.clone(), m.weight_bytes()),
-        Loaded::Candle(m) => (m.config.clone(), m.weight_bytes()),
-    };
+    let (config, weight_bytes) = (model.config().clone(), model.weight_bytes());
     let sized = KvCacheConfig::from_budget(
         a.kv_pool_bytes,
         16,
@@ -190,14 +149,9 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
         (config.n_layers, config.n_kv_heads, config.head_dim),
     );
     // Held until the report is written: its resident memory is measured.
-    let mut pool = model.store(a.kv_dtype, sized.num_blocks)?;
-    let kv_pool_bytes = match &mut pool {
-        Store::Native(pool) => {
-            pool.prefault();
-            pool.pool_bytes()
-        }
-        Store::Candle(pool) => pool.bytes(),
-    };
+    let mut pool = new_cache(sized.num_blocks)?;
+    pool.prefault();
+    let kv_pool_bytes = pool.pool_bytes();
     let report = Report {
         engine: "duet",
         engine_kind: kind.to_string(),
@@ -226,14 +180,12 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
 }
 
 fn bench_decode(
-    model: &Loaded,
-    kv_dtype: KvDtype,
+    model: &EngineModel,
+    mut cache: KvCache,
     batch: usize,
     context: usize,
     steps: usize,
 ) -> anyhow::Result<Decode> {
-    let blocks = batch * (context + steps + 1).div_ceil(16);
-    let mut cache = model.store(kv_dtype, blocks)?;
     // Distinct contexts per sequence, prefilled a few sequences per forward.
     let prompts: Vec<Vec<u32>> = (0..batch).map(|i| tokens(context, i + 1)).collect();
     let mut next = vec![0u32; batch];
@@ -250,7 +202,7 @@ fn bench_decode(
             next[i] = argmax(l);
         }
     }
-    let step = |cache: &mut Store, next: &mut Vec<u32>| -> anyhow::Result<()> {
+    let step = |cache: &mut KvCache, next: &mut Vec<u32>| -> anyhow::Result<()> {
         let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
         let chunks: Vec<SeqChunk> = toks
             .iter()

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use duet_discovery::{EtcdOptions, EtcdRegistry, RegistrationOptions, Registry};
-use duet_engine::{KvCacheConfig, KvDtype, Model, PrefixCacheConfig};
+use duet_engine::{EngineModel, KvCacheConfig, KvDtype, PrefixCacheConfig};
 use duet_kv_transfer::protocol::Integrity;
 use duet_kv_transfer::{Compression, SharedSecret, TransferConfig};
 use duet_serving::cluster_auth::ClusterToken;
@@ -242,8 +242,8 @@ pub fn default_shm_dir() -> std::path::PathBuf {
 pub const BLOCK_SIZE: usize = 16;
 
 impl KvArgs {
-    pub fn cache_config(&self, model: &Model) -> KvCacheConfig {
-        let c = &model.config;
+    pub fn cache_config(&self, model: &EngineModel) -> KvCacheConfig {
+        let c = model.config();
         KvCacheConfig::from_budget(
             self.kv_pool as usize,
             BLOCK_SIZE,
@@ -255,7 +255,7 @@ impl KvArgs {
     /// The prefix cache of worker `id` (`None`: off).
     pub fn prefix_cache_config(
         &self,
-        model: &Model,
+        model: &EngineModel,
         id: &str,
     ) -> anyhow::Result<Option<PrefixCacheConfig>> {
         if self.prefix_cache == Switch::Off {
@@ -264,7 +264,7 @@ impl KvArgs {
             }
             return Ok(None);
         }
-        let l = model.kv_layout(BLOCK_SIZE, self.kv_dtype);
+        let l = model.kv_layout(BLOCK_SIZE, self.kv_dtype)?;
         let block_bytes = (2 * l.n_layers * l.region_bytes()) as u64;
         let disk = match &self.kv_disk_dir {
             Some(dir) => {
@@ -286,11 +286,11 @@ impl KvArgs {
 
     pub fn transfer_config(
         &self,
-        model: &Model,
+        model: &EngineModel,
         secret: &SharedSecret,
     ) -> anyhow::Result<TransferConfig> {
         let layout =
-            duet_worker_common::transfer_layout(&model.kv_layout(BLOCK_SIZE, self.kv_dtype))?;
+            duet_worker_common::transfer_layout(&model.kv_layout(BLOCK_SIZE, self.kv_dtype)?)?;
         if self.kv_timeout < Duration::from_millis(100) {
             bail!("--kv-timeout: at least 100ms");
         }

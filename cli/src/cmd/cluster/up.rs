@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Args;
 use duet_decode_worker::DecodeConfig;
 use duet_discovery::{MemoryRegistry, RegistrationOptions, Registry};
-use duet_engine::{Model, TextFrontend};
+use duet_engine::{EngineModel, TextFrontend};
 use duet_kv_transfer::LocalHub;
 use duet_prefill_worker::PrefillConfig;
 use tokio::net::TcpListener;
@@ -28,7 +28,7 @@ use super::worker::RdmaSetting;
 use super::worker::{
     mib, run_decode, run_prefill, ShmSetting, WorkerEnv, DEFAULT_SEND_ARENA_MIB, MAX_SEND_ARENA_MIB,
 };
-use crate::cmd::model_args::ModelArgs;
+use crate::cmd::model_args::{EngineArgs, ModelArgs};
 
 /// Decode scheduling flags.
 #[derive(Args, Debug, Clone)]
@@ -79,6 +79,8 @@ pub struct UpArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
     pub kv: KvArgs,
     #[command(flatten)]
     pub routing: RoutingArgs,
@@ -124,8 +126,8 @@ pub enum KvTransport {
     Rdma,
 }
 
-fn load(m: &ModelArgs) -> anyhow::Result<Arc<Model>> {
-    Ok(Arc::new(m.load()?))
+fn load(m: &ModelArgs, e: &EngineArgs) -> anyhow::Result<Arc<EngineModel>> {
+    Ok(Arc::new(m.load_engine(e)?))
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -168,7 +170,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         let tag = format!("{:016x}", rand::random::<u64>());
         let cluster = "local".to_string();
         let mut tasks = tokio::task::JoinSet::new();
-        let env = |model: Arc<Model>, grpc: TcpListener| WorkerEnv {
+        let env = |model: Arc<EngineModel>, grpc: TcpListener| WorkerEnv {
             model,
             model_name: name.clone(),
             kv: a.kv.clone(),
@@ -195,7 +197,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             secret: secret.clone(),
         };
         for i in 0..a.decode_workers {
-            let model = load(&a.model)?;
+            let model = load(&a.model, &a.engine)?;
             let grpc = TcpListener::bind("127.0.0.1:0").await?;
             // Over shm or rdma, tcp is not offered: the transfers measured are theirs.
             let kv = match a.kv_transport {
@@ -219,7 +221,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             ));
         }
         for i in 0..a.prefill_workers {
-            let model = load(&a.model)?;
+            let model = load(&a.model, &a.engine)?;
             let grpc = TcpListener::bind("127.0.0.1:0").await?;
             let e = env(model, grpc);
             tasks.spawn(run_prefill(
@@ -367,6 +369,8 @@ pub struct DecodeCmd {
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
     pub kv: KvArgs,
     #[command(flatten)]
     pub decode: DecodeArgs,
@@ -402,6 +406,8 @@ pub struct PrefillCmd {
     pub process: ProcessArgs,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     #[command(flatten)]
     pub kv: KvArgs,
     #[command(flatten)]
@@ -451,7 +457,7 @@ pub struct RouterCmd {
 
 async fn worker_env(
     p: &ProcessArgs,
-    model: Arc<Model>,
+    model: Arc<EngineModel>,
     model_name: String,
     kv: KvArgs,
 ) -> anyhow::Result<WorkerEnv> {
@@ -486,7 +492,7 @@ async fn worker_env(
 pub fn decode(a: DecodeCmd) -> anyhow::Result<()> {
     a.process.registry.validate()?;
     let cfg = a.decode.config()?;
-    let model = load(&a.model)?;
+    let model = load(&a.model, &a.engine)?;
     let name = model_name(&a.model.model, &a.served_model_name);
     runtime()?.block_on(async move {
         let shutdown = duet_serving::server::shutdown_on_signal();
@@ -520,7 +526,7 @@ pub fn decode(a: DecodeCmd) -> anyhow::Result<()> {
 pub fn prefill(a: PrefillCmd) -> anyhow::Result<()> {
     a.process.registry.validate()?;
     let cfg = a.prefill.config()?;
-    let model = load(&a.model)?;
+    let model = load(&a.model, &a.engine)?;
     let name = model_name(&a.model.model, &a.served_model_name);
     runtime()?.block_on(async move {
         let shutdown = duet_serving::server::shutdown_on_signal();

@@ -9,7 +9,7 @@ use std::time::Duration;
 use duet_decode_worker::server::{DecodeWorker, KvReceivers};
 use duet_decode_worker::DecodeConfig;
 use duet_discovery::{RegistrationOptions, Registry};
-use duet_engine::Model;
+use duet_engine::EngineModel;
 use duet_kv_transfer::{LocalHub, SharedSecret};
 use duet_prefill_worker::server::{KvSenders, PrefillWorker};
 use duet_prefill_worker::PrefillConfig;
@@ -46,7 +46,7 @@ pub struct RdmaSetting {
 
 /// What every worker needs besides its engine.
 pub struct WorkerEnv {
-    pub model: Arc<Model>,
+    pub model: Arc<EngineModel>,
     pub model_name: String,
     pub kv: KvArgs,
     pub registry: Arc<dyn Registry>,
@@ -109,7 +109,7 @@ impl WorkerEnv {
 
 /// The engine and KV side of a [`WorkerEnv`].
 struct Parts {
-    model: Arc<Model>,
+    model: Arc<EngineModel>,
     kv: KvArgs,
     secret: SharedSecret,
     kv_advertise_host: Option<String>,

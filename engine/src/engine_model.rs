@@ -1,0 +1,159 @@
+//! A model on whichever engine runs it ([`EngineModel`]): what the workers, `duet up` and
+//! the benchmarks hold, so that one worker code path serves the native CPU engine and the
+//! candle engine (candle's CPU device here and in CI, CUDA on GPU nodes).
+//!
+//! Both engines take the same [`KvCache`] (block tables, prefix cache, export and import in
+//! one frame format) and the same [`SeqChunk`] batches with a per-layer hook, so everything
+//! above the forward (scheduling, reservations, KV transfer, the prefix cache's events) is
+//! shared. The candle engine keeps f16 KV only: an f32 layout is refused with the reason.
+
+use std::ops::ControlFlow;
+use std::path::Path;
+
+use crate::candle_engine::CandleModel;
+use crate::chat::ChatTemplate;
+use crate::config::ModelConfig;
+use crate::device::{DeviceSpec, EngineChoice, EngineKind};
+use crate::error::{EngineError, Result};
+use crate::forward::SeqChunk;
+use crate::kv::{KvCache, KvDtype, KvLayout};
+use crate::model::{LoadOptions, Model};
+use crate::tokenizer::Tokenizer;
+
+/// A loaded model and the engine that runs it.
+pub enum EngineModel {
+    Native(Model),
+    Candle(CandleModel),
+}
+
+impl From<Model> for EngineModel {
+    fn from(m: Model) -> Self {
+        EngineModel::Native(m)
+    }
+}
+
+impl From<CandleModel> for EngineModel {
+    fn from(m: CandleModel) -> Self {
+        EngineModel::Candle(m)
+    }
+}
+
+impl EngineModel {
+    /// Loads `path` on the engine and device `choice` resolves to (`options` are the native
+    /// engine's; the candle engine's threads are candle's own, `RAYON_NUM_THREADS`).
+    pub fn load(
+        path: impl AsRef<Path>,
+        options: LoadOptions,
+        choice: EngineChoice,
+    ) -> Result<Self> {
+        Ok(match choice.resolve()? {
+            EngineKind::Native => EngineModel::Native(Model::load(path, options)?),
+            EngineKind::Candle => EngineModel::Candle(CandleModel::load(path, choice.device)?),
+        })
+    }
+
+    pub fn kind(&self) -> EngineKind {
+        match self {
+            EngineModel::Native(_) => EngineKind::Native,
+            EngineModel::Candle(_) => EngineKind::Candle,
+        }
+    }
+
+    pub fn device(&self) -> DeviceSpec {
+        match self {
+            EngineModel::Native(_) => DeviceSpec::Cpu,
+            EngineModel::Candle(m) => m.device(),
+        }
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            EngineModel::Native(m) => &m.config,
+            EngineModel::Candle(m) => &m.config,
+        }
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        match self {
+            EngineModel::Native(m) => &m.tokenizer,
+            EngineModel::Candle(m) => &m.tokenizer,
+        }
+    }
+
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        match self {
+            EngineModel::Native(m) => m.chat_template.as_ref(),
+            EngineModel::Candle(m) => m.chat_template.as_ref(),
+        }
+    }
+
+    pub fn fingerprint(&self) -> &str {
+        match self {
+            EngineModel::Native(m) => m.fingerprint(),
+            EngineModel::Candle(m) => m.fingerprint(),
+        }
+    }
+
+    /// The KV layout of a cache for this engine; the candle engine refuses f32.
+    pub fn kv_layout(&self, block_size: usize, dtype: KvDtype) -> Result<KvLayout> {
+        match (self, dtype) {
+            (EngineModel::Native(m), _) => Ok(m.kv_layout(block_size, dtype)),
+            (EngineModel::Candle(m), KvDtype::F16) => Ok(m.kv_layout(block_size)),
+            (EngineModel::Candle(_), KvDtype::F32) => Err(EngineError::invalid(
+                "kv_dtype",
+                "the candle engine keeps f16 KV (--kv-dtype f16)",
+            )),
+        }
+    }
+
+    /// Bytes the weights hold (on the device, for the candle engine).
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            EngineModel::Native(m) => m.weight_bytes(),
+            EngineModel::Candle(m) => m.weight_bytes(),
+        }
+    }
+
+    /// Weight bytes one decode step reads (the roofline's numerator). The candle engine
+    /// reads every matrix once per step, so all its weights but the embedding table.
+    pub fn weight_bytes_per_step(&self) -> usize {
+        match self {
+            EngineModel::Native(m) => m.weight_bytes_per_step(),
+            EngineModel::Candle(m) => m.weight_bytes(),
+        }
+    }
+
+    /// Bytes the KV cache's copy on the device holds (0 on the native engine).
+    pub fn device_kv_bytes(&self, cache: &KvCache) -> usize {
+        match self {
+            EngineModel::Native(_) => 0,
+            EngineModel::Candle(_) => cache.device_bytes(),
+        }
+    }
+
+    /// Whether `ch` can be computed on its own (tokens, sequence, context).
+    pub fn check_chunk(&self, cache: &KvCache, ch: &SeqChunk<'_>) -> Result<()> {
+        match self {
+            EngineModel::Native(m) => m.check_chunk(cache, ch),
+            EngineModel::Candle(m) => m.check_chunk(cache, ch),
+        }
+    }
+
+    /// One forward over `batch` (see [`Model::forward_with`]: the per-layer hook and the
+    /// contract on errors are the same for both engines).
+    pub fn forward_with(
+        &self,
+        cache: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        on_layer: &mut (dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send),
+    ) -> Result<Vec<Vec<f32>>> {
+        match self {
+            EngineModel::Native(m) => m.forward_with(cache, batch, on_layer),
+            EngineModel::Candle(m) => m.forward_with(cache, batch, on_layer),
+        }
+    }
+
+    pub fn forward(&self, cache: &mut KvCache, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.forward_with(cache, batch, &mut |_, _| ControlFlow::Continue(()))
+    }
+}
