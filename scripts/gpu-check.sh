@@ -19,8 +19,9 @@
 #                     batch 1, 32, 128; decode batch 1 against the HBM roofline (weight bytes
 #                     per step / step time >= 50% of HBM_GBPS is the target)
 #   nccl_two_ranks    kv-transfer's NCCL round trip GPU 0 -> GPU 1 (needs two GPUs)
-#   disaggregated_up  duet up with prefill and decode on one GPU over CUDA IPC: NOT BUILT yet
-#                     (the workers run the native CPU engine only; issue 29), reported as such
+#   disaggregated_up  duet up --device cuda:0 --kv-transport shm: prefill and decode workers on
+#                     one GPU, KV through the host cache (CUDA IPC is not built yet); a remote
+#                     prefill's greedy tokens must equal duet run --device cuda:0's
 set -euo pipefail
 cd "$(dirname "$0")/.."
 report="${1:-bench/results/gpu-check-$(hostname).json}"
@@ -85,7 +86,38 @@ EOF
 else
   for s in reference bench_engine nccl_two_ranks; do record "$s" not_run "the build failed"; done
 fi
-record disaggregated_up not_built "workers (up, prefill, decode) run only the native CPU engine yet (issue 29)"
+# One prompt long enough to be prefilled remotely, through a disaggregated duet up on device $1
+# against duet run on the same device: same greedy tokens, placement remote.
+disaggregated_up() {
+  local dev=$1 prompt ids_run out pid
+  prompt="$(python3 -c 'print("Summarize the history of the printing press in Europe, from Gutenberg onwards, covering literacy and the Reformation. " * 6)')"
+  ids_run="$("$bin" run --device "$dev" --prompt "$prompt" --max-tokens 16 --json 2>>"$log/up.log" |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["ids"])')" || return 1
+  "$bin" up --device "$dev" --kv-transport shm --listen 127.0.0.1:18551 --http-listen 127.0.0.1:18552 \
+    >>"$log/up.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 120); do
+    out="$("$bin" generate --router http://127.0.0.1:18551 --prompt "$prompt" --max-tokens 16 --json 2>>"$log/up.log")" && break
+    sleep 1
+  done
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
+  [ -n "$out" ] || return 1
+  python3 - "$out" "$ids_run" <<'EOF'
+import ast, json, sys
+got, want = json.loads(sys.argv[1]), ast.literal_eval(sys.argv[2])
+print(f"placement {got['timings']['placement']}, ids equal duet run's: {got['ids'] == want}")
+sys.exit(0 if got["ids"] == want and "REMOTE" in str(got["timings"]["placement"]).upper() else 1)
+EOF
+}
+if [ "${status[build]}" = pass ]; then
+  if d="$(disaggregated_up cuda:0)"; then
+    record disaggregated_up pass "$d; $log/up.log"
+  else
+    record disaggregated_up fail "${d:-no answer}; see $log/up.log"
+  fi
+else
+  record disaggregated_up not_run "the build failed"
+fi
 
 python3 - "$report" "$steps" "$gpus" "$(elapsed)" "$(git rev-parse HEAD 2>/dev/null || echo unknown)" <<'EOF'
 import json, sys

@@ -54,13 +54,14 @@ fn the_cuda_build_starts_without_a_gpu() {
 fn device_cuda_is_refused_at_start_naming_the_driver() {
     let m = model();
     let m = m.to_str().unwrap();
-    let cases: [&[&str]; 4] = [
+    let cases: [&[&str]; 5] = [
         &["run", "--model", m, "--prompt", "Hi", "--device", "cuda"],
         &["run", "--model", m, "--prompt", "Hi", "--device", "cuda:7"],
         &[
             "run", "--model", m, "--prompt", "Hi", "--device", "cuda:0", "--engine", "candle",
         ],
         &["bench", "engine", "--model", m, "--device", "cuda:0"],
+        &["up", "--model", m, "--device", "cuda:0"],
     ];
     for args in cases {
         let o = duet_within(args, Duration::from_secs(60));

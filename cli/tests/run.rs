@@ -206,6 +206,10 @@ fn a_device_that_is_not_there_is_refused_with_exit_code_2() {
         assert!(err.contains(needle), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+    // The workers of `duet up` load on the same rule before anything listens.
+    let o = duet(&["up", "--model", m, "--device", "cuda:0"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("cuda:0"), "{}", stderr(&o));
 }
 
 /// `duet bench engine` measures either engine and says which one it measured.
