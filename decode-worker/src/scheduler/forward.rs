@@ -309,7 +309,7 @@ impl Scheduler {
             match &mut s.phase {
                 Phase::Decode { .. } => {
                     let mut row = row;
-                    let step = s.gen.step(&self.model.tokenizer(), &mut row, left);
+                    let step = s.gen.step(self.model.tokenizer(), &mut row, left);
                     generated += 1;
                     ended.push((i, Some(step)));
                 }
@@ -333,7 +333,7 @@ impl Scheduler {
                         Some(next) => s.phase = Phase::Decode { next },
                         None => {
                             let mut row = row;
-                            let step = s.gen.step(&self.model.tokenizer(), &mut row, left);
+                            let step = s.gen.step(self.model.tokenizer(), &mut row, left);
                             generated += 1;
                             ended.push((i, Some(step)));
                         }

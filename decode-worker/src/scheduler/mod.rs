@@ -423,7 +423,7 @@ impl Scheduler {
             self.register(r.id, &prompt);
             seq.kv_wait_seconds = secs(r.claim.at);
             let left = self.model.config().context_length - r.prompt_tokens;
-            let step = seq.gen.accept_first(&self.model.tokenizer(), first, left);
+            let step = seq.gen.accept_first(self.model.tokenizer(), first, left);
             seq.phase = Phase::Decode { next: first };
             if let Some(seq) = self.emit(seq, step) {
                 self.active.push(seq);

@@ -61,7 +61,7 @@ impl Scheduler {
         let mut gen = match job
             .params
             .validate(self.model.config().context_length)
-            .and_then(|_| Generation::new(&self.model.tokenizer(), &job.prompt, job.params))
+            .and_then(|_| Generation::new(self.model.tokenizer(), &job.prompt, job.params))
         {
             Ok(g) => g,
             Err(e) => return Err((e.into(), events)),
@@ -71,7 +71,7 @@ impl Scheduler {
         // nothing held back there is lost.
         if let PrefillSource::Local { replay } = job.prefill {
             let replayed = &job.prompt[job.prompt.len().saturating_sub(replay)..];
-            gen.resume(&self.model.tokenizer(), replayed);
+            gen.resume(self.model.tokenizer(), replayed);
         }
         let cacheable = match job.prefill {
             PrefillSource::Local { replay } => job.prompt.len().saturating_sub(replay),
