@@ -4,13 +4,15 @@
 #              then the offline checks of deploy/: Helm chart, dashboard, alert rules, then
 #              the CUDA build without a GPU: scripts/check-cuda-build.sh)
 #   make build-cuda  the binary with --device cuda (toolkit from PyPI wheels); prints its path
+#   make image       the container image, from a Debian base built here (nothing pulled)
+#   make cluster-up / cluster-down   a compose cluster: etcd, router, 2 prefill, 2 decode
 
 SHELL := /bin/bash
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= Explain in one sentence why the sky is blue.
 CARGO ?= cargo
 
-.PHONY: up test model deps build build-cuda lint fmt bench-engine clean-results
+.PHONY: up test model deps build build-cuda image cluster-up cluster-down lint fmt bench-engine clean-results
 
 up: deps model
 	$(CARGO) build --release -p duet
@@ -32,6 +34,15 @@ test: deps model
 
 build-cuda:
 	./scripts/build-cuda.sh
+
+image:
+	./scripts/build-image.sh
+
+cluster-up: model
+	./scripts/cluster-up.sh
+
+cluster-down:
+	./scripts/cluster-down.sh
 
 model:
 	./scripts/fetch-model.sh

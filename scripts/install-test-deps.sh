@@ -20,6 +20,10 @@ command -v ip >/dev/null || need_apt+=(iproute2)
 # (kv-transfer/tests/rdma.rs runs it over UCX's tcp and shared-memory transports).
 command -v pkg-config >/dev/null || need_apt+=(pkg-config)
 { command -v pkg-config >/dev/null && pkg-config --exists ucx; } || need_apt+=(libucx-dev)
+# debootstrap: the container tests build duet's base image from Debian's packages
+# (scripts/build-base-image.sh; no registry is reachable). docker-compose: their cluster.
+command -v debootstrap >/dev/null || need_apt+=(debootstrap)
+docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || need_apt+=(docker-compose)
 # Prometheus and promtool: the observability tests scrape a live cluster with them.
 command -v promtool >/dev/null && command -v prometheus >/dev/null || need_apt+=(prometheus)
 

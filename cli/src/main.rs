@@ -51,6 +51,8 @@ enum Command {
     Generate(cmd::cluster::client::GenerateArgs),
     /// The workers of a cluster and their capacity (from etcd or from a router).
     Status(cmd::cluster::client::StatusArgs),
+    /// Whether a router or worker serves (gRPC health; exit code 0 when it does).
+    Health(cmd::health::HealthArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
@@ -90,6 +92,7 @@ fn main() -> std::process::ExitCode {
         Command::Decode(a) => cmd::cluster::up::decode(a),
         Command::Generate(a) => cmd::cluster::client::generate(a),
         Command::Status(a) => cmd::cluster::client::status(a),
+        Command::Health(a) => cmd::health::health(a),
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,

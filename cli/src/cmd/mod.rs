@@ -1,5 +1,6 @@
 pub mod bench;
 pub mod cluster;
 pub mod eval;
+pub mod health;
 pub mod model_args;
 pub mod run;
