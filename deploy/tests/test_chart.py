@@ -4,6 +4,7 @@ of everything rendered (kubernetes-validate --strict), and assertions on what ma
 from __future__ import annotations
 
 import base64
+import json
 import re
 import shutil
 import subprocess
@@ -655,3 +656,20 @@ def test_fetch_model_script_runs(renders, tmp_path):
         assert expect in p.stdout
     files = sorted(x.name for x in (tmp_path / "models").iterdir())
     assert files == [env["MODEL_FILE"]], files
+
+
+def test_default_image_and_entrypoint_are_make_images(renders):
+    """The chart's default image is the one `make image` tags (`duet:<appVersion>`, which is
+    the workspace's version, what `duet --version` prints) and every duet container runs
+    the image's own ENTRYPOINT with its role as the only argument."""
+    dockerfile = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
+    entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", dockerfile, re.M).group(1))
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    cargo = (REPO / "Cargo.toml").read_text()
+    version = re.search(r'^\[workspace\.package\][^\[]*?^version = "([^"]+)"', cargo, re.M | re.S).group(1)
+    assert chart["appVersion"] == version
+    r = renders["defaults"]
+    for w, c in r.duet_containers():
+        assert c["image"] == f"duet:{version}", c["image"]
+        assert c["command"] == entry, c["command"]
+        assert c["args"] == [c["name"]], c["args"]
