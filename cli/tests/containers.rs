@@ -102,13 +102,17 @@ fn docker(args: &[&str]) -> String {
 /// A remote prefill crosses containers (prefill worker -> decode worker over tcp, KV
 /// authenticated with the secret file) and gives `duet run`'s tokens; every container is
 /// healthy by its image's HEALTHCHECK (`duet health`), runs as uid 65532, and sits on the
-/// networks the compose file gives it (workers only on the internal back network).
+/// networks the compose file gives it (workers only on the internal back network). Then
+/// faults by container: a decode container killed mid-stream, a prefill container paused.
 #[test]
-fn a_compose_cluster_of_separate_hosts_serves_and_survives_a_killed_decode_container() {
+fn a_compose_cluster_of_separate_hosts_serves_and_survives_killed_and_frozen_containers() {
     let prompt = "Summarize the history of the printing press in Europe, from Gutenberg onwards, \
                   covering literacy and the Reformation. "
         .repeat(6);
     let want = support::run_reference(&prompt, false, 16);
+    let frozen_wants: Vec<Vec<u32>> = (0..3)
+        .map(|i| support::run_reference(&frozen_prompt(i), false, 8))
+        .collect();
     let c = Compose::up();
     for role in ["router", "prefill-0", "prefill-1", "decode-0", "decode-1"] {
         let name = Compose::container(role);
@@ -201,5 +205,58 @@ fn a_compose_cluster_of_separate_hosts_serves_and_survives_a_killed_decode_conta
             survivor.starts_with("decode-") && survivor != killed,
             "{survivor} vs {killed}"
         );
+        eprintln!("scenario docker kill decode: sent 1, completed 1, failed 0");
+
+        // A prefill container frozen (docker pause): long prompts, each its own (no prefix
+        // cache help), all complete with `duet run`'s tokens; a request placed on the frozen
+        // worker is given up after the KV wait and prefilled elsewhere.
+        docker(&["pause", &Compose::container("prefill-0")]);
+        let (mut completed, mut failed) = (0, 0);
+        for (i, want) in frozen_wants.iter().enumerate() {
+            match generate(&mut client, greedy(text(&frozen_prompt(i)), 8)).await {
+                Ok(got) if got.ids == *want => completed += 1,
+                other => {
+                    failed += 1;
+                    eprintln!("prompt {i}: {:?}", other.map(|g| g.ids));
+                }
+            }
+        }
+        docker(&["unpause", &Compose::container("prefill-0")]);
+        eprintln!(
+            "scenario docker pause prefill-0: sent {}, completed {completed}, failed {failed}",
+            frozen_wants.len()
+        );
+        assert_eq!(failed, 0);
+        // Every KV block of every live decode worker is free again (as the router's view of
+        // their published capacity says).
+        let t0 = Instant::now();
+        loop {
+            let busy: Vec<String> = c
+                .status()
+                .into_iter()
+                .filter(|w| w["role"] == "decode")
+                .filter(|w| w["capacity"]["kv_blocks_free"] != w["capacity"]["kv_blocks_total"])
+                .map(|w| w["id"].to_string())
+                .collect();
+            if busy.is_empty() {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(15),
+                "blocks still held on {busy:?}"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
     });
+}
+
+/// Distinct long prompts (each prefilled remotely, none helped by another's cached prefix).
+fn frozen_prompt(i: usize) -> String {
+    let topics = ["the printing press", "the steam engine", "the telegraph"];
+    format!(
+        "{}: explain who built it, when and where, and how it changed the lives of ordinary \
+         people in the following century. ",
+        topics[i % topics.len()]
+    )
+    .repeat(4)
 }
