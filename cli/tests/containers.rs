@@ -113,6 +113,9 @@ fn a_compose_cluster_of_separate_hosts_serves_and_survives_killed_and_frozen_con
     let frozen_wants: Vec<Vec<u32>> = (0..3)
         .map(|i| support::run_reference(&frozen_prompt(i), false, 8))
         .collect();
+    let cut_wants: Vec<Vec<u32>> = (0..3)
+        .map(|i| support::run_reference(&cut_prompt(i), false, 8))
+        .collect();
     let c = Compose::up();
     for role in ["router", "prefill-0", "prefill-1", "decode-0", "decode-1"] {
         let name = Compose::container(role);
@@ -227,6 +230,39 @@ fn a_compose_cluster_of_separate_hosts_serves_and_survives_killed_and_frozen_con
             frozen_wants.len()
         );
         assert_eq!(failed, 0);
+        // A prefill container cut off the back network (docker network disconnect): the same.
+        let back = format!("{PROJECT}_back");
+        let p1 = Compose::container("prefill-1");
+        docker(&["network", "disconnect", &back, &p1]);
+        let (mut completed, mut failed) = (0, 0);
+        for (i, want) in cut_wants.iter().enumerate() {
+            match generate(&mut client, greedy(text(&cut_prompt(i)), 8)).await {
+                Ok(got) if got.ids == *want => completed += 1,
+                other => {
+                    failed += 1;
+                    eprintln!("cut, prompt {i}: {:?}", other.map(|g| g.ids));
+                }
+            }
+        }
+        docker(&["network", "connect", "--alias", "prefill-1", &back, &p1]);
+        eprintln!(
+            "scenario network disconnect prefill-1: sent {}, completed {completed}, failed {failed}",
+            cut_wants.len()
+        );
+        assert_eq!(failed, 0);
+
+        // etcd restarted: the three live workers (one decode container was killed above) are
+        // in the router's view again and requests are served.
+        docker(&["restart", &Compose::container("etcd")]);
+        let t0 = Instant::now();
+        while c.status().len() != 3 {
+            assert!(t0.elapsed() < Duration::from_secs(60), "workers back in etcd");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let got = generate(&mut client, greedy(text(&prompt), 16)).await;
+        assert_eq!(got.map(|g| g.ids).ok(), Some(want.clone()), "served after etcd restarted");
+        eprintln!("scenario docker restart etcd: sent 1, completed 1, failed 0");
+
         // Every KV block of every live decode worker is free again (as the router's view of
         // their published capacity says).
         let t0 = Instant::now();
@@ -259,4 +295,9 @@ fn frozen_prompt(i: usize) -> String {
         topics[i % topics.len()]
     )
     .repeat(4)
+}
+
+/// Other long prompts, for the network cut.
+fn cut_prompt(i: usize) -> String {
+    format!("Once more. {}", frozen_prompt(i))
 }
