@@ -110,12 +110,13 @@ fn a_compose_cluster_of_separate_hosts_serves_and_survives_killed_and_frozen_con
                   covering literacy and the Reformation. "
         .repeat(6);
     let want = support::run_reference(&prompt, false, 16);
-    let frozen_wants: Vec<Vec<u32>> = (0..3)
-        .map(|i| support::run_reference(&frozen_prompt(i), false, 8))
-        .collect();
-    let cut_wants: Vec<Vec<u32>> = (0..3)
-        .map(|i| support::run_reference(&cut_prompt(i), false, 8))
-        .collect();
+    // (prompt, `duet run`'s 8 greedy tokens) for the faults below.
+    let with_reference = |p: String| {
+        let want = support::run_reference(&p, false, 8);
+        (p, want)
+    };
+    let frozen: Vec<_> = (0..3).map(|i| with_reference(frozen_prompt(i))).collect();
+    let cut: Vec<_> = (0..3).map(|i| with_reference(cut_prompt(i))).collect();
     let c = Compose::up();
     for role in ["router", "prefill-0", "prefill-1", "decode-0", "decode-1"] {
         let name = Compose::container(role);
@@ -214,41 +215,15 @@ fn a_compose_cluster_of_separate_hosts_serves_and_survives_killed_and_frozen_con
         // cache help), all complete with `duet run`'s tokens; a request placed on the frozen
         // worker is given up after the KV wait and prefilled elsewhere.
         docker(&["pause", &Compose::container("prefill-0")]);
-        let (mut completed, mut failed) = (0, 0);
-        for (i, want) in frozen_wants.iter().enumerate() {
-            match generate(&mut client, greedy(text(&frozen_prompt(i)), 8)).await {
-                Ok(got) if got.ids == *want => completed += 1,
-                other => {
-                    failed += 1;
-                    eprintln!("prompt {i}: {:?}", other.map(|g| g.ids));
-                }
-            }
-        }
+        let failed = scenario(&mut client, "docker pause prefill-0", &frozen).await;
         docker(&["unpause", &Compose::container("prefill-0")]);
-        eprintln!(
-            "scenario docker pause prefill-0: sent {}, completed {completed}, failed {failed}",
-            frozen_wants.len()
-        );
         assert_eq!(failed, 0);
         // A prefill container cut off the back network (docker network disconnect): the same.
         let back = format!("{PROJECT}_back");
         let p1 = Compose::container("prefill-1");
         docker(&["network", "disconnect", &back, &p1]);
-        let (mut completed, mut failed) = (0, 0);
-        for (i, want) in cut_wants.iter().enumerate() {
-            match generate(&mut client, greedy(text(&cut_prompt(i)), 8)).await {
-                Ok(got) if got.ids == *want => completed += 1,
-                other => {
-                    failed += 1;
-                    eprintln!("cut, prompt {i}: {:?}", other.map(|g| g.ids));
-                }
-            }
-        }
+        let failed = scenario(&mut client, "network disconnect prefill-1", &cut).await;
         docker(&["network", "connect", "--alias", "prefill-1", &back, &p1]);
-        eprintln!(
-            "scenario network disconnect prefill-1: sent {}, completed {completed}, failed {failed}",
-            cut_wants.len()
-        );
         assert_eq!(failed, 0);
 
         // etcd restarted: the three live workers (one decode container was killed above) are
@@ -256,11 +231,18 @@ fn a_compose_cluster_of_separate_hosts_serves_and_survives_killed_and_frozen_con
         docker(&["restart", &Compose::container("etcd")]);
         let t0 = Instant::now();
         while c.status().len() != 3 {
-            assert!(t0.elapsed() < Duration::from_secs(60), "workers back in etcd");
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "workers back in etcd"
+            );
             std::thread::sleep(Duration::from_millis(500));
         }
         let got = generate(&mut client, greedy(text(&prompt), 16)).await;
-        assert_eq!(got.map(|g| g.ids).ok(), Some(want.clone()), "served after etcd restarted");
+        assert_eq!(
+            got.map(|g| g.ids).ok(),
+            Some(want.clone()),
+            "served after etcd restarted"
+        );
         eprintln!("scenario docker restart etcd: sent 1, completed 1, failed 0");
 
         // Every KV block of every live decode worker is free again (as the router's view of
@@ -284,6 +266,31 @@ fn a_compose_cluster_of_separate_hosts_serves_and_survives_killed_and_frozen_con
             std::thread::sleep(Duration::from_millis(500));
         }
     });
+}
+
+/// Sends each prompt for 8 greedy tokens and prints sent / completed / failed for the
+/// scenario; a request completes when it gets `duet run`'s tokens. Returns the failures.
+async fn scenario(
+    client: &mut pb::generation_client::GenerationClient<tonic::transport::Channel>,
+    name: &str,
+    cases: &[(String, Vec<u32>)],
+) -> usize {
+    let mut failed = 0;
+    for (i, (prompt, want)) in cases.iter().enumerate() {
+        match generate(client, greedy(text(prompt), 8)).await {
+            Ok(got) if got.ids == *want => {}
+            other => {
+                failed += 1;
+                eprintln!("{name}, prompt {i}: {:?}", other.map(|g| g.ids));
+            }
+        }
+    }
+    eprintln!(
+        "scenario {name}: sent {}, completed {}, failed {failed}",
+        cases.len(),
+        cases.len() - failed
+    );
+    failed
 }
 
 /// Distinct long prompts (each prefilled remotely, none helped by another's cached prefix).

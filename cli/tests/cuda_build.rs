@@ -10,6 +10,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 use std::path::PathBuf;
+
+#[path = "support/reference.rs"]
+#[allow(dead_code)]
+mod reference;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -84,13 +88,8 @@ fn device_cuda_is_refused_at_start_naming_the_driver() {
 /// follows longest (v08, as `run.rs` checks in the CPU-only build).
 #[test]
 fn the_cpu_device_serves_in_a_cuda_build() {
-    let line = include_str!("../../tests/data/smollm2-q4_1-greedy.jsonl")
-        .lines()
-        .find(|l| l.contains("\"v08-emoji\""))
-        .expect("v08 reference");
-    let v: serde_json::Value = serde_json::from_str(line).unwrap();
-    let want = v["greedy_ids"].clone();
-    let n = want.as_array().unwrap().len().to_string();
+    let v08 = reference::case("v08-emoji");
+    let n = v08.greedy_ids.len().to_string();
     let m = model();
     let o = duet_within(
         &[
@@ -102,7 +101,7 @@ fn the_cpu_device_serves_in_a_cuda_build() {
             "--engine",
             "candle",
             "--prompt",
-            v["prompt"].as_str().unwrap(),
+            &v08.prompt,
             "--max-tokens",
             &n,
             "--json",
@@ -111,5 +110,6 @@ fn the_cpu_device_serves_in_a_cuda_build() {
     );
     assert!(o.status.success(), "{}", stderr(&o));
     let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(out["ids"], want);
+    let ids: Vec<u32> = serde_json::from_value(out["ids"].clone()).unwrap();
+    assert_eq!(ids, v08.greedy_ids);
 }

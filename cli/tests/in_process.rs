@@ -180,6 +180,29 @@ async fn start(engine: EngineKind) -> Cluster {
     }
 }
 
+/// A chat prompt long enough for the router to prefill it remotely, and one it prefills on
+/// the decode worker.
+const LONG: &str = "The history of the printing press begins in the fifteenth century, when \
+                    Johannes Gutenberg combined movable type, an oil-based ink and a screw \
+                    press into a system that could produce books quickly. Explain how it \
+                    changed Europe.";
+const SHORT: &str = "Hi";
+
+/// `text` as one user message.
+fn chat(text: &str) -> pb::generate_request::Prompt {
+    pb::generate_request::Prompt::Chat(pb::ChatMessages {
+        messages: vec![pb::ChatMessage {
+            role: "user".into(),
+            content: text.into(),
+        }],
+    })
+}
+
+/// Where the router placed a completion's prefill.
+fn placement(c: &support::Completion) -> Result<pb::PrefillPlacement, prost::UnknownEnumValue> {
+    pb::PrefillPlacement::try_from(c.timings().placement)
+}
+
 /// Waits until both workers are in the registry.
 async fn registered(registry: &dyn Registry) {
     for _ in 0..600 {
@@ -201,34 +224,20 @@ async fn registered(registry: &dyn Registry) {
 /// drains and returns without error, and the decode worker's pool is free before it.
 #[test]
 fn a_cluster_started_from_its_crates_serves_duet_runs_tokens_and_drains() {
-    let long = "The history of the printing press begins in the fifteenth century, when \
-                Johannes Gutenberg combined movable type, an oil-based ink and a screw press \
-                into a system that could produce books quickly. Explain how it changed Europe.";
-    let short = "Hi";
-    let want_long = support::run_reference(long, true, 12);
-    let want_short = support::run_reference(short, true, 8);
+    let want_long = support::run_reference(LONG, true, 12);
+    let want_short = support::run_reference(SHORT, true, 8);
     let rt = support::runtime();
     rt.block_on(async {
         let mut c = start(EngineKind::Native).await;
         registered(c.registry.as_ref()).await;
         let mut client = support::client(&c.url).await;
 
-        let chat = |t: &str| {
-            pb::generate_request::Prompt::Chat(pb::ChatMessages {
-                messages: vec![pb::ChatMessage {
-                    role: "user".into(),
-                    content: t.into(),
-                }],
-            })
-        };
-        let placement =
-            |c: &support::Completion| pb::PrefillPlacement::try_from(c.timings().placement);
-        let got = generate(&mut client, greedy(chat(long), 12)).await.unwrap();
+        let got = generate(&mut client, greedy(chat(LONG), 12)).await.unwrap();
         assert_eq!(got.ids, want_long, "remote prefill: {:?}", got.text);
         assert_eq!(placement(&got), Ok(pb::PrefillPlacement::Remote));
         assert_eq!(got.timings().prefill_worker, "prefill-0");
 
-        let got = generate(&mut client, greedy(chat(short), 8)).await.unwrap();
+        let got = generate(&mut client, greedy(chat(SHORT), 8)).await.unwrap();
         assert_eq!(got.ids, want_short, "local prefill: {:?}", got.text);
         assert_eq!(placement(&got), Ok(pb::PrefillPlacement::Local));
 
@@ -319,31 +328,17 @@ fn cancelled_streams_free_their_blocks() {
 /// its sixth token (seen: "assist" for "help"). `candle_parity.rs` bounds those differences.
 #[test]
 fn workers_on_the_candle_engine_serve_duet_run_candles_tokens() {
-    let long = "The history of the printing press begins in the fifteenth century, when \
-                Johannes Gutenberg combined movable type, an oil-based ink and a screw press \
-                into a system that could produce books quickly. Explain how it changed Europe.";
-    let short = "Hi";
-    let want_long = support::run_reference_on("candle", long, true, 12);
-    let want_short = support::run_reference_on("candle", short, true, 8);
+    let want_long = support::run_reference_on("candle", LONG, true, 12);
+    let want_short = support::run_reference_on("candle", SHORT, true, 8);
     let rt = support::runtime();
     rt.block_on(async {
         let mut c = start(EngineKind::Candle).await;
         registered(c.registry.as_ref()).await;
         let mut client = support::client(&c.url).await;
-        let chat = |t: &str| {
-            pb::generate_request::Prompt::Chat(pb::ChatMessages {
-                messages: vec![pb::ChatMessage {
-                    role: "user".into(),
-                    content: t.into(),
-                }],
-            })
-        };
-        let placement =
-            |c: &support::Completion| pb::PrefillPlacement::try_from(c.timings().placement);
-        let got = generate(&mut client, greedy(chat(short), 8)).await.unwrap();
+        let got = generate(&mut client, greedy(chat(SHORT), 8)).await.unwrap();
         assert_eq!(got.ids, want_short, "local prefill: {:?}", got.text);
         assert_eq!(placement(&got), Ok(pb::PrefillPlacement::Local));
-        let got = generate(&mut client, greedy(chat(long), 12)).await.unwrap();
+        let got = generate(&mut client, greedy(chat(LONG), 12)).await.unwrap();
         assert_eq!(got.ids, want_long, "remote prefill: {:?}", got.text);
         assert_eq!(placement(&got), Ok(pb::PrefillPlacement::Remote));
         support::assert_pool_empty(&c.decode_addr, Duration::from_secs(5)).await;

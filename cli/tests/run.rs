@@ -4,6 +4,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 use std::path::PathBuf;
+
+#[path = "support/reference.rs"]
+#[allow(dead_code)]
+mod reference;
 use std::process::{Command, Output};
 
 fn model() -> PathBuf {
@@ -146,20 +150,9 @@ fn empty_prompt_and_invalid_sampling_parameters_name_the_field() {
 /// `duet run`, as the native engine does.
 #[test]
 fn candle_engine_on_the_cpu_device_gives_llama_cpp_tokens() {
-    let line = include_str!("../../tests/data/smollm2-q4_1-greedy.jsonl")
-        .lines()
-        .find(|l| l.contains("\"v08-emoji\""))
-        .expect("v08 reference");
-    let v: serde_json::Value = serde_json::from_str(line).unwrap();
-    let prompt = v["prompt"].as_str().unwrap();
-    let want: Vec<u64> = v["greedy_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap())
-        .collect();
+    let v08 = reference::case("v08-emoji");
     let m = model();
-    let n = want.len().to_string();
+    let n = v08.greedy_ids.len().to_string();
     for engine in ["native", "candle"] {
         let o = duet(&[
             "run",
@@ -170,20 +163,15 @@ fn candle_engine_on_the_cpu_device_gives_llama_cpp_tokens() {
             "--engine",
             engine,
             "--prompt",
-            prompt,
+            &v08.prompt,
             "--max-tokens",
             &n,
             "--json",
         ]);
         assert!(o.status.success(), "{engine}: {}", stderr(&o));
         let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        let ids: Vec<u64> = out["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap())
-            .collect();
-        assert_eq!(ids, want, "{engine}");
+        let ids: Vec<u32> = serde_json::from_value(out["ids"].clone()).unwrap();
+        assert_eq!(ids, v08.greedy_ids, "{engine}");
     }
 }
 

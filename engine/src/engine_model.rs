@@ -15,7 +15,7 @@ use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::device::{DeviceSpec, EngineChoice, EngineKind};
 use crate::error::{EngineError, Result};
-use crate::forward::SeqChunk;
+use crate::forward::{LayerHook, SeqChunk};
 use crate::kv::{KvCache, KvDtype, KvLayout};
 use crate::model::{LoadOptions, Model};
 use crate::tokenizer::Tokenizer;
@@ -123,14 +123,6 @@ impl EngineModel {
         }
     }
 
-    /// Bytes the KV cache's copy on the device holds (0 on the native engine).
-    pub fn device_kv_bytes(&self, cache: &KvCache) -> usize {
-        match self {
-            EngineModel::Native(_) => 0,
-            EngineModel::Candle(_) => cache.device_bytes(),
-        }
-    }
-
     /// Whether `ch` can be computed on its own (tokens, sequence, context).
     pub fn check_chunk(&self, cache: &KvCache, ch: &SeqChunk<'_>) -> Result<()> {
         match self {
@@ -145,7 +137,7 @@ impl EngineModel {
         &self,
         cache: &mut KvCache,
         batch: &[SeqChunk<'_>],
-        on_layer: &mut (dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send),
+        on_layer: &mut LayerHook<'_>,
     ) -> Result<Vec<Vec<f32>>> {
         match self {
             EngineModel::Native(m) => m.forward_with(cache, batch, on_layer),

@@ -155,6 +155,10 @@ fn rope_angles(pos: usize, theta_base: f32, head_dim: usize, cos: &mut [f32], si
     }
 }
 
+/// The per-layer hook of a forward, on either engine: called with `(l, cache)` once layer
+/// `l`'s KV is in the cache; `Break` stops the forward there.
+pub type LayerHook<'h> = dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send + 'h;
+
 impl Model {
     /// Run new tokens of several sequences through the model, writing their
     /// KV into `cache`. Returns, per chunk, the logits of its last token
@@ -167,7 +171,7 @@ impl Model {
         &self,
         cache: &mut KvCache,
         batch: &[SeqChunk<'_>],
-        on_layer: &mut (dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send),
+        on_layer: &mut LayerHook<'_>,
     ) -> Result<Vec<Vec<f32>>> {
         self.forward_inner(cache, batch, on_layer, false)
     }
@@ -187,7 +191,7 @@ impl Model {
         &self,
         cache: &mut KvCache,
         batch: &[SeqChunk<'_>],
-        on_layer: &mut (dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send),
+        on_layer: &mut LayerHook<'_>,
         every_row: bool,
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
@@ -284,7 +288,7 @@ impl Model {
         tokens: &[u32],
         tables: &[Vec<BlockId>],
         (kernel_rows, every_row): (KernelRows, bool),
-        on_layer: &mut (dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send),
+        on_layer: &mut LayerHook<'_>,
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let (d, hd, n) = (c.hidden, c.head_dim, rows.len());

@@ -6,11 +6,12 @@
 use duet_engine::{EngineModel, KvCacheConfig};
 use duet_telemetry::names::ENGINE_DEVICE_MEMORY_BYTES;
 
-/// Bytes of a KV pool of `kv` for `model`.
+/// Bytes of a KV pool of `kv` for `model` (0 for a dtype the engine refuses, which stops
+/// the worker before it serves).
 pub fn kv_pool_bytes(model: &EngineModel, kv: &KvCacheConfig) -> usize {
-    let c = model.config();
-    let per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * kv.dtype.size();
-    per_token * kv.block_size * kv.num_blocks
+    model
+        .kv_layout(kv.block_size, kv.dtype)
+        .map_or(0, |l| l.bytes_per_token() * kv.block_size * kv.num_blocks)
 }
 
 /// Sets the worker's gauges (labels: worker, device, kind).

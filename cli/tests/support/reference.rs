@@ -5,6 +5,9 @@
 /// One reference prompt and llama.cpp's greedy continuation of it.
 pub struct ReferenceCase {
     pub id: String,
+    /// The text as `duet run --prompt` takes it (for `chat` cases, the rendered prompt's
+    /// user message is this text).
+    pub prompt: String,
     pub prompt_ids: Vec<u32>,
     pub greedy_ids: Vec<u32>,
     /// llama.cpp's top-1 minus top-2 logit at each generated position.
@@ -28,6 +31,7 @@ pub fn cases() -> Vec<ReferenceCase> {
             let v: serde_json::Value = serde_json::from_str(l).expect("json");
             ReferenceCase {
                 id: v["id"].as_str().expect("id").to_string(),
+                prompt: v["prompt"].as_str().expect("prompt").to_string(),
                 prompt_ids: ids(&v["prompt_ids"]),
                 greedy_ids: ids(&v["greedy_ids"]),
                 margins: v["top2_margin"]
@@ -39,6 +43,14 @@ pub fn cases() -> Vec<ReferenceCase> {
             }
         })
         .collect()
+}
+
+/// The reference case `id` (e.g. `v08-emoji`).
+pub fn case(id: &str) -> ReferenceCase {
+    cases()
+        .into_iter()
+        .find(|c| c.id == id)
+        .unwrap_or_else(|| panic!("no reference case {id}"))
 }
 
 impl ReferenceCase {

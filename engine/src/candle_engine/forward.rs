@@ -19,11 +19,8 @@ use half::f16;
 
 use super::{CandleModel, DeviceKv};
 use crate::error::{EngineError, Result};
-use crate::forward::{check_chunk_fits, SeqChunk};
+use crate::forward::{check_chunk_fits, LayerHook, SeqChunk};
 use crate::kv::{BlockId, KvCache};
-
-/// The per-layer hook of [`CandleModel::forward_with`] (the native engine's shape).
-type LayerHook<'h> = dyn FnMut(usize, &KvCache) -> ControlFlow<()> + Send + 'h;
 
 /// ggml's RoPE angles for `pos`: `cos` and `sin` of `head_dim / 2` pairs.
 fn rope_angles(
