@@ -3,7 +3,7 @@
 # decode workers, each its own container and address), built from what this project makes:
 # the duet image (scripts/build-image.sh) and etcd from Debian's package on the same base,
 # nothing pulled. Returns once the router serves and all four workers are registered, and
-# prints the router's gRPC and HTTP addresses. `make cluster-down` removes it all.
+# prints the router's gRPC and HTTP addresses and Prometheus's. `make cluster-down` removes it all.
 # DUET_IMAGE (default duet:latest) and DUET_COMPOSE_PROJECT (default duet) choose the image
 # and the project; DUET_BIN is the duet that asks the router (default target/release/duet).
 set -euo pipefail
@@ -25,6 +25,7 @@ chmod 644 "$secret"
 "${compose[@]}" up -d --build --quiet-pull >&2
 grpc="127.0.0.1:$("${compose[@]}" port router 50051 | cut -d: -f2)"
 http="127.0.0.1:$("${compose[@]}" port router 8000 | cut -d: -f2)"
+prom="127.0.0.1:$("${compose[@]}" port prometheus 9090 | cut -d: -f2)"
 bin="${DUET_BIN:-target/release/duet}"
 [ -x "$bin" ] || cargo build --release -p duet >&2
 for _ in $(seq 180); do
@@ -33,6 +34,7 @@ for _ in $(seq 180); do
     echo "cluster-up: router serves, 4 workers registered ($(( $(date +%s) - t0 )) s)" >&2
     echo "router gRPC: http://$grpc"
     echo "router HTTP: http://$http (OpenAI API under /v1)"
+    echo "prometheus: http://$prom"
     exit 0
   fi
   sleep 1

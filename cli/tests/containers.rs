@@ -1,162 +1,61 @@
 //! The compose cluster of `deploy/compose/` as separate hosts: etcd, a router, 2 prefill and
-//! 2 decode workers, each a container with its own address on a private network, KV over
-//! tcp between containers, the KV secret from a file. Built here from nothing pulled: the
-//! base image from Debian's packages (debootstrap), the duet image holding this test build's
-//! binary (`DUET_BINARY`: a release compile would add minutes to CI; the image's build steps
-//! are the ones `make image` runs), etcd from Debian's package on the same base.
+//! 2 decode workers and Prometheus, each a container with its own address on a private
+//! network, KV over tcp between containers, the KV secret from a file, every flag at its
+//! default (`--kv-timeout` 10 s, `--drain` 10 s). Built here from nothing pulled: the base
+//! image from Debian's packages (debootstrap), the duet image holding this test build's binary
+//! (`DUET_BINARY`: a release compile would add minutes to CI; the image's build steps are the
+//! ones `make image` runs), etcd and Prometheus from Debian's packages on the same base.
+//!
+//! One cluster, faults one after another, each printing sent / completed / failed; a request
+//! completes only with `duet run`'s tokens. Afterwards every worker's KV blocks are free as
+//! its own `/metrics` says (scraped by the cluster's Prometheus), and every query of the
+//! Grafana dashboard and every rule returns series from this cluster.
 //!
 //! Needs a Docker engine with Compose and root (debootstrap): every machine of this project
 //! has them; without them the test fails, it never skips.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
+#[path = "containers/compose.rs"]
+mod compose;
+#[path = "containers/load.rs"]
+mod load;
 mod support;
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use compose::{docker, Compose, NAMESPACE, PROJECT, WORKERS};
 use duet_proto::v1 as pb;
+use load::{Case, Load, Tally};
 use support::{generate, greedy, text};
 
-const PROJECT: &str = "duet-test";
-const IMAGE: &str = "duet:test";
+type Client = pb::generation_client::GenerationClient<tonic::transport::Channel>;
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+/// `--kv-timeout`'s default: every pause below lasts longer.
+const KV_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn script(name: &str) -> Command {
-    let mut c = Command::new(repo().join("scripts").join(name));
-    c.env("DUET_COMPOSE_PROJECT", PROJECT)
-        .env("DUET_IMAGE", IMAGE)
-        .env("DUET_BIN", env!("CARGO_BIN_EXE_duet"));
-    c
-}
-
-fn ok(o: Output, what: &str) -> String {
-    assert!(
-        o.status.success(),
-        "{what}: {}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-/// The cluster, removed (containers and networks) when dropped.
-struct Compose {
-    grpc: String,
-}
-
-impl Compose {
-    fn up() -> Compose {
-        let o = script("build-image.sh")
-            .env("DUET_BINARY", env!("CARGO_BIN_EXE_duet"))
-            .env("DUET_IMAGE_TAG", IMAGE)
-            .output()
-            .expect("scripts/build-image.sh");
-        ok(o, "build-image.sh");
-        let _ = script("cluster-down.sh").output();
-        let out = ok(
-            script("cluster-up.sh").output().expect("cluster-up"),
-            "cluster-up.sh",
-        );
-        let grpc = out
-            .lines()
-            .find_map(|l| l.strip_prefix("router gRPC: "))
-            .expect("cluster-up prints the router's gRPC address")
-            .to_string();
-        Compose { grpc }
-    }
-
-    fn container(role: &str) -> String {
-        format!("{PROJECT}_{role}_1")
-    }
-
-    /// Worker records as the router sees them (`duet status --router`).
-    fn status(&self) -> Vec<serde_json::Value> {
-        let o = Command::new(env!("CARGO_BIN_EXE_duet"))
-            .args(["status", "--router", &self.grpc])
-            .output()
-            .expect("duet status");
-        ok(o, "duet status")
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect()
-    }
-}
-
-impl Drop for Compose {
-    fn drop(&mut self) {
-        let _ = script("cluster-down.sh").output();
-    }
-}
-
-fn docker(args: &[&str]) -> String {
-    ok(
-        Command::new("docker").args(args).output().expect("docker"),
-        &format!("docker {args:?}"),
-    )
-}
-
-/// A remote prefill crosses containers (prefill worker -> decode worker over tcp, KV
-/// authenticated with the secret file) and gives `duet run`'s tokens; every container is
-/// healthy by its image's HEALTHCHECK (`duet health`), runs as uid 65532, and sits on the
-/// networks the compose file gives it (workers only on the internal back network). Then
-/// faults by container: a decode container killed mid-stream, a prefill container paused.
 #[test]
-fn a_compose_cluster_of_separate_hosts_serves_and_survives_killed_and_frozen_containers() {
+fn a_compose_cluster_of_separate_hosts_serves_and_survives_killed_frozen_cut_and_restarted_containers(
+) {
     let prompt = "Summarize the history of the printing press in Europe, from Gutenberg onwards, \
                   covering literacy and the Reformation. "
         .repeat(6);
-    let want = support::run_reference(&prompt, false, 16);
-    // (prompt, `duet run`'s 8 greedy tokens) for the faults below.
-    let with_reference = |p: String| {
-        let want = support::run_reference(&p, false, 8);
-        (p, want)
-    };
-    let frozen: Vec<_> = (0..3).map(|i| with_reference(frozen_prompt(i))).collect();
-    let cut: Vec<_> = (0..3).map(|i| with_reference(cut_prompt(i))).collect();
+    // `duet run`'s references, computed while the cluster starts.
+    let references = std::thread::spawn(References::compute);
     let c = Compose::up();
-    for role in ["router", "prefill-0", "prefill-1", "decode-0", "decode-1"] {
-        let name = Compose::container(role);
-        let t0 = Instant::now();
-        loop {
-            let h = docker(&["inspect", "-f", "{{.State.Health.Status}}", &name]);
-            if h.trim() == "healthy" {
-                break;
-            }
-            assert!(t0.elapsed() < Duration::from_secs(60), "{name}: {h}");
-            std::thread::sleep(Duration::from_millis(500));
-        }
-        assert_eq!(
-            docker(&["inspect", "-f", "{{.Config.User}}", &name]).trim(),
-            "65532:65532"
-        );
-        let nets = docker(&[
-            "inspect",
-            "-f",
-            "{{range $k, $v := .NetworkSettings.Networks}}{{$k}} {{end}}",
-            &name,
-        ]);
-        let want_nets = if role == "router" {
-            vec![format!("{PROJECT}_back"), format!("{PROJECT}_front")]
-        } else {
-            vec![format!("{PROJECT}_back")]
-        };
-        let mut got: Vec<String> = nets.split_whitespace().map(String::from).collect();
-        got.sort();
-        assert_eq!(got, want_nets, "{name}");
-    }
+    compose::assert_containers_as_declared();
     assert_eq!(c.status().len(), 4, "4 workers registered");
+    let r = references.join().expect("references");
 
     let rt = support::runtime();
     rt.block_on(async {
         let mut client = support::client(&c.grpc).await;
+        // A remote prefill crosses containers (prefill worker -> decode worker over tcp, KV
+        // authenticated with the secret file) and gives `duet run`'s tokens.
         let got = generate(&mut client, greedy(text(&prompt), 16))
             .await
             .unwrap();
-        assert_eq!(got.ids, want, "{:?}", got.text);
+        assert_eq!(got.ids, r.printing_press, "{:?}", got.text);
         let t = got.timings();
         assert_eq!(
             pb::PrefillPlacement::try_from(t.placement),
@@ -164,147 +63,327 @@ fn a_compose_cluster_of_separate_hosts_serves_and_survives_killed_and_frozen_con
         );
         assert!(t.kv_bytes > 0, "KV crossed containers: {t:?}");
 
-        // Kill (docker kill: SIGKILL to the container) the decode container streaming a
-        // request: the stream continues on the other one, with the undisturbed tokens.
-        let req = || pb::GenerateRequest {
-            ignore_eos: true,
-            ..greedy(text("Write a short story about a lighthouse keeper."), 160)
-        };
-        let reference = generate(&mut client, req()).await.unwrap();
-        let mut s = client.generate(req()).await.unwrap().into_inner();
-        let mut ids = Vec::new();
-        let mut fin = None;
-        let mut killed = None;
-        while let Some(m) = s.message().await.expect("the client sees no error") {
-            match m.event {
-                Some(pb::generate_response::Event::Token(t)) => {
-                    ids.push(t.id);
-                    if ids.len() == 8 {
-                        let t0 = Instant::now();
-                        while killed.is_none() {
-                            killed = c.status().into_iter().find_map(|w| {
-                                (w["role"] == "decode"
-                                    && w["capacity"]["running"].as_u64() > Some(0))
-                                .then(|| w["id"].as_str().unwrap_or_default().to_string())
-                            });
-                            assert!(
-                                t0.elapsed() < Duration::from_secs(10),
-                                "no decode worker runs it"
-                            );
-                            std::thread::sleep(Duration::from_millis(100));
-                        }
-                        let who = killed.clone().unwrap_or_default();
-                        docker(&["kill", &Compose::container(&who)]);
-                    }
-                }
-                Some(pb::generate_response::Event::Final(f)) => fin = Some(f),
-                None => {}
-            }
-        }
-        assert_eq!(ids, reference.ids, "no repeated or missing token");
-        let killed = killed.expect("a decode container was killed");
-        let fin = fin.expect("final message");
-        let survivor = fin.timings.expect("timings").decode_worker;
-        assert!(
-            survivor.starts_with("decode-") && survivor != killed,
-            "{survivor} vs {killed}"
-        );
-        eprintln!("scenario docker kill decode: sent 1, completed 1, failed 0");
+        decode_killed_mid_stream(&c, &mut client).await;
+        prefill_killed_mid_transfer(&c, &r.transfer).await;
+        prefill_paused(&c, &mut client, &r.frozen).await;
+        decode_paused(&c, &mut client, &r.frozen_decode).await;
+        prefill_cut_off(&c, &mut client, &r.cut).await;
+        rolling_restart_under_load(&c, r.load.clone()).await;
 
-        // A prefill container frozen (docker pause): long prompts, each its own (no prefix
-        // cache help), all complete with `duet run`'s tokens; a request placed on the frozen
-        // worker is given up after the KV wait and prefilled elsewhere.
-        docker(&["pause", &Compose::container("prefill-0")]);
-        let failed = scenario(&mut client, "docker pause prefill-0", &frozen).await;
-        docker(&["unpause", &Compose::container("prefill-0")]);
-        assert_eq!(failed, 0);
-        // A prefill container cut off the back network (docker network disconnect): the same.
-        let back = format!("{PROJECT}_back");
-        let p1 = Compose::container("prefill-1");
-        docker(&["network", "disconnect", &back, &p1]);
-        let failed = scenario(&mut client, "network disconnect prefill-1", &cut).await;
-        docker(&["network", "connect", "--alias", "prefill-1", &back, &p1]);
-        assert_eq!(failed, 0);
-
-        // etcd restarted: the three live workers (one decode container was killed above) are
-        // in the router's view again and requests are served.
+        // etcd restarted: the four workers are in the router's view again and requests are
+        // served.
         docker(&["restart", &Compose::container("etcd")]);
-        let t0 = Instant::now();
-        while c.status().len() != 3 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "workers back in etcd"
-            );
-            std::thread::sleep(Duration::from_millis(500));
-        }
+        c.wait_registered("decode-0", Duration::from_secs(60));
         let got = generate(&mut client, greedy(text(&prompt), 16)).await;
-        assert_eq!(
-            got.map(|g| g.ids).ok(),
-            Some(want.clone()),
-            "served after etcd restarted"
-        );
-        eprintln!("scenario docker restart etcd: sent 1, completed 1, failed 0");
-
-        // Every KV block of every live decode worker is free again (as the router's view of
-        // their published capacity says).
-        let t0 = Instant::now();
-        loop {
-            let busy: Vec<String> = c
-                .status()
-                .into_iter()
-                .filter(|w| w["role"] == "decode")
-                .filter(|w| w["capacity"]["kv_blocks_free"] != w["capacity"]["kv_blocks_total"])
-                .map(|w| w["id"].to_string())
-                .collect();
-            if busy.is_empty() {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(15),
-                "blocks still held on {busy:?}"
-            );
-            std::thread::sleep(Duration::from_millis(500));
+        let ok = matches!(&got, Ok(g) if g.ids == r.printing_press);
+        Tally {
+            sent: 1,
+            completed: usize::from(ok),
+            failed: usize::from(!ok),
         }
+        .print("docker restart etcd");
+        assert!(ok, "served after etcd restarted: {:?}", got.map(|g| g.ids));
     });
+    every_block_free_on_every_worker(&c);
+    dashboard_and_rules_return_series(&c);
 }
 
-/// Sends each prompt for 8 greedy tokens and prints sent / completed / failed for the
-/// scenario; a request completes when it gets `duet run`'s tokens. Returns the failures.
-async fn scenario(
-    client: &mut pb::generation_client::GenerationClient<tonic::transport::Channel>,
-    name: &str,
-    cases: &[(String, Vec<u32>)],
-) -> usize {
-    let mut failed = 0;
-    for (i, (prompt, want)) in cases.iter().enumerate() {
-        match generate(client, greedy(text(prompt), 8)).await {
-            Ok(got) if got.ids == *want => {}
-            other => {
-                failed += 1;
-                eprintln!("{name}, prompt {i}: {:?}", other.map(|g| g.ids));
-            }
+/// Every reference the scenarios compare with.
+struct References {
+    printing_press: Vec<u32>,
+    transfer: Case,
+    frozen: Vec<Case>,
+    frozen_decode: Vec<Case>,
+    cut: Vec<Case>,
+    load: Arc<Vec<Case>>,
+}
+
+impl References {
+    fn compute() -> References {
+        let case = |p: String| {
+            let want = support::run_reference(&p, false, load::TOKENS);
+            (p, want)
+        };
+        let printing_press = support::run_reference(
+            &"Summarize the history of the printing press in Europe, from Gutenberg onwards, \
+              covering literacy and the Reformation. "
+                .repeat(6),
+            false,
+            16,
+        );
+        References {
+            printing_press,
+            // Long enough (about 1,400 tokens) for its prefill, and so its layer-by-layer
+            // transfer, to last seconds in a container.
+            transfer: case(long_prompt("the printing press", 14)),
+            frozen: (0..3).map(|i| case(long_prompt(TOPICS[i], 4))).collect(),
+            frozen_decode: (0..3)
+                .map(|i| case(format!("Again. {}", long_prompt(TOPICS[i], 3))))
+                .collect(),
+            cut: (0..3)
+                .map(|i| case(format!("Once more. {}", long_prompt(TOPICS[i], 4))))
+                .collect(),
+            // Each starts differently: none is helped by another's cached prefix, so the first
+            // round is prefilled remotely.
+            load: Arc::new(
+                (0..24)
+                    .map(|i| {
+                        case(format!(
+                            "Question {i}. {}",
+                            long_prompt(TOPICS[i % TOPICS.len()], 1)
+                        ))
+                    })
+                    .collect(),
+            ),
         }
     }
-    eprintln!(
-        "scenario {name}: sent {}, completed {}, failed {failed}",
-        cases.len(),
-        cases.len() - failed
-    );
-    failed
 }
 
-/// Distinct long prompts (each prefilled remotely, none helped by another's cached prefix).
-fn frozen_prompt(i: usize) -> String {
-    let topics = ["the printing press", "the steam engine", "the telegraph"];
+const TOPICS: [&str; 4] = [
+    "the printing press",
+    "the steam engine",
+    "the telegraph",
+    "the electric light",
+];
+
+/// A prompt about `topic`, `repeat` sentences long (each about 30 tokens).
+fn long_prompt(topic: &str, repeat: usize) -> String {
     format!(
-        "{}: explain who built it, when and where, and how it changed the lives of ordinary \
-         people in the following century. ",
-        topics[i % topics.len()]
+        "{topic}: explain who built it, when and where, and how it changed the lives of ordinary \
+         people in the following century. "
     )
-    .repeat(4)
+    .repeat(repeat)
 }
 
-/// Other long prompts, for the network cut.
-fn cut_prompt(i: usize) -> String {
-    format!("Once more. {}", frozen_prompt(i))
+/// Sends each case for 8 greedy tokens, one after another; prints and returns the tally.
+async fn scenario(client: &mut Client, name: &str, cases: &[Case]) -> Tally {
+    let mut t = Tally::default();
+    for (i, (prompt, want)) in cases.iter().enumerate() {
+        let got = generate(client, greedy(text(prompt), load::TOKENS)).await;
+        let ok = matches!(&got, Ok(g) if g.ids == *want);
+        if !ok {
+            eprintln!("{name}, prompt {i}: {:?}", got.map(|g| g.ids));
+        }
+        t.count(ok);
+    }
+    t.print(name);
+    t
+}
+
+/// A long greedy stream; once 8 tokens have arrived, `fault` is applied to the decode
+/// container running it (its worker id given). Returns (the stream's tokens, the worker that
+/// finished it, the worker faulted), after checking the tokens against an undisturbed run.
+async fn stream_with_decode_fault(
+    c: &Compose,
+    client: &mut Client,
+    fault: impl FnOnce(&str),
+) -> (String, String) {
+    let req = || pb::GenerateRequest {
+        ignore_eos: true,
+        ..greedy(text("Write a short story about a lighthouse keeper."), 160)
+    };
+    let reference = generate(client, req()).await.unwrap();
+    let mut s = client.generate(req()).await.unwrap().into_inner();
+    let (mut ids, mut fin, mut faulted) = (Vec::new(), None, None);
+    let mut fault = Some(fault);
+    while let Some(m) = s.message().await.expect("the client sees no error") {
+        match m.event {
+            Some(pb::generate_response::Event::Token(t)) => {
+                ids.push(t.id);
+                if ids.len() == 8 {
+                    let who = c.busy("decode", Duration::from_secs(10));
+                    if let Some(f) = fault.take() {
+                        f(&who);
+                    }
+                    faulted = Some(who);
+                }
+            }
+            Some(pb::generate_response::Event::Final(f)) => fin = Some(f),
+            None => {}
+        }
+    }
+    assert_eq!(ids, reference.ids, "no repeated or missing token");
+    let faulted = faulted.expect("a decode container was faulted");
+    let survivor = fin
+        .expect("final message")
+        .timings
+        .expect("timings")
+        .decode_worker;
+    assert!(
+        survivor.starts_with("decode-") && survivor != faulted,
+        "{survivor} vs {faulted}"
+    );
+    (survivor, faulted)
+}
+
+/// `docker kill` (SIGKILL) of the decode container streaming a request: the stream continues
+/// on the other one with the undisturbed tokens. The container is started again.
+async fn decode_killed_mid_stream(c: &Compose, client: &mut Client) {
+    let (_, killed) = stream_with_decode_fault(c, client, |who| {
+        docker(&["kill", &Compose::container(who)]);
+    })
+    .await;
+    Tally {
+        sent: 1,
+        completed: 1,
+        failed: 0,
+    }
+    .print("docker kill decode mid-stream");
+    c.start_again(&killed);
+}
+
+/// `docker kill` of the prefill container while it computes (and so streams, layer by layer)
+/// a long prompt's KV: the request completes elsewhere with `duet run`'s tokens.
+async fn prefill_killed_mid_transfer(c: &Compose, (prompt, want): &Case) {
+    let mut client = support::client(&c.grpc).await;
+    let req = greedy(text(prompt), load::TOKENS);
+    let call = tokio::spawn(async move { generate(&mut client, req).await });
+    let killed = c.busy("prefill", Duration::from_secs(30));
+    docker(&["kill", &Compose::container(&killed)]);
+    let got = call.await.expect("request task");
+    let ok = matches!(&got, Ok(g) if g.ids == *want);
+    Tally {
+        sent: 1,
+        completed: usize::from(ok),
+        failed: usize::from(!ok),
+    }
+    .print("docker kill prefill mid-transfer");
+    let got = got.expect("completed");
+    assert_eq!(got.ids, *want);
+    assert_ne!(got.timings().prefill_worker, killed, "prefilled elsewhere");
+    c.start_again(&killed);
+}
+
+/// `docker pause` of a prefill container for longer than `--kv-timeout` under distinct long
+/// prompts: all complete with `duet run`'s tokens (a request placed on the frozen worker is
+/// given up after the KV wait and prefilled elsewhere).
+async fn prefill_paused(c: &Compose, client: &mut Client, cases: &[Case]) {
+    let p0 = Compose::container("prefill-0");
+    docker(&["pause", &p0]);
+    let t0 = Instant::now();
+    let t = scenario(client, "docker pause prefill-0", cases).await;
+    let rest = (KV_TIMEOUT + Duration::from_secs(2)).saturating_sub(t0.elapsed());
+    tokio::time::sleep(rest).await;
+    docker(&["unpause", &p0]);
+    eprintln!("prefill-0 paused {:.1} s", t0.elapsed().as_secs_f64());
+    assert_eq!(t.failed, 0);
+    c.wait_registered("prefill-0", Duration::from_secs(60));
+}
+
+/// `docker pause` of the decode container streaming a request, for longer than
+/// `--kv-timeout`: the router gives it up (its HTTP/2 keepalive fails) and the stream
+/// finishes on the other decode worker with the undisturbed tokens; new long prompts sent
+/// during the pause all complete with `duet run`'s tokens.
+async fn decode_paused(c: &Compose, client: &mut Client, cases: &[Case]) {
+    let (tx, rx) = tokio::sync::oneshot::channel::<Instant>();
+    let mut other = support::client(&c.grpc).await;
+    let cases = cases.to_vec();
+    let during = tokio::spawn(async move {
+        let t0 = rx.await.expect("paused");
+        let t = scenario(
+            &mut other,
+            "new requests while a decode container is paused",
+            &cases,
+        )
+        .await;
+        (t0, t)
+    });
+    let (_, paused) = stream_with_decode_fault(c, client, |who| {
+        docker(&["pause", &Compose::container(who)]);
+        let _ = tx.send(Instant::now());
+    })
+    .await;
+    let (t0, t) = during.await.expect("requests during the pause");
+    let rest = (KV_TIMEOUT + Duration::from_secs(2)).saturating_sub(t0.elapsed());
+    tokio::time::sleep(rest).await;
+    docker(&["unpause", &Compose::container(&paused)]);
+    Tally {
+        sent: 1,
+        completed: 1,
+        failed: 0,
+    }
+    .print("docker pause decode mid-stream");
+    eprintln!("{paused} paused {:.1} s", t0.elapsed().as_secs_f64());
+    assert_eq!(t.failed, 0);
+    c.wait_registered(&paused, Duration::from_secs(60));
+}
+
+/// A prefill container cut off the back network (`docker network disconnect`): long prompts
+/// all complete with `duet run`'s tokens. Connected again (same alias) afterwards.
+async fn prefill_cut_off(c: &Compose, client: &mut Client, cases: &[Case]) {
+    let back = format!("{PROJECT}_back");
+    let p1 = Compose::container("prefill-1");
+    docker(&["network", "disconnect", &back, &p1]);
+    let t = scenario(client, "network disconnect prefill-1", cases).await;
+    docker(&["network", "connect", "--alias", "prefill-1", &back, &p1]);
+    assert_eq!(t.failed, 0);
+    c.wait_registered("prefill-1", Duration::from_secs(60));
+}
+
+/// Every worker restarted one by one (`docker restart`: SIGTERM, the worker leaves the
+/// registry and drains, then starts again and registers) under two clients sending requests
+/// back to back: zero failed requests.
+async fn rolling_restart_under_load(c: &Compose, cases: Arc<Vec<Case>>) {
+    let load = Load::start(&c.grpc, cases, 2);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for id in WORKERS {
+        let t0 = Instant::now();
+        docker(&["restart", &Compose::container(id)]);
+        c.wait_registered(id, Duration::from_secs(60));
+        eprintln!(
+            "rolling restart: {id} back in {:.1} s",
+            t0.elapsed().as_secs_f64()
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let t = load.stop().await;
+    t.print("rolling restart of every worker under load");
+    assert!(t.sent >= 8, "load ran: {t:?}");
+    assert_eq!(t.failed, 0, "{t:?}");
+}
+
+/// Every worker's KV blocks are free, as its own `/metrics` says, scraped by the cluster's
+/// Prometheus: every target up, and blocks held by sequences or reservations 0 on each.
+fn every_block_free_on_every_worker(c: &Compose) {
+    let within = Duration::from_secs(30);
+    let ns = format!(r#"namespace="{NAMESPACE}""#);
+    c.wait_metric(&format!("count(up{{{ns}}} == 1)"), 5.0, within);
+    for (role, n) in [("decode", 2.0), ("prefill", 2.0)] {
+        c.wait_metric(
+            &format!("count(duet_{role}_kv_blocks_capacity{{{ns}}} > 0)"),
+            n,
+            within,
+        );
+        // Fresh samples only: a series scraped in the last 5 s, each worker's 0.
+        c.wait_metric(
+            &format!(
+                "count(duet_{role}_kv_blocks_used{{{ns}}} == 0 \
+                 and (time() - timestamp(duet_{role}_kv_blocks_used{{{ns}}})) < 5)"
+            ),
+            n,
+            within,
+        );
+    }
+    eprintln!("every KV block free on every worker (their /metrics, through Prometheus)");
+}
+
+/// `deploy/tests/live_queries.py` against the cluster's Prometheus: every dashboard query and
+/// every rule returns series from this cluster.
+fn dashboard_and_rules_return_series(c: &Compose) {
+    let o = std::process::Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/tests/live_queries.py"
+        ))
+        .args(["--prometheus", &c.prometheus.url, "--namespace", NAMESPACE])
+        .args(["--wait", "90"])
+        .output()
+        .expect("python3 deploy/tests/live_queries.py");
+    let out = String::from_utf8_lossy(&o.stdout);
+    eprintln!("{}", out.lines().last().unwrap_or_default());
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }

@@ -200,6 +200,10 @@ impl Engine {
             .queue_depth
             .set((self.queue.len() + self.running.len()) as f64);
         self.metrics.queued_tokens.set(queued_prefill_tokens as f64);
+        self.metrics.kv_used.set(self.cache.used_blocks() as f64);
+        self.metrics
+            .kv_capacity
+            .set(self.cache.total_blocks() as f64);
         self.metrics.tick();
         if let Ok(mut s) = self.status.lock() {
             *s = PrefillStatus {

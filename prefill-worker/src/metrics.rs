@@ -17,6 +17,8 @@ pub(crate) struct PrefillMetrics {
     pub batch_seconds: Histogram,
     pub queue_depth: Gauge,
     pub queued_tokens: Gauge,
+    pub kv_used: Gauge,
+    pub kv_capacity: Gauge,
     /// Forwards stopped between layers: nobody waited for them.
     pub stopped: Counter,
     busy_ratio: Gauge,
@@ -33,6 +35,8 @@ impl PrefillMetrics {
             batch_seconds: metrics::histogram!(PREFILL_BATCH_SECONDS, "worker" => w.clone()),
             queue_depth: metrics::gauge!(PREFILL_QUEUE_DEPTH, "worker" => w.clone()),
             queued_tokens: metrics::gauge!(PREFILL_QUEUED_TOKENS, "worker" => w.clone()),
+            kv_used: metrics::gauge!(PREFILL_KV_BLOCKS_USED, "worker" => w.clone()),
+            kv_capacity: metrics::gauge!(PREFILL_KV_BLOCKS_CAPACITY, "worker" => w.clone()),
             stopped: metrics::counter!(PREFILL_FORWARDS_STOPPED_TOTAL, "worker" => w.clone()),
             busy_ratio: metrics::gauge!(PREFILL_BUSY_RATIO, "worker" => w),
             window_start: Instant::now(),

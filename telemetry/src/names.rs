@@ -103,6 +103,10 @@ catalogue! {
         "Prompt tokens not yet computed (`worker`).";
     Gauge PREFILL_BUSY_RATIO = "duet_prefill_busy_ratio",
         "Share of the last second the engine computed, 0..1 (`worker`): the CPU stand-in for GPU utilisation.";
+    Gauge PREFILL_KV_BLOCKS_USED = "duet_prefill_kv_blocks_used",
+        "KV blocks held by prompts being prefilled (`worker`); cached prefix blocks nobody holds are not counted.";
+    Gauge PREFILL_KV_BLOCKS_CAPACITY = "duet_prefill_kv_blocks_capacity",
+        "KV blocks in the prefill worker's scratch pool (`worker`).";
     Counter PREFILL_FORWARDS_STOPPED_TOTAL = "duet_prefill_forwards_stopped_total",
         "Forward passes stopped between layers because nobody waited for any of their prompts any more (`worker`).";
 

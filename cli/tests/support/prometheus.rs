@@ -1,5 +1,6 @@
 //! A real, throw-away Prometheus (Debian's `prometheus` package) scraping given `/metrics`
-//! URLs every 500 ms, with its query API on a free 127.0.0.1 port.
+//! URLs every 500 ms, with its query API on a free 127.0.0.1 port; and [`PrometheusApi`], the
+//! query side alone, for one started elsewhere (the compose cluster's container).
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -10,7 +11,19 @@ use super::{http_get, urlencode};
 pub struct Prometheus {
     child: Child,
     dir: PathBuf,
+    api: PrometheusApi,
+}
+
+/// Instant queries against a Prometheus's HTTP API.
+pub struct PrometheusApi {
     pub url: String,
+}
+
+impl std::ops::Deref for Prometheus {
+    type Target = PrometheusApi;
+    fn deref(&self) -> &PrometheusApi {
+        &self.api
+    }
 }
 
 fn free_port() -> u16 {
@@ -61,7 +74,9 @@ impl Prometheus {
         let p = Prometheus {
             child,
             dir,
-            url: format!("http://127.0.0.1:{port}"),
+            api: PrometheusApi {
+                url: format!("http://127.0.0.1:{port}"),
+            },
         };
         let end = Instant::now() + Duration::from_secs(60);
         loop {
@@ -74,7 +89,9 @@ impl Prometheus {
             std::thread::sleep(Duration::from_millis(100));
         }
     }
+}
 
+impl PrometheusApi {
     /// The value of an instant query returning one sample (`None`: no sample).
     pub fn query(&self, promql: &str) -> Option<f64> {
         let (status, body) = http_get(&format!(
