@@ -37,9 +37,7 @@ const KV_TIMEOUT: Duration = Duration::from_secs(10);
 #[test]
 fn a_compose_cluster_of_separate_hosts_serves_and_survives_killed_frozen_cut_and_restarted_containers(
 ) {
-    let prompt = "Summarize the history of the printing press in Europe, from Gutenberg onwards, \
-                  covering literacy and the Reformation. "
-        .repeat(6);
+    let prompt = printing_press();
     // `duet run`'s references, computed while the cluster starts.
     let references = std::thread::spawn(References::compute);
     let c = Compose::up();
@@ -76,12 +74,7 @@ fn a_compose_cluster_of_separate_hosts_serves_and_survives_killed_frozen_cut_and
         c.wait_registered("decode-0", Duration::from_secs(60));
         let got = generate(&mut client, greedy(text(&prompt), 16)).await;
         let ok = matches!(&got, Ok(g) if g.ids == r.printing_press);
-        Tally {
-            sent: 1,
-            completed: usize::from(ok),
-            failed: usize::from(!ok),
-        }
-        .print("docker restart etcd");
+        Tally::of(ok).print("docker restart etcd");
         assert!(ok, "served after etcd restarted: {:?}", got.map(|g| g.ids));
     });
     every_block_free_on_every_worker(&c);
@@ -104,15 +97,8 @@ impl References {
             let want = support::run_reference(&p, false, load::TOKENS);
             (p, want)
         };
-        let printing_press = support::run_reference(
-            &"Summarize the history of the printing press in Europe, from Gutenberg onwards, \
-              covering literacy and the Reformation. "
-                .repeat(6),
-            false,
-            16,
-        );
         References {
-            printing_press,
+            printing_press: support::run_reference(&printing_press(), false, 16),
             // Long enough (about 1,400 tokens) for its prefill, and so its layer-by-layer
             // transfer, to last seconds in a container.
             transfer: case(long_prompt("the printing press", 14)),
@@ -139,6 +125,13 @@ impl References {
     }
 }
 
+/// The prompt checked first and after etcd restarts (16 tokens), prefilled remotely.
+fn printing_press() -> String {
+    "Summarize the history of the printing press in Europe, from Gutenberg onwards, covering \
+     literacy and the Reformation. "
+        .repeat(6)
+}
+
 const TOPICS: [&str; 4] = [
     "the printing press",
     "the steam engine",
@@ -158,13 +151,8 @@ fn long_prompt(topic: &str, repeat: usize) -> String {
 /// Sends each case for 8 greedy tokens, one after another; prints and returns the tally.
 async fn scenario(client: &mut Client, name: &str, cases: &[Case]) -> Tally {
     let mut t = Tally::default();
-    for (i, (prompt, want)) in cases.iter().enumerate() {
-        let got = generate(client, greedy(text(prompt), load::TOKENS)).await;
-        let ok = matches!(&got, Ok(g) if g.ids == *want);
-        if !ok {
-            eprintln!("{name}, prompt {i}: {:?}", got.map(|g| g.ids));
-        }
-        t.count(ok);
+    for (i, case) in cases.iter().enumerate() {
+        t.count(load::send(client, case, name, i).await);
     }
     t.print(name);
     t
@@ -223,12 +211,7 @@ async fn decode_killed_mid_stream(c: &Compose, client: &mut Client) {
         docker(&["kill", &Compose::container(who)]);
     })
     .await;
-    Tally {
-        sent: 1,
-        completed: 1,
-        failed: 0,
-    }
-    .print("docker kill decode mid-stream");
+    Tally::of(true).print("docker kill decode mid-stream");
     c.start_again(&killed);
 }
 
@@ -242,12 +225,7 @@ async fn prefill_killed_mid_transfer(c: &Compose, (prompt, want): &Case) {
     docker(&["kill", &Compose::container(&killed)]);
     let got = call.await.expect("request task");
     let ok = matches!(&got, Ok(g) if g.ids == *want);
-    Tally {
-        sent: 1,
-        completed: usize::from(ok),
-        failed: usize::from(!ok),
-    }
-    .print("docker kill prefill mid-transfer");
+    Tally::of(ok).print("docker kill prefill mid-transfer");
     let got = got.expect("completed");
     assert_eq!(got.ids, *want);
     assert_ne!(got.timings().prefill_worker, killed, "prefilled elsewhere");
@@ -258,14 +236,10 @@ async fn prefill_killed_mid_transfer(c: &Compose, (prompt, want): &Case) {
 /// prompts: all complete with `duet run`'s tokens (a request placed on the frozen worker is
 /// given up after the KV wait and prefilled elsewhere).
 async fn prefill_paused(c: &Compose, client: &mut Client, cases: &[Case]) {
-    let p0 = Compose::container("prefill-0");
-    docker(&["pause", &p0]);
+    docker(&["pause", &Compose::container("prefill-0")]);
     let t0 = Instant::now();
     let t = scenario(client, "docker pause prefill-0", cases).await;
-    let rest = (KV_TIMEOUT + Duration::from_secs(2)).saturating_sub(t0.elapsed());
-    tokio::time::sleep(rest).await;
-    docker(&["unpause", &p0]);
-    eprintln!("prefill-0 paused {:.1} s", t0.elapsed().as_secs_f64());
+    unpause_past_kv_timeout("prefill-0", t0).await;
     assert_eq!(t.failed, 0);
     c.wait_registered("prefill-0", Duration::from_secs(60));
 }
@@ -294,18 +268,18 @@ async fn decode_paused(c: &Compose, client: &mut Client, cases: &[Case]) {
     })
     .await;
     let (t0, t) = during.await.expect("requests during the pause");
-    let rest = (KV_TIMEOUT + Duration::from_secs(2)).saturating_sub(t0.elapsed());
-    tokio::time::sleep(rest).await;
-    docker(&["unpause", &Compose::container(&paused)]);
-    Tally {
-        sent: 1,
-        completed: 1,
-        failed: 0,
-    }
-    .print("docker pause decode mid-stream");
-    eprintln!("{paused} paused {:.1} s", t0.elapsed().as_secs_f64());
+    unpause_past_kv_timeout(&paused, t0).await;
+    Tally::of(true).print("docker pause decode mid-stream");
     assert_eq!(t.failed, 0);
     c.wait_registered(&paused, Duration::from_secs(60));
+}
+
+/// Unpauses `id`'s container, paused at `t0`, once the pause has outlasted `--kv-timeout`.
+async fn unpause_past_kv_timeout(id: &str, t0: Instant) {
+    let rest = (KV_TIMEOUT + Duration::from_secs(2)).saturating_sub(t0.elapsed());
+    tokio::time::sleep(rest).await;
+    docker(&["unpause", &Compose::container(id)]);
+    eprintln!("{id} paused {:.1} s", t0.elapsed().as_secs_f64());
 }
 
 /// A prefill container cut off the back network (`docker network disconnect`): long prompts

@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use crate::support::{client, generate, greedy, text};
 
+type Client = duet_proto::v1::generation_client::GenerationClient<tonic::transport::Channel>;
+
 /// Requests sent, completed and failed in one scenario.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Tally {
@@ -16,6 +18,13 @@ pub struct Tally {
 }
 
 impl Tally {
+    /// One request, completed when `ok`.
+    pub fn of(ok: bool) -> Tally {
+        let mut t = Tally::default();
+        t.count(ok);
+        t
+    }
+
     pub fn add(&mut self, o: Tally) {
         self.sent += o.sent;
         self.completed += o.completed;
@@ -65,13 +74,7 @@ impl Load {
                     let mut t = Tally::default();
                     let mut i = k;
                     while !stop.load(Ordering::Relaxed) {
-                        let (prompt, want) = &cases[i % cases.len()];
-                        let got = generate(&mut c, greedy(text(prompt), TOKENS)).await;
-                        let ok = matches!(&got, Ok(g) if g.ids == *want);
-                        if !ok {
-                            eprintln!("load request {i}: {:?}", got.map(|g| g.ids));
-                        }
-                        t.count(ok);
+                        t.count(send(&mut c, &cases[i % cases.len()], "load", i).await);
                         i += n;
                     }
                     t
@@ -90,4 +93,15 @@ impl Load {
         }
         all
     }
+}
+
+/// Sends `case` for [`TOKENS`] greedy tokens: `true` when the answer is `duet run`'s tokens
+/// (otherwise what came back is printed, as `{what} request {i}`).
+pub async fn send(c: &mut Client, (prompt, want): &Case, what: &str, i: usize) -> bool {
+    let got = generate(c, greedy(text(prompt), TOKENS)).await;
+    let ok = matches!(&got, Ok(g) if g.ids == *want);
+    if !ok {
+        eprintln!("{what} request {i}: {:?}", got.map(|g| g.ids));
+    }
+    ok
 }
