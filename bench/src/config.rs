@@ -7,14 +7,17 @@
 //! set; 0 < attainment target <= 1.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
 
 use crate::backend::{BackendKind, SendOptions};
+use crate::corpus::Corpus;
 use crate::error::{BenchError, Result};
 use crate::lengths::{LengthDist, Lengths};
 use crate::slo::Slo;
+use crate::workload::{PrefixShape, Workload};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -146,6 +149,21 @@ fn opt_secs<S: serde::Serializer>(
 }
 
 impl ServeConfig {
+    /// The requests of a run drawn with `seed` from `corpus` (`text`: also as text).
+    pub fn workload(
+        &self,
+        corpus: Arc<Corpus>,
+        seed: u64,
+        text: Option<Arc<duet_engine::Tokenizer>>,
+    ) -> Workload {
+        let shape = PrefixShape {
+            shared_prefix_len: self.shared_prefix_len,
+            num_prefixes: self.num_prefixes,
+            turns: self.turns,
+        };
+        Workload::new(self.lengths.clone(), corpus, shape, seed, text)
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.rates.is_empty() {
             return Err(BenchError::config("no request rate to run"));

@@ -28,6 +28,7 @@ pub mod progress;
 pub mod record;
 pub mod report;
 pub mod runner;
+pub mod schedule;
 pub mod slo;
 pub mod sse;
 pub mod stats;

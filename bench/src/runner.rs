@@ -20,8 +20,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use duet_engine::TextFrontend;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
@@ -33,10 +31,8 @@ use crate::error::{BenchError, Result};
 use crate::progress::Progress;
 use crate::record::RequestRecord;
 use crate::report::{Report, RunReport, Summary, SweepSummary, SCHEMA};
-use crate::workload::{PrefixShape, RequestSpec, Workload};
-
-/// Seed offset of the arrival RNG, so arrivals and the workload are independent streams.
-const ARRIVAL_STREAM: u64 = 0x9E37_79B9_7F4A_7C15;
+use crate::schedule::Schedule;
+use crate::workload::{RequestSpec, Workload};
 
 /// What is fixed across the runs of one invocation.
 struct Prepared {
@@ -47,17 +43,7 @@ struct Prepared {
 
 impl Prepared {
     fn workload(&self, cfg: &ServeConfig, seed: u64) -> Workload {
-        Workload::new(
-            cfg.lengths.clone(),
-            self.corpus.clone(),
-            PrefixShape {
-                shared_prefix_len: cfg.shared_prefix_len,
-                num_prefixes: cfg.num_prefixes,
-                turns: cfg.turns,
-            },
-            seed,
-            self.text.clone(),
-        )
+        cfg.workload(self.corpus.clone(), seed, self.text.clone())
     }
 }
 
@@ -87,15 +73,13 @@ pub async fn run(cfg: &ServeConfig, progress: bool) -> Result<Report> {
 
     if cfg.warmup > 0 {
         // A different seed: warm-up prompts are not the measured ones.
-        let mut w = prepared.workload(cfg, cfg.seed.wrapping_add(1));
         let conc = cfg.max_concurrency.unwrap_or(1);
+        let w = prepared.workload(cfg, cfg.seed.wrapping_add(1));
+        let schedule = Schedule::new(w, Arrival::Immediate, cfg.seed, Some(cfg.warmup), None);
         let (records, _) = run_one(
             &prepared.target,
-            &mut w,
-            &Arrival::Immediate,
-            cfg.seed,
+            schedule,
             Some(conc),
-            Some(cfg.warmup),
             None,
             &Progress::hidden(),
         )
@@ -116,7 +100,8 @@ pub async fn run(cfg: &ServeConfig, progress: bool) -> Result<Report> {
     let mut runs = Vec::new();
     for (i, rate) in cfg.rates.iter().enumerate() {
         let arrival = Arrival::new(*rate, cfg.burstiness)?;
-        let mut w = prepared.workload(cfg, cfg.seed);
+        let offered = arrival.rate();
+        let w = prepared.workload(cfg, cfg.seed);
         let title = match rate {
             Some(r) => format!("{} rate {r} ({}/{})", cfg.label, i + 1, cfg.rates.len()),
             None => cfg.label.clone(),
@@ -126,13 +111,11 @@ pub async fn run(cfg: &ServeConfig, progress: bool) -> Result<Report> {
         } else {
             Progress::hidden()
         };
+        let schedule = Schedule::new(w, arrival, cfg.seed, cfg.num_prompts, cfg.duration);
         let (records, wall) = run_one(
             &prepared.target,
-            &mut w,
-            &arrival,
-            cfg.seed ^ ARRIVAL_STREAM,
+            schedule,
             cfg.max_concurrency,
-            cfg.num_prompts,
             cfg.duration,
             &bar,
         )
@@ -141,7 +124,7 @@ pub async fn run(cfg: &ServeConfig, progress: bool) -> Result<Report> {
         let summary = Summary::of(
             &records,
             wall.as_secs_f64(),
-            arrival.rate(),
+            offered,
             cfg.max_concurrency,
             cfg.slo.as_ref(),
         );
@@ -169,45 +152,26 @@ pub async fn run(cfg: &ServeConfig, progress: bool) -> Result<Report> {
 }
 
 /// One run: its records (by index) and its wall time (first send until every response ended).
-#[allow(clippy::too_many_arguments)]
 async fn run_one(
     target: &Arc<Target>,
-    workload: &mut Workload,
-    arrival: &Arrival,
-    arrival_seed: u64,
+    schedule: Schedule,
     max_concurrency: Option<usize>,
-    num_prompts: Option<usize>,
     duration: Option<Duration>,
     progress: &Progress,
 ) -> (Vec<RequestRecord>, Duration) {
-    let mut rng = ChaCha8Rng::seed_from_u64(arrival_seed);
     let permits = Arc::new(Semaphore::new(
         max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
     ));
     let mut tasks = JoinSet::new();
     let start = Instant::now();
-    let mut due_s = 0.0_f64;
     let mut sent = 0usize;
-    loop {
-        if num_prompts.is_some_and(|n| sent >= n) {
-            break;
-        }
-        if sent > 0 {
-            due_s += arrival.next_gap(&mut rng);
-        }
-        if duration.is_some_and(|d| due_s >= d.as_secs_f64()) {
-            break;
-        }
+    for (due_s, unit) in schedule {
         tokio::time::sleep_until((start + Duration::from_secs_f64(due_s)).into()).await;
         let Ok(permit) = permits.clone().acquire_owned().await else {
             break;
         };
         if duration.is_some_and(|d| start.elapsed() >= d) {
             break;
-        }
-        let mut unit = workload.next_unit();
-        if let Some(n) = num_prompts {
-            unit.truncate(n - sent);
         }
         let target = target.clone();
         let progress = progress.clone();

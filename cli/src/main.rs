@@ -59,6 +59,11 @@ enum Command {
     /// Quality measurements (perplexity).
     #[command(subcommand)]
     Eval(cmd::eval::EvalCommand),
+    /// Measure this engine on this machine and write a profile for `duet plan`.
+    Profile(Box<cmd::plan::profile::ProfileArgs>),
+    /// Size clusters from profiles: the cheapest layout for a rate and an SLO, or
+    /// (`plan simulate`) one layout under a workload.
+    Plan(Box<cmd::plan::PlanArgs>),
 }
 
 fn main() -> std::process::ExitCode {
@@ -86,6 +91,8 @@ fn main() -> std::process::ExitCode {
         Command::Run(args) => cmd::run::run(args),
         Command::Bench(b) => cmd::bench::run(b),
         Command::Eval(e) => cmd::eval::run(e),
+        Command::Profile(a) => cmd::plan::profile::run(*a),
+        Command::Plan(p) => cmd::plan::run(*p),
         Command::Up(a) => cmd::cluster::up::up(a),
         Command::Router(a) => cmd::cluster::up::router(a),
         Command::Prefill(a) => cmd::cluster::up::prefill(a),

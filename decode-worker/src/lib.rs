@@ -35,7 +35,7 @@ mod scheduler;
 pub mod server;
 pub mod service;
 pub mod via_prefill;
-mod waiting;
+pub mod waiting;
 
 pub use config::DecodeConfig;
 pub use error::DecodeError;

@@ -1,6 +1,7 @@
 //! The decode worker's queue of sequences waiting to be admitted (local prefills, and
 //! preempted sequences waiting to be recomputed): model-free state, driven by the scheduler
-//! and unit-tested here.
+//! and unit-tested here; the planner's simulator (`duet-plan`) queues its simulated
+//! sequences in the same type.
 //!
 //! Invariants: a waiting sequence holds no KV; higher priority stands first, first come first
 //! served within a priority, except that a preempted sequence goes back to the front of its
@@ -13,74 +14,74 @@ use crate::handle::Priority;
 use crate::policy;
 
 /// What the queue needs to know of a waiting entry.
-pub(crate) trait Queued {
+pub trait Queued {
     fn id(&self) -> u64;
     fn priority(&self) -> Priority;
 }
 
 /// Sequences in the order admission takes them.
 #[derive(Debug)]
-pub(crate) struct WaitingQueue<T> {
+pub struct WaitingQueue<T> {
     items: VecDeque<T>,
     max: usize,
 }
 
 impl<T: Queued> WaitingQueue<T> {
     /// An empty queue that takes at most `max` new sequences.
-    pub(crate) fn new(max: usize) -> Self {
+    pub fn new(max: usize) -> Self {
         WaitingQueue {
             items: VecDeque::new(),
             max,
         }
     }
 
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.items.len()
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.items.is_empty()
     }
 
     /// Whether a new sequence must be refused.
-    pub(crate) fn is_full(&self) -> bool {
+    pub fn is_full(&self) -> bool {
         self.items.len() >= self.max
     }
 
-    pub(crate) fn contains(&self, id: u64) -> bool {
+    pub fn contains(&self, id: u64) -> bool {
         self.items.iter().any(|s| s.id() == id)
     }
 
     /// Queues `s` at its place: behind its priority's sequences, or in front of them when
     /// it was preempted (`front`).
-    pub(crate) fn push(&mut self, s: T, front: bool) {
+    pub fn push(&mut self, s: T, front: bool) {
         let at =
             policy::waiting_position(self.items.iter().map(Queued::priority), s.priority(), front);
         self.items.insert(at, s);
     }
 
     /// Takes sequence `id` out of the queue.
-    pub(crate) fn remove(&mut self, id: u64) -> Option<T> {
+    pub fn remove(&mut self, id: u64) -> Option<T> {
         let i = self.items.iter().position(|s| s.id() == id)?;
         self.items.remove(i)
     }
 
     /// Keeps only the sequences `keep` accepts (clients that went away leave).
-    pub(crate) fn retain(&mut self, keep: impl FnMut(&T) -> bool) {
+    pub fn retain(&mut self, keep: impl FnMut(&T) -> bool) {
         self.items.retain(keep);
     }
 
     /// The sequence admission considers next.
-    pub(crate) fn front(&self) -> Option<&T> {
+    pub fn front(&self) -> Option<&T> {
         self.items.front()
     }
 
-    pub(crate) fn pop_front(&mut self) -> Option<T> {
+    pub fn pop_front(&mut self) -> Option<T> {
         self.items.pop_front()
     }
 
     /// Empties the queue (shutdown).
-    pub(crate) fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
+    pub fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
         self.items.drain(..)
     }
 }

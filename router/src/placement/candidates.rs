@@ -27,10 +27,11 @@ pub fn decode_candidates<'a>(
     cached: &dyn CachedTokens,
     seq_cost_tokens: u64,
 ) -> Vec<&'a WorkerRecord> {
-    let mut v: Vec<(&WorkerRecord, (u64, u64))> = snap
+    let mut v: Vec<(&WorkerRecord, (u64, u64, usize))> = snap
         .workers(Role::Decode)
-        .filter(|w| !w.draining && w.model == model)
-        .filter(|w| {
+        .enumerate()
+        .filter(|(_, w)| !w.draining && w.model == model)
+        .filter(|(_, w)| {
             let bs = u64::from(w.capacity.block_size.max(1));
             // Room for the prompt and some generated tokens, but never more than the pool
             // (a long prompt still fits an empty worker).
@@ -39,7 +40,7 @@ pub fn decode_candidates<'a>(
                 .max(prompt_tokens as u64 + 1);
             w.capacity.kv_blocks_free * bs >= need
         })
-        .map(|w| {
+        .map(|(i, w)| {
             let mine = u64::from(inflight.get(&w.id).copied().unwrap_or(0));
             let load = u64::from(w.capacity.running + w.capacity.waiting).max(mine);
             let uncached = prompt_tokens.saturating_sub(cached.cached_tokens(w)) as u64;
@@ -47,10 +48,12 @@ pub fn decode_candidates<'a>(
             let cost = load
                 .saturating_mul(seq_cost_tokens)
                 .saturating_add(uncached);
-            (w, (cost, u64::MAX - w.capacity.kv_blocks_free))
+            (w, (cost, u64::MAX - w.capacity.kv_blocks_free, i))
         })
         .collect();
-    v.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.id.cmp(&b.0.id)));
+    // Ties by id: a role's records come in id order (the registry keys differ only in the
+    // id), so their position is the id's rank, compared without touching the strings.
+    v.sort_unstable_by_key(|&(_, k)| k);
     v.into_iter().map(|(w, _)| w).collect()
 }
 
@@ -63,16 +66,21 @@ pub fn prefill_candidates<'a>(
     inflight_tokens: &HashMap<String, u64>,
     cached: &dyn CachedTokens,
 ) -> Vec<&'a WorkerRecord> {
-    let mut v: Vec<(&WorkerRecord, u64)> = snap
+    let mut v: Vec<(&WorkerRecord, (u64, usize))> = snap
         .workers(Role::Prefill)
-        .filter(|w| !w.draining && w.model == model && w.fingerprint == fingerprint)
-        .map(|w| {
+        .enumerate()
+        .filter(|(_, w)| !w.draining && w.model == model && w.fingerprint == fingerprint)
+        .map(|(i, w)| {
             let mine = inflight_tokens.get(&w.id).copied().unwrap_or(0);
             let uncached = prompt_tokens.saturating_sub(cached.cached_tokens(w)) as u64;
-            (w, w.capacity.queued_prefill_tokens.max(mine) + uncached)
+            (
+                w,
+                (w.capacity.queued_prefill_tokens.max(mine) + uncached, i),
+            )
         })
         .collect();
-    v.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.id.cmp(&b.0.id)));
+    // Ties by id, through the records' id order (see decode_candidates).
+    v.sort_unstable_by_key(|&(_, k)| k);
     v.into_iter().map(|(w, _)| w).collect()
 }
 

@@ -23,8 +23,11 @@
 //!    first, and those no prefill worker reaches are dropped.
 //!
 //! Invariants: every [`Candidate`] of a remote placement names a prefill worker whose
-//! fingerprint equals its decode worker's; no other placement names one; the reason string
-//! says which rule decided.
+//! fingerprint equals its decode worker's; no other placement names one; a placement lists
+//! at most [`MAX_CANDIDATES`], the first ones of the order above; the reason string says
+//! which rule decided. Placement is linear in the number of workers (plus one sort of
+//! each role), so that a router, and the planner's simulator, place quickly in clusters of
+//! thousands of workers.
 
 mod candidates;
 #[cfg(test)]
@@ -38,6 +41,12 @@ use duet_proto::v1 as pb;
 pub use candidates::{decode_candidates, prefill_candidates};
 
 use crate::config::{Mode, RouterConfig};
+
+/// The most pairs one placement lists (the relay tries them in order within one attempt):
+/// the cheapest ones. Workers refuse only when the records lagged (no room any more), so an
+/// attempt whose first 16 all refuse is retried with fresh records (`--max-attempts`);
+/// listing every worker of a large cluster would copy every record for every request.
+pub const MAX_CANDIDATES: usize = 16;
 
 /// Requests this router placed on a worker that are still running, by worker id.
 pub type InFlight = HashMap<String, u32>;
@@ -211,7 +220,9 @@ pub fn decide(view: &RouterView<'_>, req: &Request, policy: &Policy) -> Decision
     }
     // Workers that just failed to answer go last (a dead one stays registered until its
     // lease expires; a hung one forever). The sort is stable: cost order otherwise.
-    decoders.sort_by_key(|d| load.suspects.contains(&d.id));
+    if !load.suspects.is_empty() {
+        decoders.sort_by_key(|d| load.suspects.contains(&d.id));
+    }
     let local_cached = view.cached.cached_tokens(decoders[0]).min(prompt_len);
     let to_compute = prompt_len - local_cached;
     let limit = policy.local_prefill_max_tokens;
@@ -246,24 +257,37 @@ pub fn decide(view: &RouterView<'_>, req: &Request, policy: &Policy) -> Decision
         cached_tokens: view.cached.cached_tokens(d),
     };
     if kind != Kind::Remote {
-        return place(kind, reason, decoders.into_iter().map(local).collect());
+        let candidates = decoders.into_iter().take(MAX_CANDIDATES).map(local);
+        return place(kind, reason, candidates.collect());
     }
     // For each decode worker, its first usable prefill worker: same fingerprint, cheapest,
-    // not over a link that failed recently, suspects last.
+    // not over a link that failed recently, suspects last. The ranking depends on the
+    // fingerprint only, so it is made once per fingerprint, not once per decode worker
+    // (placement stays linear in the number of workers).
+    let mut ranked: HashMap<&str, Vec<&WorkerRecord>> = HashMap::new();
+    for d in &decoders {
+        ranked.entry(d.fingerprint.as_str()).or_insert_with(|| {
+            let mut v = prefill_candidates(
+                snap,
+                &policy.model,
+                &d.fingerprint,
+                prompt_len,
+                &load.prefill_tokens,
+                view.cached,
+            );
+            if !load.suspects.is_empty() {
+                v.sort_by_key(|p| load.suspects.contains(&p.id));
+            }
+            v
+        });
+    }
     let prefill_for = |d: &WorkerRecord| -> Option<&WorkerRecord> {
-        let mut v: Vec<&WorkerRecord> = prefill_candidates(
-            snap,
-            &policy.model,
-            &d.fingerprint,
-            prompt_len,
-            &load.prefill_tokens,
-            view.cached,
-        );
-        if !load.bad_links.is_empty() {
-            v.retain(|p| !load.bad_links.contains(&(p.id.clone(), d.id.clone())));
-        }
-        v.sort_by_key(|p| load.suspects.contains(&p.id));
-        v.first().copied()
+        let v = ranked.get(d.fingerprint.as_str())?;
+        v.iter()
+            .find(|p| {
+                load.bad_links.is_empty() || !load.bad_links.contains(&(p.id.clone(), d.id.clone()))
+            })
+            .copied()
     };
     let pairs: Vec<Candidate> = decoders
         .iter()
@@ -275,6 +299,7 @@ pub fn decide(view: &RouterView<'_>, req: &Request, policy: &Policy) -> Decision
                 prefill: Some(p.clone()),
             })
         })
+        .take(MAX_CANDIDATES)
         .collect();
     if !pairs.is_empty() {
         return place(Kind::Remote, reason, pairs);
@@ -293,7 +318,11 @@ pub fn decide(view: &RouterView<'_>, req: &Request, policy: &Policy) -> Decision
     place(
         Kind::Local,
         reason.into(),
-        decoders.into_iter().map(local).collect(),
+        decoders
+            .into_iter()
+            .take(MAX_CANDIDATES)
+            .map(local)
+            .collect(),
     )
 }
 

@@ -346,3 +346,59 @@ fn without_room_it_waits_and_names_the_largest_pool() {
         }
     );
 }
+
+#[test]
+fn a_placement_lists_the_cheapest_sixteen_of_a_large_cluster() {
+    // 40 decode workers, worker i running i sequences; 3 prefill workers, one of another
+    // fingerprint, one loaded.
+    let mut ws: Vec<WorkerRecord> = (0..40)
+        .map(|i| worker(Role::Decode, &format!("d{i:02}"), "f", 100, i))
+        .collect();
+    ws.push(prefill("p1"));
+    ws.push(worker(Role::Prefill, "p2", "g", 100, 0));
+    let mut busy = prefill("p3");
+    busy.capacity.queued_prefill_tokens = 10_000;
+    ws.push(busy);
+    let s = snap(&ws);
+    let load = RouterLoad::default();
+    let view = RouterView {
+        snapshot: &s,
+        load: &load,
+        cached: &NoCache,
+    };
+    let req = Request {
+        prompt_tokens: 100,
+        resumed_tokens: 0,
+    };
+    let Decision::Place(p) = decide(&view, &req, &policy(Mode::Disaggregated)) else {
+        panic!("placed");
+    };
+    assert_eq!(p.candidates.len(), MAX_CANDIDATES);
+    let decoders: Vec<&str> = p.candidates.iter().map(|c| c.decode.id.as_str()).collect();
+    let cheapest: Vec<String> = (0..16).map(|i| format!("d{i:02}")).collect();
+    assert_eq!(decoders, cheapest, "the least loaded, in order");
+    // One ranking for the fingerprint: the idle prefill worker of the same fingerprint.
+    assert!(p
+        .candidates
+        .iter()
+        .all(|c| c.prefill.as_ref().map(|w| w.id.as_str()) == Some("p1")));
+    // A bad link skips only that pair's prefill worker.
+    let load = RouterLoad {
+        bad_links: [("p1".to_string(), "d00".to_string())].into(),
+        ..RouterLoad::default()
+    };
+    let view = RouterView {
+        snapshot: &s,
+        load: &load,
+        cached: &NoCache,
+    };
+    let Decision::Place(p) = decide(&view, &req, &policy(Mode::Disaggregated)) else {
+        panic!("placed");
+    };
+    let pair = |i: usize| {
+        let c = &p.candidates[i];
+        (c.decode.id.clone(), c.prefill.as_ref().map(|w| w.id.clone()))
+    };
+    assert_eq!(pair(0), ("d00".into(), Some("p3".into())));
+    assert_eq!(pair(1), ("d01".into(), Some("p1".into())));
+}

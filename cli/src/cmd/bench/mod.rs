@@ -5,8 +5,9 @@
 mod engine;
 mod plot;
 mod router;
-mod serve;
+pub mod serve;
 mod transfer;
+pub mod workload_args;
 
 use clap::Subcommand;
 

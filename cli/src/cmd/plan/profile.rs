@@ -1,0 +1,122 @@
+//! `duet profile`: measures this engine on this machine (prefill against prompt and
+//! cached-prefix length, decode steps against batch and context, KV links) and writes a
+//! profile for `duet plan simulate`.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use duet_engine::KvDtype;
+use duet_kv_transfer::BackendKind;
+use duet_plan::measure::{measure, Grid};
+use duet_plan::profile::Source;
+use duet_plan::Profile;
+
+use crate::cmd::cluster::args::parse_bytes;
+use crate::cmd::model_args::{EngineArgs, ModelArgs};
+
+#[derive(Args, Debug)]
+pub struct ProfileArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Where the profile (JSON) goes.
+    #[arg(long, env = "DUET_PROFILE_OUTPUT")]
+    pub output: PathBuf,
+    /// Prompt lengths of the prefill table.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "16,64,128,256,512,1024,2048"
+    )]
+    pub prefill_tokens: Vec<usize>,
+    /// Cached prefix lengths of the prefill table (prefix-cache hits).
+    #[arg(long, value_delimiter = ',', default_value = "0,512,1536")]
+    pub prefill_cached: Vec<usize>,
+    /// Batch sizes of the decode table.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    pub decode_batch: Vec<usize>,
+    /// Context per sequence of the decode table.
+    #[arg(long, value_delimiter = ',', default_value = "128,512,1024")]
+    pub decode_context: Vec<usize>,
+    /// Repetitions per prefill point (the median is kept).
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Timed decode steps per point (the median is kept).
+    #[arg(long, default_value_t = 8)]
+    pub steps: usize,
+    /// KV links to measure (`duet bench transfer`); empty: none (give them by hand).
+    #[arg(long, value_delimiter = ',', default_value = "local,shm,tcp")]
+    pub links: Vec<BackendKind>,
+    /// A worker's KV pool, as the workers' flag (sets the profile's pool blocks).
+    #[arg(long, env = "DUET_KV_POOL", default_value = "512MiB", value_parser = parse_bytes)]
+    pub kv_pool: u64,
+    /// KV cache element type.
+    #[arg(long, env = "DUET_KV_DTYPE", default_value = "f16")]
+    pub kv_dtype: KvDtype,
+    /// What the router and its gRPC hops add to each request, milliseconds (not measured
+    /// here: see docs/plan.md).
+    #[arg(long, default_value_t = 2.0)]
+    pub router_overhead_ms: f64,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+fn machine() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
+    if !(a.router_overhead_ms.is_finite() && a.router_overhead_ms >= 0.0) {
+        anyhow::bail!("--router-overhead-ms: a number >= 0");
+    }
+    let kind = a.engine.resolve()?;
+    let model = a.model.load_engine(&a.engine)?;
+    let grid = Grid {
+        prefill_tokens: a.prefill_tokens.clone(),
+        prefill_cached: a.prefill_cached.clone(),
+        decode_batch: a.decode_batch.clone(),
+        decode_context: a.decode_context.clone(),
+        reps: a.reps,
+        steps: a.steps,
+        links: a.links.clone(),
+        kv_pool_bytes: a.kv_pool as usize,
+        kv_dtype: a.kv_dtype,
+        router_overhead_s: a.router_overhead_ms / 1e3,
+    };
+    let source = Source {
+        kind: "measured".into(),
+        model: a
+            .model
+            .model
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+        engine: format!("{kind} {} threads={}", a.engine.device, a.model.threads),
+        machine: format!(
+            "{} ({} cpus)",
+            machine(),
+            std::thread::available_parallelism().map_or(0, |n| n.get())
+        ),
+        created_unix_s: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64()),
+        notes: vec![],
+    };
+    let file = measure(&model, a.model.threads, &grid, source, !a.quiet)?;
+    let profile = Profile::new(&a.output.display().to_string(), file)?;
+    if let Some(dir) = a.output.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    profile.write(&a.output)?;
+    eprintln!("wrote {}", a.output.display());
+    Ok(())
+}
