@@ -137,24 +137,32 @@ fn a_measured_profile_drives_a_simulated_run_reported_as_bench_serve_reports() {
 
 #[test]
 fn the_plan_for_the_gpu_profile_meets_the_target_within_the_budget() {
-    let out = tmp("plan.json");
     let model = support::model();
-    let text = ok(&duet(&[
-        "plan",
-        "--profile",
-        &gpu_profile(),
-        "--model",
-        model.to_str().unwrap(),
-        "--input-len",
-        "512",
-        "--output-len",
-        "64",
+    let profile = gpu_profile();
+    // `duet plan` on the GPU profile for 40 req/s within `--slo ttft=400,tpot=50`.
+    let plan = |extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--profile",
+            &profile,
+            "--model",
+            model.to_str().unwrap(),
+            "--input-len",
+            "512",
+            "--output-len",
+            "64",
+            "--request-rate",
+            "40",
+            "--slo",
+            "ttft=400,tpot=50",
+        ];
+        args.extend_from_slice(extra);
+        ok(&duet(&args))
+    };
+    let out = tmp("plan.json");
+    let text = plan(&[
         "--num-prompts",
         "100",
-        "--request-rate",
-        "40",
-        "--slo",
-        "ttft=400,tpot=50",
         "--devices",
         "128",
         "--max-prefill-per-unit",
@@ -163,37 +171,24 @@ fn the_plan_for_the_gpu_profile_meets_the_target_within_the_budget() {
         "2",
         "--output-json",
         out.to_str().unwrap(),
-    ]));
+    ]);
     assert!(text.contains("cheapest:"), "{text}");
-    let plan = json(&out);
-    let best = &plan["best"];
+    let plan_json = json(&out);
+    let best = &plan_json["best"];
     let devices = best["devices"].as_u64().expect("a layout fits");
     assert!(devices <= 128);
     // The units it names serve the target: units x unit goodput >= the rate.
     let served = best["units"].as_f64().unwrap() * best["unit_goodput_rps"].as_f64().unwrap();
     assert!(served >= 40.0, "{best}");
-    assert!(plan["best_colocated"]["unit_goodput_rps"]
+    assert!(plan_json["best_colocated"]["unit_goodput_rps"]
         .as_f64()
         .is_some());
     let _ = std::fs::remove_file(out);
 
     // A budget nothing fits: said, with the closest layout.
-    let text = ok(&duet(&[
-        "plan",
-        "--profile",
-        &gpu_profile(),
-        "--model",
-        model.to_str().unwrap(),
-        "--input-len",
-        "512",
-        "--output-len",
-        "64",
+    let text = plan(&[
         "--num-prompts",
         "60",
-        "--request-rate",
-        "40",
-        "--slo",
-        "ttft=400,tpot=50",
         "--devices",
         "2",
         "--max-prefill-per-unit",
@@ -202,7 +197,7 @@ fn the_plan_for_the_gpu_profile_meets_the_target_within_the_budget() {
         "1",
         "--local-prefill-thresholds",
         "0",
-    ]));
+    ]);
     assert!(
         text.contains("no layout meets the target within 2 devices; closest"),
         "{text}"

@@ -301,8 +301,8 @@ impl<'p> Sim<'p> {
         self.pull_unit();
     }
 
-    fn send_turn(&mut self, u: usize, turn: usize) {
-        let spec = self.units[u].turns[turn].clone();
+    /// Records turn `turn` of unit `u` as a request sent now; its index.
+    fn new_request(&mut self, u: usize, turn: usize) -> usize {
         let r = self.reqs.len();
         let first_index = self.first_index(u);
         self.reqs.push(Req {
@@ -310,7 +310,7 @@ impl<'p> Sim<'p> {
             turn,
             index: self.next_index,
             first_index,
-            spec,
+            spec: self.units[u].turns[turn].clone(),
             scheduled_s: self.units[u].due_s,
             sent: self.now,
             chunks: Vec::new(),
@@ -322,6 +322,11 @@ impl<'p> Sim<'p> {
             prefill: None,
         });
         self.next_index += 1;
+        r
+    }
+
+    fn send_turn(&mut self, u: usize, turn: usize) {
+        let r = self.new_request(u, turn);
         self.unit_reqs[u].push(r);
         let t = self.now + self.profile.file.router_overhead_s;
         self.at(t, Ev::Place(r));
@@ -350,28 +355,12 @@ impl<'p> Sim<'p> {
     }
 
     fn send_turn_not_sent(&mut self, u: usize, turn: usize) {
-        let spec = self.units[u].turns[turn].clone();
-        let first_index = self.first_index(u);
-        self.reqs.push(Req {
-            unit: u,
-            turn,
-            index: self.next_index,
-            first_index,
-            spec,
-            scheduled_s: self.units[u].due_s,
-            sent: self.now,
-            chunks: Vec::new(),
-            end: Some(self.now),
-            error: Some(RequestError::new(
-                "not_sent",
-                "an earlier turn of the conversation failed",
-            )),
-            placement: None,
-            cached: 0,
-            decode: None,
-            prefill: None,
-        });
-        self.next_index += 1;
+        let r = self.new_request(u, turn);
+        self.reqs[r].end = Some(self.now);
+        self.reqs[r].error = Some(RequestError::new(
+            "not_sent",
+            "an earlier turn of the conversation failed",
+        ));
     }
 
     fn first_index(&self, u: usize) -> usize {

@@ -397,7 +397,10 @@ fn a_placement_lists_the_cheapest_sixteen_of_a_large_cluster() {
     };
     let pair = |i: usize| {
         let c = &p.candidates[i];
-        (c.decode.id.clone(), c.prefill.as_ref().map(|w| w.id.clone()))
+        (
+            c.decode.id.clone(),
+            c.prefill.as_ref().map(|w| w.id.clone()),
+        )
     };
     assert_eq!(pair(0), ("d00".into(), Some("p3".into())));
     assert_eq!(pair(1), ("d01".into(), Some("p1".into())));
