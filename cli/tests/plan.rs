@@ -208,43 +208,33 @@ fn the_plan_for_the_gpu_profile_meets_the_target_within_the_budget() {
 fn bad_profiles_are_refused_with_the_file_and_field_named() {
     let model = support::model();
     let bad = tmp("bad.json");
+    // Writes `v` as the profile and simulates on it: the error message.
+    let refused = |v: &serde_json::Value| {
+        std::fs::write(&bad, v.to_string()).unwrap();
+        let o = duet(&[
+            "plan",
+            "simulate",
+            "--profile",
+            bad.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--num-prompts",
+            "2",
+        ]);
+        assert!(!o.status.success());
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
     let mut v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(gpu_profile()).unwrap()).unwrap();
     v["decode_step"]["seconds"][0][2] = serde_json::json!(-0.5);
-    std::fs::write(&bad, v.to_string()).unwrap();
-    let o = duet(&[
-        "plan",
-        "simulate",
-        "--profile",
-        bad.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--num-prompts",
-        "2",
-    ]);
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
+    let err = refused(&v);
     assert!(
         err.contains(&format!("{}: decode_step: seconds[0][2]", bad.display())),
         "{err}"
     );
     v["schema"] = serde_json::json!("duet-profile/7");
-    std::fs::write(&bad, v.to_string()).unwrap();
-    let o = duet(&[
-        "plan",
-        "simulate",
-        "--profile",
-        bad.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--num-prompts",
-        "2",
-    ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success() && err.contains("schema: unknown version"),
-        "{err}"
-    );
+    let err = refused(&v);
+    assert!(err.contains("schema: unknown version"), "{err}");
     let _ = std::fs::remove_file(bad);
 }
 

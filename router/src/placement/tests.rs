@@ -360,19 +360,23 @@ fn a_placement_lists_the_cheapest_sixteen_of_a_large_cluster() {
     busy.capacity.queued_prefill_tokens = 10_000;
     ws.push(busy);
     let s = snap(&ws);
-    let load = RouterLoad::default();
-    let view = RouterView {
-        snapshot: &s,
-        load: &load,
-        cached: &NoCache,
+    // A 100-token prompt placed on `s` with `load`.
+    let place = |load: &RouterLoad| {
+        let view = RouterView {
+            snapshot: &s,
+            load,
+            cached: &NoCache,
+        };
+        let req = Request {
+            prompt_tokens: 100,
+            resumed_tokens: 0,
+        };
+        match decide(&view, &req, &policy(Mode::Disaggregated)) {
+            Decision::Place(p) => p,
+            other => panic!("not placed: {other:?}"),
+        }
     };
-    let req = Request {
-        prompt_tokens: 100,
-        resumed_tokens: 0,
-    };
-    let Decision::Place(p) = decide(&view, &req, &policy(Mode::Disaggregated)) else {
-        panic!("placed");
-    };
+    let p = place(&RouterLoad::default());
     assert_eq!(p.candidates.len(), MAX_CANDIDATES);
     let decoders: Vec<&str> = p.candidates.iter().map(|c| c.decode.id.as_str()).collect();
     let cheapest: Vec<String> = (0..16).map(|i| format!("d{i:02}")).collect();
@@ -383,18 +387,10 @@ fn a_placement_lists_the_cheapest_sixteen_of_a_large_cluster() {
         .iter()
         .all(|c| c.prefill.as_ref().map(|w| w.id.as_str()) == Some("p1")));
     // A bad link skips only that pair's prefill worker.
-    let load = RouterLoad {
+    let p = place(&RouterLoad {
         bad_links: [("p1".to_string(), "d00".to_string())].into(),
         ..RouterLoad::default()
-    };
-    let view = RouterView {
-        snapshot: &s,
-        load: &load,
-        cached: &NoCache,
-    };
-    let Decision::Place(p) = decide(&view, &req, &policy(Mode::Disaggregated)) else {
-        panic!("placed");
-    };
+    });
     let pair = |i: usize| {
         let c = &p.candidates[i];
         (
