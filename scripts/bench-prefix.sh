@@ -66,17 +66,8 @@ stop_up() {
 }
 trap stop_up EXIT
 
-# Waits until `file` has a line matching `pattern`; prints the first URL on it.
-wait_line() {
-  for _ in $(seq 1200); do
-    if grep -q "$2" "$1" 2>/dev/null; then
-      grep -m1 "$2" "$1" | grep -o 'http://[0-9.:]*' | head -1
-      return 0
-    fi
-    sleep 0.1
-  done
-  die "no line matching '$2' in $1 after 120 s"
-}
+# shellcheck source=lib/wait.sh
+source "$root/scripts/lib/wait.sh"
 
 # Sum of a counter over every series on a /metrics page.
 counter() { curl -sf "$1" | awk -v n="$2" 'index($1, n "{") == 1 || $1 == n {s += $2} END {printf "%.0f", s}'; }

@@ -38,16 +38,9 @@ pid=""
 cleanup() { if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; fi; }
 trap cleanup EXIT
 
-wait_line() { # file pattern: prints the first URL on the first matching line
-  for _ in $(seq 1200); do
-    if grep -q "$2" "$1" 2>/dev/null; then
-      grep -m1 "$2" "$1" | grep -o 'http://[0-9.:]*' | head -1
-      return 0
-    fi
-    sleep 0.1
-  done
-  die "no line matching '$2' in $1 after 120 s"
-}
+# shellcheck source=lib/wait.sh
+source "$root/scripts/lib/wait.sh"
+duet="$DUET"
 
 # 1. Profiles (the router's overhead is not measured by `duet profile`: 2 ms, see docs/plan.md).
 for t in 1 2; do
@@ -73,10 +66,7 @@ for layout in $LAYOUTS; do
     "$DUET" up --model "$model" "${up[@]}" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 >"$log" 2>&1 &
     pid=$!
     grpc=$(wait_line "$log" "router listening on")
-    for _ in $(seq 240); do
-      "$DUET" generate --router "$grpc" --prompt Hello --max-tokens 1 --json >/dev/null 2>&1 && break
-      sleep 0.5
-    done
+    wait_duet "$grpc"
     "$DUET" bench serve --model "$model" --url "$grpc" --label "$layout" "${WORKLOAD[@]}" \
       --request-rate "$rate" --num-prompts "$NUM_PROMPTS" --slo "$SLO" --quiet \
       --output-json "$OUT/$layout-measured-$rate.json" >"$OUT/logs/$layout-measured-$rate.txt"

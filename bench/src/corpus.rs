@@ -15,6 +15,14 @@ use crate::error::{BenchError, Result};
 /// `bench/data/README.md`).
 pub const DEFAULT_TEXT: &str = include_str!("../data/persuasion-vol1.txt");
 
+/// `n` ordinary vocabulary ids, deterministic and distinct per `salt`: prompts for engine
+/// measurements that need no text (`duet bench engine`, `duet profile`).
+pub fn synthetic_ids(n: usize, salt: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| (1000 + (i * 7919 + salt * 104_729) % 40_000) as u32)
+        .collect()
+}
+
 #[derive(Debug, Clone)]
 pub struct Corpus {
     ids: Vec<u32>,

@@ -22,6 +22,14 @@ pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
     Some(a + (b - a) * (rank - lo as f64))
 }
 
+/// The median of `values` (the mean of the middle two of an even count; NaN dropped); None
+/// when there is none.
+pub fn median(values: impl IntoIterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = values.into_iter().filter(|x| !x.is_nan()).collect();
+    v.sort_by(f64::total_cmp);
+    percentile(&v, 50.0)
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Dist {
     pub count: usize,

@@ -14,7 +14,9 @@
 
 use std::time::Instant;
 
+use duet_bench::corpus::synthetic_ids as tokens;
 use duet_bench::progress::Progress;
+use duet_bench::stats::median;
 use duet_bench::transfer::{self, BenchOptions};
 use duet_engine::{EngineModel, KvCache, KvCacheConfig, KvDtype, SeqChunk};
 use duet_kv_transfer::BackendKind;
@@ -37,23 +39,6 @@ pub struct Grid {
     pub kv_pool_bytes: usize,
     pub kv_dtype: KvDtype,
     pub router_overhead_s: f64,
-}
-
-/// Ordinary vocabulary ids, deterministic, distinct per `salt`.
-fn tokens(n: usize, salt: usize) -> Vec<u32> {
-    (0..n)
-        .map(|i| (1000 + (i * 7919 + salt * 104_729) % 40_000) as u32)
-        .collect()
-}
-
-/// The median (the mean of the middle two of an even count).
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 struct Bench<'a> {
@@ -120,7 +105,7 @@ impl Bench<'_> {
                 times.push(t.elapsed().as_secs_f64()); // the first step warms up
             }
         }
-        Ok(median(times))
+        Ok(median(times).unwrap_or(0.0))
     }
 }
 
@@ -166,7 +151,7 @@ pub fn measure(
             let runs = (0..g.reps.max(1))
                 .map(|_| b.prefill(n, cached, ctx.as_ref()))
                 .collect::<Result<Vec<f64>>>()?;
-            row.push(median(runs));
+            row.push(median(runs).unwrap_or(0.0));
             bar.finished(true);
         }
         prefill.push(row);

@@ -45,7 +45,8 @@ pub struct SearchSpec {
 /// One evaluated layout.
 #[derive(Debug, Clone, Serialize)]
 pub struct Layout {
-    pub mode: &'static str,
+    #[serde(serialize_with = "mode_label")]
+    pub mode: Mode,
     pub prefill: usize,
     pub decode: usize,
     pub local_prefill_max_tokens: usize,
@@ -156,10 +157,7 @@ fn layout(
     let devices_per_unit = (p + d) * devices_per_worker;
     let units = (goodput > 0.0).then(|| ((target / goodput).ceil() as usize).max(1));
     Layout {
-        mode: match mode {
-            Mode::Colocated => "colocated",
-            Mode::Disaggregated => "disaggregated",
-        },
+        mode,
         prefill: p,
         decode: d,
         local_prefill_max_tokens: threshold,
@@ -169,6 +167,10 @@ fn layout(
         devices: units.map(|u| u * devices_per_unit),
         goodput_per_device: goodput / devices_per_unit as f64,
     }
+}
+
+fn mode_label<S: serde::Serializer>(m: &Mode, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(m.label())
 }
 
 /// Cheapest first: fewest devices, then highest goodput per device.
@@ -241,7 +243,7 @@ pub fn search(
     layouts.sort_by(cheaper);
     let fits = |l: &&Layout| l.devices.is_some_and(|d| d <= spec.devices);
     let best = layouts.iter().find(fits).cloned();
-    let best_colocated = layouts.iter().find(|l| l.mode == "colocated").cloned();
+    let best_colocated = layouts.iter().find(|l| l.mode == Mode::Colocated).cloned();
     let closest = match best {
         Some(_) => None,
         // What the budget serves at most: whole units that fit, times their goodput.
@@ -257,7 +259,7 @@ pub fn search(
     };
     let best_disagg = layouts
         .iter()
-        .filter(|l| l.mode == "disaggregated")
+        .filter(|l| l.mode == Mode::Disaggregated)
         .max_by(|a, b| a.goodput_per_device.total_cmp(&b.goodput_per_device));
     let disaggregation_gain = match (best_disagg, &best_colocated) {
         (Some(d), Some(c)) if c.goodput_per_device > 0.0 => {

@@ -105,10 +105,7 @@ pub fn simulate(
         backend: "simulated".into(),
         url: format!(
             "sim://{}p{}d",
-            match cluster.mode {
-                duet_router::config::Mode::Colocated => 0,
-                duet_router::config::Mode::Disaggregated => cluster.prefill_workers,
-            },
+            cluster.active_prefill_workers(),
             cluster.decode_workers
         ),
         model: profile.file.source.model.clone(),
@@ -168,10 +165,7 @@ pub fn simulate_trace(
 
 fn cluster_json(c: &ClusterSpec) -> serde_json::Value {
     serde_json::json!({
-        "mode": match c.mode {
-            duet_router::config::Mode::Colocated => "colocated",
-            duet_router::config::Mode::Disaggregated => "disaggregated",
-        },
+        "mode": c.mode.label(),
         "prefill_workers": c.prefill_workers,
         "decode_workers": c.decode_workers,
         "local_prefill_max_tokens": c.local_prefill_max_tokens,

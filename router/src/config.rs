@@ -16,6 +16,16 @@ pub enum Mode {
     Colocated,
 }
 
+impl Mode {
+    /// The name the `--mode` flag takes.
+    pub fn label(self) -> &'static str {
+        match self {
+            Mode::Disaggregated => "disaggregated",
+            Mode::Colocated => "colocated",
+        }
+    }
+}
+
 /// Router settings (the CLI fills them from flags / `DUET_*` variables).
 #[derive(Debug, Clone)]
 pub struct RouterConfig {

@@ -115,16 +115,9 @@ impl Table {
         lerp(row(j0), row(j1), ty).max(self.floor)
     }
 
-    pub fn x(&self) -> &[f64] {
-        &self.x
-    }
-
+    /// The second axis's values.
     pub fn y(&self) -> &[f64] {
         &self.y
-    }
-
-    pub fn z(&self) -> &[Vec<f64>] {
-        &self.z
     }
 }
 

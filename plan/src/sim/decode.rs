@@ -79,12 +79,7 @@ pub(super) struct DecodeSim {
 }
 
 impl DecodeSim {
-    pub(super) fn new(
-        _index: usize,
-        blocks: usize,
-        max_waiting: usize,
-        prefix_cache: bool,
-    ) -> Self {
+    pub(super) fn new(blocks: usize, max_waiting: usize, prefix_cache: bool) -> Self {
         DecodeSim {
             total: blocks,
             free: blocks,

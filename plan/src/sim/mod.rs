@@ -66,6 +66,16 @@ pub struct ClusterSpec {
     pub link: Link,
 }
 
+impl ClusterSpec {
+    /// Prefill workers that exist: none in colocated mode, whatever the count says.
+    pub fn active_prefill_workers(&self) -> usize {
+        match self.mode {
+            Mode::Colocated => 0,
+            Mode::Disaggregated => self.prefill_workers,
+        }
+    }
+}
+
 /// One request of the workload.
 #[derive(Debug, Clone)]
 pub struct SimRequest {
@@ -151,7 +161,7 @@ struct Req {
     prefill: Option<usize>,
 }
 
-/// Work a worker is doing: seconds left at full speed, since when, and its epoch.
+/// Work a worker is doing: seconds left at full speed, and since when.
 #[derive(Debug, Clone, Copy)]
 struct Work {
     left: f64,
@@ -180,7 +190,8 @@ pub struct Sim<'p> {
     router: RouterSim,
     decode: Vec<DecodeSim>,
     prefill: Vec<PrefillSim>,
-    /// Per worker (prefill ones first): its work, epoch and host.
+    /// Per worker (prefill ones first): its work and the epoch of its completion event;
+    /// per host: its busy workers.
     work: Vec<Option<Work>>,
     epoch: Vec<u64>,
     host_busy: Vec<usize>,
@@ -190,15 +201,12 @@ impl<'p> Sim<'p> {
     pub fn new(profile: &'p Profile, spec: ClusterSpec) -> Sim<'p> {
         let bs = profile.block_size();
         let blocks = profile.file.kv_pool_blocks as usize;
-        let prefill_workers = match spec.mode {
-            Mode::Colocated => 0,
-            Mode::Disaggregated => spec.prefill_workers,
-        };
+        let prefill_workers = spec.active_prefill_workers();
         let decode = (0..spec.decode_workers)
-            .map(|i| DecodeSim::new(i, blocks, spec.max_waiting, spec.prefix_cache))
+            .map(|_| DecodeSim::new(blocks, spec.max_waiting, spec.prefix_cache))
             .collect();
         let prefill = (0..prefill_workers)
-            .map(|i| PrefillSim::new(i, blocks, spec.prefix_cache))
+            .map(|_| PrefillSim::new(blocks, spec.prefix_cache))
             .collect();
         let router = RouterSim::new(&spec, prefill_workers, blocks, bs);
         let n = prefill_workers + spec.decode_workers;

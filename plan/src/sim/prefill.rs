@@ -37,7 +37,7 @@ pub(super) struct PrefillSim {
 }
 
 impl PrefillSim {
-    pub(super) fn new(_index: usize, blocks: usize, prefix_cache: bool) -> Self {
+    pub(super) fn new(blocks: usize, prefix_cache: bool) -> Self {
         PrefillSim {
             free: blocks,
             cache: PrefixLru::new(prefix_cache),

@@ -8,6 +8,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
+use duet_bench::corpus::synthetic_ids as tokens;
+use duet_bench::stats::median;
 use duet_engine::{
     sampling::argmax, EngineKind, EngineModel, KvCache, KvCacheConfig, KvDtype, SeqChunk,
 };
@@ -89,18 +91,6 @@ fn rss_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Ordinary vocabulary ids, deterministic.
-fn tokens(n: usize, salt: usize) -> Vec<u32> {
-    (0..n)
-        .map(|i| (1000 + (i * 7919 + salt * 104_729) % 40_000) as u32)
-        .collect()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
     let kind = a.engine.resolve()?;
     if kind == EngineKind::Candle && a.kv_dtype != KvDtype::F16 {
@@ -123,7 +113,7 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
                 runs.push(t.elapsed().as_secs_f64()); // the first run warms up
             }
         }
-        let s = median(runs);
+        let s = median(runs).unwrap_or(0.0);
         eprintln!("prefill {n:5} tokens: {:8.1} tok/s", n as f64 / s);
         prefill.push(Prefill {
             tokens: n,

@@ -52,8 +52,8 @@ pub struct SearchArgs {
 
 fn describe(l: &Layout) -> String {
     let unit = match l.mode {
-        "colocated" => "1 colocated worker".to_string(),
-        _ => format!(
+        duet_router::Mode::Colocated => "1 colocated worker".to_string(),
+        duet_router::Mode::Disaggregated => format!(
             "{}P+{}D, local prefill <= {} tokens",
             l.prefill, l.decode, l.local_prefill_max_tokens
         ),
@@ -130,19 +130,19 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
             if l.unit_goodput_rps <= 0.0 {
                 continue;
             }
-            let (mode, p) = match l.mode {
-                "colocated" => (duet_router::Mode::Colocated, &colocated),
-                _ => (duet_router::Mode::Disaggregated, &profile),
+            let p = match l.mode {
+                duet_router::Mode::Colocated => &colocated,
+                duet_router::Mode::Disaggregated => &profile,
             };
             let cluster = a.sched.cluster(
                 p,
-                mode,
+                l.mode,
                 l.prefill,
                 l.decode.max(1),
                 l.local_prefill_max_tokens,
             )?;
             let mut c = cfg.clone();
-            c.label = format!("{} {}P{}D", l.mode, l.prefill, l.decode);
+            c.label = format!("{} {}P{}D", l.mode.label(), l.prefill, l.decode);
             c.rates = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0]
                 .iter()
                 .map(|f| Some(f * l.unit_goodput_rps))
