@@ -42,7 +42,7 @@ trap cleanup EXIT
 source "$root/scripts/lib/wait.sh"
 duet="$DUET"
 
-# 1. Profiles (the router's overhead is not measured by `duet profile`: 2 ms, see docs/plan.md).
+# 1. Profiles (engine, links and the router's overhead, as `duet profile` measures them).
 for t in 1 2; do
   [ -f "$OUT/profile-t$t.json" ] || "$DUET" profile --model "$model" --threads "$t" --quiet \
     --prefill-tokens 16,64,128,256,384,512 --prefill-cached 0,512 --decode-batch 1,2,4,8,16,32 \

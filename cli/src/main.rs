@@ -42,11 +42,16 @@ enum Command {
     /// Everything in one process: router, prefill and decode workers, in-memory registry.
     Up(cmd::cluster::up::UpArgs),
     /// The public gRPC door of a cluster (workers found in etcd).
-    Router(cmd::cluster::up::RouterCmd),
+    Router(cmd::cluster::processes::RouterCmd),
     /// A prefill worker of a cluster.
-    Prefill(cmd::cluster::up::PrefillCmd),
+    Prefill(cmd::cluster::processes::PrefillCmd),
     /// A decode worker of a cluster.
-    Decode(cmd::cluster::up::DecodeCmd),
+    Decode(cmd::cluster::processes::DecodeCmd),
+    /// A worker of a cluster that a planner may move between prefill and decode.
+    Worker(Box<cmd::cluster::switchable::WorkerCmd>),
+    /// Move workers between roles as the load asks (`duet worker`s, from a profile and an
+    /// SLO).
+    Planner(Box<cmd::plan::planner::PlannerArgs>),
     /// Stream a completion from a running router.
     Generate(cmd::cluster::client::GenerateArgs),
     /// The workers of a cluster and their capacity (from etcd or from a router).
@@ -76,6 +81,8 @@ fn main() -> std::process::ExitCode {
         Command::Router(_) => "duet-router",
         Command::Prefill(_) => "duet-prefill",
         Command::Decode(_) => "duet-decode",
+        Command::Worker(_) => "duet-worker",
+        Command::Planner(_) => "duet-planner",
         Command::Up(_) => "duet",
         _ => "duet-cli",
     };
@@ -94,9 +101,11 @@ fn main() -> std::process::ExitCode {
         Command::Profile(a) => cmd::plan::profile::run(*a),
         Command::Plan(p) => cmd::plan::run(*p),
         Command::Up(a) => cmd::cluster::up::up(a),
-        Command::Router(a) => cmd::cluster::up::router(a),
-        Command::Prefill(a) => cmd::cluster::up::prefill(a),
-        Command::Decode(a) => cmd::cluster::up::decode(a),
+        Command::Router(a) => cmd::cluster::processes::router(a),
+        Command::Prefill(a) => cmd::cluster::processes::prefill(a),
+        Command::Decode(a) => cmd::cluster::processes::decode(a),
+        Command::Worker(a) => cmd::cluster::switchable::worker(*a),
+        Command::Planner(a) => cmd::plan::planner::run(*a),
         Command::Generate(a) => cmd::cluster::client::generate(a),
         Command::Status(a) => cmd::cluster::client::status(a),
         Command::Health(a) => cmd::health::health(a),

@@ -85,6 +85,7 @@ async fn server(registry: &Arc<dyn Registry>, token: &ClusterToken) -> (WorkerSe
         tls: None,
         client_tls: None,
         token: token.clone(),
+        switchable: false,
     };
     (s, addr)
 }

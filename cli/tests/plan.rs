@@ -72,6 +72,11 @@ fn a_measured_profile_drives_a_simulated_run_reported_as_bench_serve_reports() {
     ]));
     let prof = json(&profile);
     assert_eq!(prof["schema"], "duet-profile/1");
+    // The router's overhead is measured (requests through an in-process router), and said.
+    let overhead = prof["router_overhead_s"].as_f64().unwrap();
+    assert!(overhead > 0.0 && overhead < 0.1, "{overhead}");
+    let notes = prof["source"]["notes"].to_string();
+    assert!(notes.contains("router_overhead_s measured"), "{notes}");
     // SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K, V) x f16.
     assert_eq!(prof["kv_bytes_per_token"], 30 * 3 * 64 * 2 * 2);
     let pre = &prof["prefill"]["seconds"][0];

@@ -26,6 +26,21 @@ KUBE_VERSION = "v1.32.0"
 
 EXTERNAL_ETCD = ["http://etcd-0.etcd.infra.svc:2379", "https://etcd-1.etcd.infra.svc:2379"]
 
+# A planner profile as `--set-file planner.profile=...` passes it: the file's text (indented
+# JSON; quotes, a non-ASCII character and HTML-ish characters must survive the ConfigMap).
+PLANNER_PROFILE = json.dumps({
+    "schema": "duet-profile/1",
+    "source": {"kind": "written by hand", "machine": "test <a & b> \u00e9", "notes": ["\"quoted\""]},
+    "threads": 1, "n_layers": 30, "block_size": 16, "kv_bytes_per_token": 23040, "kv_pool_blocks": 1456,
+    "prefill": {"tokens": [16.0, 512.0], "cached": [0.0], "seconds": [[0.09, 3.5]]},
+    "decode_step": {"batch": [1.0, 32.0], "context": [128.0], "seconds": [[0.022, 0.29]]},
+    "links": [{"backend": "tcp", "bytes_per_s": 1.0e9, "latency_s": 5e-05}],
+    "router_overhead_s": 0.002,
+}, indent=2, ensure_ascii=False) + "\n"
+PLANNER = {"enabled": True, "profile": PLANNER_PROFILE, "slo": "ttft=1000,tpot=100"}
+TLS_VALUES = {"enabled": True, "cert": "-----BEGIN CERTIFICATE-----", "key": "-----BEGIN PRIVATE KEY-----",
+              "ca": "-----BEGIN CERTIFICATE-----", "serverName": "duet-worker.duet.svc"}
+
 # Value sets every structural test runs over.
 VALUE_SETS: dict[str, dict] = {
     "defaults": {},
@@ -46,8 +61,7 @@ VALUE_SETS: dict[str, dict] = {
             "selector": {"namespace": NAMESPACE}, "averageValue": "2"}}}},
     "model-pvc-tls-drain": {
         "model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "smollm2"}},
-        "tls": {"enabled": True, "cert": "-----BEGIN CERTIFICATE-----", "key": "-----BEGIN PRIVATE KEY-----",
-                "ca": "-----BEGIN CERTIFICATE-----", "serverName": "duet-worker.duet.svc"},
+        "tls": TLS_VALUES,
         "kvSecret": {"existingSecret": "duet-kv-managed", "existingSecretKey": "secret"},
         "config": {"drain": "30s", "kvIntegrity": "off"},
         "router": {"terminationGracePeriodSeconds": 60,
@@ -61,6 +75,30 @@ VALUE_SETS: dict[str, dict] = {
         "prefill": {"replicas": 0},
         "gpu": {"enabled": True, "runtimeClassName": "nvidia", "prefill": 0, "decode": 2},
         "etcd": {"replicas": 5, "persistence": {"enabled": False}},
+    },
+    # `duet worker` pods (no planner); each role sets values of its own (own values win).
+    "role-switching": {
+        "roleSwitching": {"enabled": True},
+        "prefill": {"kvPool": "3GiB", "threads": 6, "extraEnv": {"DUET_KV_TIMEOUT": "20s"}},
+        "decode": {"maxBatch": 32, "prefixCache": "off", "extraEnv": {"DUET_PREFILL_CHUNK_TOKENS": "128"}},
+        "tls": TLS_VALUES,
+    },
+    # + the planner, with the bundled etcd and a PodMonitor.
+    "planner": {
+        "roleSwitching": {"enabled": True},
+        "planner": PLANNER,
+        "router": {"extraEnv": {"DUET_LOCAL_PREFILL_MAX_TOKENS": 64}},
+        "monitoring": {"prometheusOperator": {"enabled": True}},
+    },
+    # + the planner with an external etcd (TLS, auth), a ServiceMonitor, and its own settings.
+    "planner-external-etcd": {
+        "roleSwitching": {"enabled": True},
+        "planner": {**PLANNER, "dryRun": True, "kvLink": "tcp", "sloAttainment": 0.95, "window": "30s",
+                    "minPrefill": 0, "workersPerHost": 2, "extraEnv": {"DUET_PLANNER_MARGIN": "0.5"}},
+        "etcd": {"enabled": False, "external": {
+            "endpoints": [e.replace("http://", "https://") for e in EXTERNAL_ETCD],
+            "tlsSecret": "etcd-client-tls", "authSecret": "etcd-duet-user"}},
+        "monitoring": {"prometheusOperator": {"enabled": True, "monitor": "ServiceMonitor"}},
     },
 }
 
@@ -133,6 +171,18 @@ class Rendered:
             for c in w["spec"]["template"]["spec"]["containers"]:
                 if c["name"] in DUET_ROLES:
                     yield w, c
+
+    def planner(self):
+        """(workload, container) of the planner, or None when it is off."""
+        for w in self.of_kind("Deployment"):
+            for c in w["spec"]["template"]["spec"]["containers"]:
+                if c["name"] == "planner":
+                    return w, c
+        return None
+
+    @property
+    def switchable(self) -> bool:
+        return bool(self.effective["roleSwitching"]["enabled"])
 
     def env(self, workload: dict, container: dict) -> dict[str, object]:
         """The container's environment as Kubernetes would build it: envFrom ConfigMaps

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (CHART, CRD_KINDS, DUET_ROLES, EXTERNAL_ETCD, KUBE_VERSION, NAMESPACE,
-                      REPO, VALUE_SETS, Rendered, duration_seconds, render_raw)
+from conftest import (CHART, CRD_KINDS, DUET_ROLES, EXTERNAL_ETCD, KUBE_VERSION, NAMESPACE, PLANNER,
+                      PLANNER_PROFILE, REPO, VALUE_SETS, Rendered, duration_seconds, render_raw)
 
 GPU = "nvidia.com/gpu"
 # What the NVIDIA container runtime reads (set by the chart on worker containers).
@@ -60,6 +60,17 @@ def test_defaults_pass_the_schema(chart):
     ({"model": {"source": "s3"}}, "/model/source"),
     ({"gpu": {"count": 1}}, "additional properties 'count' not allowed"),
     ({"monitoring": {"prometheusOperator": {"monitor": "Probe"}}}, "/monitoring/prometheusOperator/monitor"),
+    ({"roleSwitching": {"enabled": "yes"}}, "/roleSwitching/enabled"),
+    ({"roleSwitching": {"enabled": True, "roles": ["prefill"]}}, "additional properties 'roles' not allowed"),
+    ({"planner": {"replicas": 2}}, "additional properties 'replicas' not allowed"),
+    ({"planner": {"slo": "ttft<1000"}}, "/planner/slo"),
+    ({"planner": {"slo": "latency=100"}}, "/planner/slo"),
+    ({"planner": {"window": "1 minute"}}, "/planner/window"),
+    ({"planner": {"sloAttainment": 1.5}}, "/planner/sloAttainment"),
+    ({"planner": {"confirm": 0}}, "/planner/confirm"),
+    ({"planner": {"minDecode": 0}}, "/planner/minDecode"),
+    ({"planner": {"margin": -0.1}}, "/planner/margin"),
+    ({"planner": {"extraEnv": {"RUST_LOG": "x"}}}, "invalid propertyName 'RUST_LOG'"),
 ])
 def test_schema_rejects(helm, chart, values, message):
     with pytest.raises(helm.HelmValuesError) as e:
@@ -78,6 +89,22 @@ def test_schema_rejects(helm, chart, values, message):
     ({"tls": {"enabled": True, "cert": "C", "key": "K", "ca": "A"}}, "tls.serverName is required"),
     ({"etcd": {"enabled": False, "external": {"endpoints": ["http://e:2379"], "authSecret": "s"}}},
      "needs etcd.external.tlsSecret"),
+    # a planner with nothing to switch
+    ({"planner": PLANNER}, "planner.enabled needs roleSwitching.enabled"),
+    ({"roleSwitching": {"enabled": True}, "planner": {**PLANNER, "profile": ""}},
+     "planner.profile is required with planner.enabled"),
+    ({"roleSwitching": {"enabled": True}, "planner": {**PLANNER, "profile": " \n"}},
+     "planner.profile is required with planner.enabled"),
+    ({"roleSwitching": {"enabled": True}, "planner": {**PLANNER, "profile": "profile.json"}},
+     "planner.profile is not a JSON object"),
+    ({"roleSwitching": {"enabled": True}, "planner": {**PLANNER, "slo": ""}},
+     "planner.slo is required with planner.enabled"),
+    ({"roleSwitching": {"enabled": True}, "planner": {**PLANNER, "window": "2m"}},
+     "planner.window (2m) must be more than 0 and at most 60s"),
+    ({"roleSwitching": {"enabled": True}, "planner": {**PLANNER, "interval": "0s"}},
+     "planner.interval must be more than 0"),
+    ({"roleSwitching": {"enabled": True}, "planner": PLANNER, "router": {"mode": "colocated"}, "prefill": {"replicas": 0}},
+     "planner.enabled needs router.mode=disaggregated"),
 ])
 def test_render_refuses(helm, chart, values, message):
     """Combinations the schema cannot see are refused at render time, with a message."""
@@ -125,9 +152,11 @@ def test_kubernetes_validate_strict(renders, tmp_path):
 
 def test_expected_objects(rendered: Rendered):
     r = rendered
+    planner = r.effective["planner"]["enabled"]
     deployments = {d["metadata"]["name"] for d in r.of_kind("Deployment")}
-    assert deployments == {"duet-router", "duet-prefill", "duet-decode"}
-    assert {d["metadata"]["name"] for d in r.of_kind("ConfigMap")} == {"duet-router", "duet-prefill", "duet-decode"}
+    assert deployments == {"duet-router", "duet-prefill", "duet-decode"} | ({"duet-planner"} if planner else set())
+    assert {d["metadata"]["name"] for d in r.of_kind("ConfigMap")} == (
+        {"duet-router", "duet-prefill", "duet-decode"} | ({"duet-planner", "duet-planner-profile"} if planner else set()))
     svc = r.get("Service", "duet-router")
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
     bundled = r.effective["etcd"]["enabled"]
@@ -135,7 +164,9 @@ def test_expected_objects(rendered: Rendered):
     pdbs = {d["metadata"]["name"] for d in r.of_kind("PodDisruptionBudget")}
     assert {"duet-router", "duet-prefill", "duet-decode"} <= pdbs
     assert ("duet-etcd" in pdbs) == (bundled and r.effective["etcd"]["replicas"] > 1)
-    assert len(r.of_kind("NetworkPolicy")) == (4 if bundled else 3)
+    assert len(r.of_kind("NetworkPolicy")) == (4 if bundled else 3) + planner
+    # no PDB for the planner: one replica, nothing to keep available while another starts
+    assert "duet-planner" not in pdbs
     for d in r.docs:
         if d["kind"] not in ("Namespace",):
             assert d["metadata"].get("namespace") == NAMESPACE, f"{d['kind']}/{d['metadata']['name']}"
@@ -253,7 +284,11 @@ def test_pod_identity_and_secrets(rendered: Rendered):
         env = r.env(w, c)
         assert env["DUET_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["DUET_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-        assert c["command"] == ["/usr/local/bin/duet"] and c["args"] == [c["name"]]
+        assert c["command"] == ["/usr/local/bin/duet"]
+        if r.switchable and c["name"] != "router":
+            assert c["args"] == ["worker", "--role", c["name"]]
+        else:
+            assert c["args"] == [c["name"]]
         # Every component: the router's calls to the workers carry a token derived from it.
         # As a file, read-only to the container's user: never in the environment.
         assert "DUET_KV_SECRET" not in env
@@ -362,7 +397,9 @@ def test_tls_settings(rendered: Rendered):
             assert env["DUET_TLS_CA"] == "/etc/duet/tls/ca.crt"
             worker = c["name"] != "router"
             assert (env.get("DUET_TLS_CLIENT_AUTH") == "required") == (worker and eff["tls"]["mutual"])
-            if c["name"] in ("router", "decode") and eff["tls"]["serverName"]:
+            # a switchable worker may serve decode, which calls prefill workers
+            callers = ("router", "prefill", "decode") if rendered.switchable else ("router", "decode")
+            if c["name"] in callers and eff["tls"]["serverName"]:
                 assert env["DUET_TLS_SERVER_NAME"] == eff["tls"]["serverName"]
             else:
                 assert "DUET_TLS_SERVER_NAME" not in env, c["name"]
@@ -393,7 +430,8 @@ def test_role_ports_and_settings(rendered: Rendered):
         assert env["DUET_LEASE_TTL"] == eff["config"]["leaseTtl"]
         assert env["DUET_LOG_FORMAT"] in ("text", "json") and env["DUET_LOG"]
         assert ("http" in ports) == (role == "router")
-        assert ("kv" in ports) == (role == "decode")
+        # a switchable worker binds the KV port whatever role it starts in
+        assert ("kv" in ports) == (role == "decode" or (r.switchable and role != "router"))
         if role == "router":
             assert env["DUET_HTTP_LISTEN"] == "0.0.0.0:8000" and ports["http"] == 8000
             assert env["DUET_MODE"] == eff["router"]["mode"]
@@ -408,12 +446,17 @@ def test_role_ports_and_settings(rendered: Rendered):
             assert env["DUET_KV_INTEGRITY"] == eff["config"]["kvIntegrity"]
         if role == "router":
             assert "DUET_KV_INTEGRITY" not in env
-        if role == "prefill":
+        # a switchable worker has the settings of both roles
+        if role == "prefill" or (r.switchable and role == "decode"):
             assert env["DUET_MAX_BATCH_TOKENS"] == str(eff["prefill"]["maxBatchTokens"])
             assert env["DUET_KV_COMPRESSION"] == eff["prefill"]["kvCompression"]
-        if role == "decode":
+        else:
+            assert "DUET_MAX_BATCH_TOKENS" not in env and "DUET_KV_COMPRESSION" not in env, role
+        if role == "decode" or (r.switchable and role == "prefill"):
             assert env["DUET_MAX_BATCH"] == str(eff["decode"]["maxBatch"])
             assert env["DUET_KV_LISTEN"] == "0.0.0.0:50070" and ports["kv"] == 50070
+        else:
+            assert "DUET_MAX_BATCH" not in env and "DUET_KV_LISTEN" not in env, role
         for k in env:
             assert k.startswith("DUET_") or k in NVIDIA_RUNTIME_ENV, f"{role}: {k}"
         hpa_on = role != "router" and eff["autoscaling"][role]["enabled"]
@@ -508,6 +551,16 @@ def test_network_policies_match_the_pods(rendered: Rendered):
         ("etcd", "client"): {"router", "prefill", "decode", "etcd"},
         ("etcd", "peer"): {"etcd"},
     }
+    if r.switchable:
+        # a pod of either worker Deployment may serve either role
+        expected_from.update({
+            ("prefill", "grpc"): {"router", "prefill", "decode"},
+            ("decode", "grpc"): {"router", "prefill", "decode"},
+            ("prefill", "kv"): {"prefill", "decode"},
+            ("decode", "kv"): {"prefill", "decode"},
+        })
+    if r.effective["planner"]["enabled"]:
+        expected_from[("etcd", "client")] = expected_from[("etcd", "client")] | {"planner"}
     seen = set()
     for np in r.of_kind("NetworkPolicy"):
         targets = _pods_selected(r, np["spec"]["podSelector"])
@@ -596,6 +649,276 @@ def test_monitoring(renders):
     assert rule_exprs(CHART / "files" / "alerts.yml")[0]
 
 
+# ---- role switching and the planner ------------------------------------------------------------
+
+# Keys of one worker role's ConfigMap that the other role does not have (the union is what
+# a `duet worker` gets).
+PREFILL_ONLY = {"DUET_MAX_BATCH_TOKENS", "DUET_KV_COMPRESSION"}
+DECODE_ONLY = {"DUET_MAX_BATCH", "DUET_KV_LISTEN"}
+
+
+def test_defaults_have_plain_workers_and_no_planner(renders):
+    """Off by default: `duet prefill` / `duet decode`, no planner object of any kind, and each
+    worker ConfigMap holds its own role's settings only."""
+    r = renders["defaults"]
+    assert r.effective["roleSwitching"]["enabled"] is False and r.effective["planner"]["enabled"] is False
+    assert r.planner() is None
+    assert not [d for d in r.docs if d["metadata"]["name"].startswith("duet-planner")]
+    assert not [d for d in r.docs if (d["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == "planner"]
+    for role in ("prefill", "decode"):
+        (c,) = r.get("Deployment", f"duet-{role}")["spec"]["template"]["spec"]["containers"]
+        assert c["args"] == [role]
+    prefill, decode = (r.get("ConfigMap", f"duet-{x}")["data"] for x in ("prefill", "decode"))
+    assert PREFILL_ONLY <= set(prefill) and not (DECODE_ONLY & set(prefill))
+    assert DECODE_ONLY <= set(decode) and not (PREFILL_ONLY & set(decode))
+    assert not any("planner" in text for path, text in r.raw.items() if path.endswith("monitoring.yaml"))
+
+
+def test_role_switching_workers(renders):
+    """roleSwitching.enabled: both worker Deployments run `duet worker --role <theirs>`; each
+    ConfigMap has every setting of both roles, its own values winning where both set one
+    (extraEnv included); both declare the kv port (also on their headless Services)."""
+    r = renders["role-switching"]
+    eff = r.effective
+    assert r.planner() is None, "role switching alone runs no planner"
+    data = {x: r.get("ConfigMap", f"duet-{x}")["data"] for x in ("prefill", "decode")}
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        w = r.get("Deployment", f"duet-{role}")
+        (c,) = w["spec"]["template"]["spec"]["containers"]
+        assert c["command"] == ["/usr/local/bin/duet"] and c["args"] == ["worker", "--role", role]
+        # still labelled (and selected) as the Deployment it was started by
+        assert r.component(w) == role
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["kv"] == 50070 and ports["grpc"] == 50051
+        svc = {p["name"]: p["port"] for p in r.get("Service", f"duet-{role}")["spec"]["ports"]}
+        assert svc["kv"] == 50070
+        env = r.env(w, c)
+        assert PREFILL_ONLY | DECODE_ONLY <= set(env), role
+        # own values win on the keys both roles have
+        assert env["DUET_KV_POOL"] == eff[role]["kvPool"]
+        assert env["DUET_THREADS"] == str(eff[role]["threads"])
+        assert env["DUET_PREFIX_CACHE"] == eff[role]["prefixCache"]
+        # the other role's extraEnv comes along too
+        for k, v in eff[other]["extraEnv"].items():
+            assert env[k] == str(v), (role, k)
+        assert set(data[role]) == set(data[other])
+    # the values of this set really differ between the roles (own-wins is tested above)
+    assert data["prefill"]["DUET_KV_POOL"] == "3GiB" and data["decode"]["DUET_KV_POOL"] == "2GiB"
+    assert data["prefill"]["DUET_THREADS"] == "6" and data["decode"]["DUET_THREADS"] == "4"
+    assert data["prefill"]["DUET_PREFIX_CACHE"] == "on" and data["decode"]["DUET_PREFIX_CACHE"] == "off"
+    assert data["prefill"]["DUET_MAX_BATCH"] == data["decode"]["DUET_MAX_BATCH"] == "32"
+    assert data["decode"]["DUET_MAX_BATCH_TOKENS"] == "2048" and data["decode"]["DUET_KV_COMPRESSION"] == "none"
+    assert data["prefill"]["DUET_KV_LISTEN"] == "0.0.0.0:50070"
+    assert data["prefill"]["DUET_PREFILL_CHUNK_TOKENS"] == "128" and data["decode"]["DUET_KV_TIMEOUT"] == "20s"
+    # the router's ConfigMap is untouched
+    assert not (PREFILL_ONLY | DECODE_ONLY) & set(r.get("ConfigMap", "duet-router")["data"])
+
+
+def test_role_switching_network_policies(renders):
+    """Both worker kinds admit gRPC from router, prefill and decode pods and KV from prefill
+    and decode pods (the generic policy test checks the same through pod labels)."""
+    r = renders["role-switching"]
+    for role in ("prefill", "decode"):
+        np = r.get("NetworkPolicy", f"duet-{role}")
+        by_port = {}
+        for rule in np["spec"]["ingress"]:
+            for p in rule["ports"]:
+                by_port[p["port"]] = {_pods_selected(r, peer["podSelector"]).pop() if "namespaceSelector" not in peer else "metrics-peer"
+                                      for peer in rule["from"]}
+        assert by_port == {"grpc": {"router", "prefill", "decode"}, "kv": {"prefill", "decode"}, "metrics": {"metrics-peer"}}, role
+
+
+def _planner_env(r: Rendered) -> dict[str, object]:
+    w, c = r.planner()
+    return r.env(w, c)
+
+
+@pytest.mark.parametrize("name", ["planner", "planner-external-etcd"])
+def test_planner_deployment(renders, name):
+    """Exactly one planner pod, never two (replicas 1, Recreate), running `duet planner`
+    from its ConfigMap, with the profile mounted, a metrics port probed over HTTP, and none
+    of what it does not need: no gRPC port or probe, no model, no KV secret, no TLS."""
+    r = renders[name]
+    eff = r.effective
+    planners = [d for d in r.of_kind("Deployment") if r.component(d) == "planner"]
+    assert len(planners) == 1
+    w, c = r.planner()
+    assert w is planners[0] and w["metadata"]["name"] == "duet-planner"
+    spec = w["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    assert not [h for h in r.of_kind("HorizontalPodAutoscaler") if h["spec"]["scaleTargetRef"]["name"] == "duet-planner"]
+    pod = spec["template"]["spec"]
+    assert [x["name"] for x in pod["containers"]] == ["planner"] and not pod.get("initContainers")
+    (router,) = r.get("Deployment", "duet-router")["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == router["image"] and c["imagePullPolicy"] == router["imagePullPolicy"]
+    assert c["command"] == ["/usr/local/bin/duet"] and c["args"] == ["planner"]
+    assert c["envFrom"] == [{"configMapRef": {"name": "duet-planner"}}]
+    assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
+    assert pod["securityContext"] == eff["podSecurityContext"] and c["securityContext"] == eff["securityContext"]
+    assert c["resources"] == eff["planner"]["resources"]
+    # ports and probes: /metrics only
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
+    assert set(c) & {"startupProbe", "readinessProbe", "livenessProbe"} == {"livenessProbe"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    # the profile, from its own ConfigMap, exactly as given
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["profile"] == {"name": "profile", "mountPath": "/etc/duet/planner", "readOnly": True}
+    assert volumes["profile"]["configMap"]["name"] == "duet-planner-profile"
+    assert volumes["profile"]["configMap"]["items"] == [{"key": "profile.json", "path": "profile.json"}]
+    profile_cm = r.get("ConfigMap", "duet-planner-profile")
+    assert profile_cm["data"] == {"profile.json": PLANNER_PROFILE}
+    assert json.loads(profile_cm["data"]["profile.json"])["schema"] == "duet-profile/1"
+    assert profile_cm["metadata"]["labels"]["app.kubernetes.io/component"] == "planner"
+    env = _planner_env(r)
+    assert env["DUET_PLAN_PROFILE"] == "/etc/duet/planner/profile.json"
+    # nothing of a serving process
+    assert set(volumes) - {"tmp", "profile", "etcd-tls"} == set(), set(volumes)
+    for k in ("DUET_KV_SECRET_FILE", "DUET_KV_SECRET", "DUET_MODEL", "DUET_LISTEN", "DUET_ID", "DUET_DEVICE"):
+        assert k not in env, k
+    assert not any(k.startswith("DUET_TLS_") for k in env)
+    assert "checksum/secret" not in w["spec"]["template"]["metadata"]["annotations"]
+    # scraped like the other components
+    ann = w["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "9400"
+    svc = r.get("Service", "duet-planner")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9400, "targetPort": "metrics", "protocol": "TCP", "appProtocol": "http"}]
+
+
+def test_planner_settings(renders):
+    """The planner's ConfigMap: the registry, /metrics, logs, its own settings from
+    planner.*, and the scheduling settings of the cluster its simulation mirrors (mode and KV
+    routing of the router, max batch of decode, max batch tokens of prefill, the router's
+    DUET_LOCAL_PREFILL_MAX_TOKENS from its extraEnv); planner.extraEnv wins."""
+    r = renders["planner"]
+    eff = r.effective
+    env = _planner_env(r)
+    router = r.get("ConfigMap", "duet-router")["data"]
+    want = {
+        "DUET_ETCD": router["DUET_ETCD"],
+        "DUET_CLUSTER": eff["config"]["cluster"],
+        "DUET_METRICS_LISTEN": "0.0.0.0:9400",
+        "DUET_LOG_FORMAT": eff["config"]["logFormat"],
+        "DUET_LOG": eff["config"]["logLevel"],
+        "DUET_PLAN_PROFILE": "/etc/duet/planner/profile.json",
+        "DUET_PLANNER_SLO": "ttft=1000,tpot=100",
+        "DUET_PLANNER_SLO_ATTAINMENT": "0.9",
+        "DUET_PLANNER_INTERVAL": "10s",
+        "DUET_PLANNER_WINDOW": "60s",
+        "DUET_PLANNER_DWELL": "60s",
+        "DUET_PLANNER_CONFIRM": "2",
+        "DUET_PLANNER_MARGIN": "0.25",
+        "DUET_PLANNER_MIN_REQUESTS": "10",
+        "DUET_PLANNER_MIN_PREFILL": "1",
+        "DUET_PLANNER_MIN_DECODE": "1",
+        "DUET_PLANNER_DRY_RUN": "false",
+        "DUET_PLAN_WORKERS_PER_HOST": "1",
+        "DUET_MODE": "disaggregated",
+        "DUET_LOCAL_PREFILL_MAX_TOKENS": "64",
+        "DUET_KV_ROUTING": "on",
+        "DUET_MAX_BATCH": str(eff["decode"]["maxBatch"]),
+        "DUET_MAX_BATCH_TOKENS": str(eff["prefill"]["maxBatchTokens"]),
+        "DUET_PREFIX_CACHE": "on",
+    }
+    assert env == want
+    assert router["DUET_MODE"] == env["DUET_MODE"] and router["DUET_KV_ROUTING"] == env["DUET_KV_ROUTING"]
+
+    r = renders["planner-external-etcd"]
+    env = _planner_env(r)
+    assert env["DUET_ETCD"] == ",".join(r.effective["etcd"]["external"]["endpoints"])
+    assert env["DUET_PLANNER_DRY_RUN"] == "true"
+    assert env["DUET_PLAN_KV_LINK"] == "tcp"
+    assert env["DUET_PLANNER_SLO_ATTAINMENT"] == "0.95" and env["DUET_PLANNER_WINDOW"] == "30s"
+    assert env["DUET_PLANNER_MIN_PREFILL"] == "0" and env["DUET_PLAN_WORKERS_PER_HOST"] == "2"
+    assert env["DUET_PLANNER_MARGIN"] == "0.5", "planner.extraEnv wins"
+    assert "DUET_LOCAL_PREFILL_MAX_TOKENS" not in env, "only when the router has it"
+    assert "DUET_PLAN_KV_LINK" not in _planner_env(renders["planner"])
+
+
+def test_planner_reaches_etcd(renders):
+    """The planner gets the same etcd endpoints, TLS material and user/password as the other
+    components, and the bundled etcd's policy admits it on the client port (only there)."""
+    r = renders["planner-external-etcd"]
+    w, c = r.planner()
+    env = r.env(w, c)
+    ext = r.effective["etcd"]["external"]
+    assert env["DUET_ETCD_CA"] == "/etc/duet/etcd-tls/ca.crt"
+    assert env["DUET_ETCD_CERT"] == "/etc/duet/etcd-tls/tls.crt" and env["DUET_ETCD_KEY"] == "/etc/duet/etcd-tls/tls.key"
+    for var, key in (("DUET_ETCD_USER", "username"), ("DUET_ETCD_PASSWORD", "password")):
+        assert env[var] == {"secretKeyRef": {"name": ext["authSecret"], "key": key}}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
+    assert mounts["/etc/duet/etcd-tls"] == "etcd-tls" and volumes["etcd-tls"]["secret"]["secretName"] == ext["tlsSecret"]
+    # the same as a worker's
+    dw, dc = next((w, c) for w, c in r.duet_containers() if c["name"] == "decode")
+    denv = r.env(dw, dc)
+    for k in ("DUET_ETCD", "DUET_ETCD_CA", "DUET_ETCD_CERT", "DUET_ETCD_KEY", "DUET_ETCD_USER", "DUET_ETCD_PASSWORD"):
+        assert env[k] == denv[k], k
+    assert not r.of_kind("StatefulSet")
+
+    r = renders["planner"]
+    env = _planner_env(r)
+    assert not any(k.startswith("DUET_ETCD_") for k in env)
+    etcd_np = r.get("NetworkPolicy", "duet-etcd")
+    (client,) = [rule for rule in etcd_np["spec"]["ingress"] if [p["port"] for p in rule["ports"]] == ["client"]]
+    admitted = set().union(*(_pods_selected(r, peer["podSelector"]) for peer in client["from"]))
+    assert "planner" in admitted
+    (peer_rule,) = [rule for rule in etcd_np["spec"]["ingress"] if [p["port"] for p in rule["ports"]] == ["peer"]]
+    assert "planner" not in set().union(*(_pods_selected(r, p["podSelector"]) for p in peer_rule["from"]))
+    # without the planner, etcd admits no planner pod (there is none to select, and no rule names it)
+    etcd_np = renders["role-switching"].get("NetworkPolicy", "duet-etcd")
+    assert "planner" not in json.dumps(etcd_np)
+
+
+def test_planner_network_policy(renders):
+    """The planner serves only /metrics: its policy admits the metrics peer on that port and
+    nothing else, and no other policy admits it anywhere but etcd's client port."""
+    r = renders["planner"]
+    np = r.get("NetworkPolicy", "duet-planner")
+    assert _pods_selected(r, np["spec"]["podSelector"]) == {"planner"}
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = np["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert rule["from"] == [{"namespaceSelector": r.effective["networkPolicy"]["metrics"]["namespaceSelector"], "podSelector": {}}]
+    for other in r.of_kind("NetworkPolicy"):
+        if other["metadata"]["name"] in ("duet-planner", "duet-etcd"):
+            continue
+        for rule in other["spec"]["ingress"]:
+            for peer in rule.get("from") or []:
+                if "podSelector" in peer and "namespaceSelector" not in peer:
+                    assert "planner" not in _pods_selected(r, peer["podSelector"]), other["metadata"]["name"]
+
+
+def test_planner_is_monitored(renders):
+    """The PodMonitor / ServiceMonitor select the planner too (its pod, or its headless
+    Service), on the metrics port."""
+    for name, kind in (("planner", "PodMonitor"), ("planner-external-etcd", "ServiceMonitor")):
+        r = renders[name]
+        (mon,) = r.of_kind(kind)
+        if kind == "PodMonitor":
+            objs = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"] for o in r.workloads()}
+        else:
+            objs = {o["metadata"]["name"]: o["metadata"]["labels"] for o in r.of_kind("Service")}
+        selected = {n for n, labels in objs.items() if _matches(mon["spec"]["selector"], labels)}
+        assert selected == {"duet-router", "duet-prefill", "duet-decode", "duet-planner"}, selected
+
+
+def test_planner_config_changes_restart_only_the_planner(chart, chart_defaults):
+    """A new profile or SLO rolls the planner pod (its checksum) and no other pod."""
+    base = {"roleSwitching": {"enabled": True}, "planner": PLANNER}
+    changed = {"roleSwitching": {"enabled": True}, "planner": {**PLANNER, "slo": "ttft=500,tpot=100",
+                                                              "profile": PLANNER_PROFILE.replace("0.002", "0.003")}}
+    a = Rendered("a", base, render_raw(chart, base), chart_defaults)
+    b = Rendered("b", changed, render_raw(chart, changed), chart_defaults)
+    ann = lambda r, n: r.get("Deployment", n)["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    assert ann(a, "duet-planner") != ann(b, "duet-planner")
+    for n in ("duet-router", "duet-prefill", "duet-decode"):
+        assert ann(a, n) == ann(b, n), n
+    assert b.get("ConfigMap", "duet-planner-profile")["data"]["profile.json"].count("0.003") == 1
+
+
 # ---- duet's flags ------------------------------------------------------------------------------
 
 # Variables the chart sets that no Rust source reads yet (none today).
@@ -611,8 +934,9 @@ def test_every_duet_variable_is_a_flag(renders):
         known |= set(re.findall(r'"(DUET_[A-Z0-9_]+)"', f.read_text(errors="replace")))
     set_by_chart = set()
     for r in renders.values():
-        for w, c in r.duet_containers():
+        for w, c in list(r.duet_containers()) + ([r.planner()] if r.planner() else []):
             set_by_chart |= set(r.env(w, c))
+    assert "DUET_PLANNER_SLO" in set_by_chart, "the planner's variables are checked too"
     unknown = set_by_chart - known - PENDING_ENV - NVIDIA_RUNTIME_ENV
     assert not unknown, f"the chart sets variables duet does not read: {sorted(unknown)}"
     print("not read by the current sources (pending):", sorted((set_by_chart - known) & PENDING_ENV))

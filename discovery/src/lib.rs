@@ -20,6 +20,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod control;
 mod error;
 mod etcd;
 mod memory;

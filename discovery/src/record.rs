@@ -122,6 +122,10 @@ pub struct WorkerRecord {
     pub updated_at_ms: u64,
     /// The worker accepts no new work and is finishing what it has.
     pub draining: bool,
+    /// The worker follows role requests (`duet worker`): a planner may move it to the other
+    /// role ([`crate::control`]). Absent in records of older writers: not switchable.
+    #[serde(default)]
+    pub switchable: bool,
 }
 
 #[derive(Deserialize)]
@@ -152,6 +156,7 @@ impl WorkerRecord {
             started_at_ms: now,
             updated_at_ms: now,
             draining: false,
+            switchable: false,
         }
     }
 

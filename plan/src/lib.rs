@@ -13,6 +13,7 @@
 
 pub mod error;
 pub mod measure;
+pub mod planner;
 pub mod profile;
 pub mod search;
 pub mod sim;

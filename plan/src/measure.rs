@@ -114,7 +114,7 @@ pub fn measure(
     model: &EngineModel,
     threads: usize,
     grid: &Grid,
-    mut source: Source,
+    source: Source,
     progress: bool,
 ) -> Result<ProfileFile> {
     let g = grid;
@@ -188,10 +188,6 @@ pub fn measure(
         g.kv_dtype,
         (config.n_layers, config.n_kv_heads, config.head_dim),
     );
-    source.notes.push(format!(
-        "router_overhead_s given on the command line ({} ms), not measured",
-        g.router_overhead_s * 1e3
-    ));
     let f = |v: &[usize]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     Ok(ProfileFile {
         schema: SCHEMA.into(),

@@ -30,6 +30,9 @@ impl Mode {
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
     pub mode: Mode,
+    /// This router's id: the key its load is published under (default: `router-` and a
+    /// random suffix, so routers of one cluster never share it).
+    pub id: String,
     /// Prompts up to this many tokens are prefilled on the decode worker (0: never).
     pub local_prefill_max_tokens: usize,
     /// Requests waiting for placement, per priority class, before RESOURCE_EXHAUSTED.
@@ -97,6 +100,7 @@ impl Default for RouterConfig {
     fn default() -> Self {
         RouterConfig {
             mode: Mode::Disaggregated,
+            id: format!("router-{:08x}", rand::random::<u32>()),
             local_prefill_max_tokens: 32,
             max_queued_per_priority: 1024,
             max_queue_wait: Duration::from_secs(30),

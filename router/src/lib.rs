@@ -26,6 +26,7 @@ pub mod kv_index;
 pub mod kv_subscriber;
 pub mod placement;
 pub mod prompt_prefix;
+pub mod recent;
 pub mod relay;
 pub mod request_metrics;
 pub mod server;

@@ -38,6 +38,8 @@ pub struct Shared {
     pub workers: Arc<Workers>,
     /// What each worker's prefix cache holds (KV-aware routing).
     pub kv_index: Arc<KvIndex>,
+    /// Requests finished recently (published for the planner).
+    pub recent: crate::recent::RecentRequests,
 }
 
 pub type Out = mpsc::Sender<Result<pb::GenerateResponse, Status>>;

@@ -8,8 +8,11 @@
 
 use std::time::Instant;
 
+use duet_discovery::control::ObservedRequest;
 use duet_engine::ErrorClass;
 use duet_telemetry::names::*;
+
+use crate::recent::RecentRequests;
 
 /// Which door a request came through (a bounded label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,15 +47,20 @@ pub struct RequestMetrics {
     tokens: u64,
     done: bool,
     placed: bool,
+    prompt_tokens: usize,
+    /// Where the request is recorded when it ends (the load the planner reads).
+    recent: RecentRequests,
 }
 
 impl RequestMetrics {
-    /// Starts tracking an admitted request (in flight from now).
+    /// Starts tracking an admitted request (in flight from now); it is recorded in
+    /// `recent` when it ends.
     pub fn start(
         door: Door,
         priority: &'static str,
         arrival: Instant,
         prompt_tokens: usize,
+        recent: RecentRequests,
     ) -> Self {
         metrics::gauge!(ROUTER_IN_FLIGHT, "priority" => priority).increment(1.0);
         metrics::counter!(ROUTER_PROMPT_TOKENS_TOTAL).increment(prompt_tokens as u64);
@@ -65,6 +73,8 @@ impl RequestMetrics {
             tokens: 0,
             done: false,
             placed: false,
+            prompt_tokens,
+            recent,
         }
     }
 
@@ -105,7 +115,29 @@ impl RequestMetrics {
         metrics::counter!(ROUTER_REQUESTS_TOTAL, "door" => self.door.label(), "outcome" => outcome)
             .increment(1);
         metrics::gauge!(ROUTER_IN_FLIGHT, "priority" => self.priority).decrement(1.0);
+        self.recent.record(self.observed(outcome == "ok"));
         true
+    }
+
+    /// The request as its client saw it, for the published load.
+    fn observed(&self, ok: bool) -> ObservedRequest {
+        // Hundredths of a millisecond: what the planner needs, and short in JSON.
+        let round = |ms: f64| (ms * 100.0).round() / 100.0;
+        let ms = |d: std::time::Duration| round(d.as_secs_f64() * 1e3);
+        let age = self.arrival.elapsed().as_millis() as u64;
+        ObservedRequest {
+            arrival_ms: duet_discovery::now_ms().saturating_sub(age),
+            prompt_tokens: u32::try_from(self.prompt_tokens).unwrap_or(u32::MAX),
+            output_tokens: u32::try_from(self.tokens).unwrap_or(u32::MAX),
+            ttft_ms: self.first_token.map(|t| ms(t.duration_since(self.arrival))),
+            tpot_ms: match (self.first_token, self.last_token) {
+                (Some(first), Some(last)) if self.tokens > 1 => Some(round(
+                    ms(last.duration_since(first)) / (self.tokens - 1) as f64,
+                )),
+                _ => None,
+            },
+            ok,
+        }
     }
 
     /// The request finished: `Ok` or the class of its error.

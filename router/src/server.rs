@@ -3,6 +3,9 @@
 //! the registry, until shutdown. `duet router`, `duet up` and in-process tests start it the
 //! same way, on listeners they bound themselves (`127.0.0.1:0` in tests).
 //!
+//! While it serves, it publishes the requests it finished recently for the planner
+//! ([`crate::recent`]).
+//!
 //! Shutdown: when `shutdown` fires both doors stop accepting, health turns NOT_SERVING, and
 //! open calls and streams get up to `drain` to finish; [`serve`] returns once both are done.
 
@@ -40,10 +43,18 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let metrics = duet_telemetry::install().map_err(|e| ServeError::Metrics(e.to_string()))?;
     duet_telemetry::spawn_upkeep(metrics.clone(), shutdown.clone());
-    let view = ClusterView::start(registry, cluster, shutdown.child_token());
+    let view = ClusterView::start(registry.clone(), cluster.clone(), shutdown.child_token());
     let ops = ClusterService::new(view.clone(), cfg.api_keys.clone());
     let limits = cfg.http;
+    let router_id = cfg.id.clone();
     let svc = GenerationService::new(front, cfg, view);
+    tokio::spawn(crate::recent::publish(
+        registry,
+        cluster,
+        router_id,
+        svc.recent(),
+        shutdown.child_token(),
+    ));
     let app = crate::http::app(svc.clone(), duet_telemetry::metrics_router(metrics));
     let http = {
         let tls = listeners.tls.clone();

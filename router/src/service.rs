@@ -23,6 +23,7 @@ use crate::error::RouterError;
 use crate::frontend::prepare;
 use crate::kv_index::KvIndex;
 use crate::kv_subscriber;
+use crate::recent::RecentRequests;
 use crate::relay::{self, Job, Shared};
 use crate::request_metrics::{count_refused, Door, RequestMetrics};
 use crate::workers::Workers;
@@ -90,6 +91,7 @@ impl GenerationService {
                 view,
                 workers,
                 kv_index,
+                recent: RecentRequests::default(),
             }),
             admission,
         }
@@ -100,6 +102,11 @@ impl GenerationService {
     pub fn into_server(self) -> pb::generation_server::GenerationServer<Self> {
         let limit = self.shared.cfg.max_request_bytes;
         pb::generation_server::GenerationServer::new(self).max_decoding_message_size(limit)
+    }
+
+    /// The requests this router finished recently.
+    pub fn recent(&self) -> crate::recent::RecentRequests {
+        self.shared.recent.clone()
     }
 
     /// The API keys of the public doors.
@@ -208,6 +215,7 @@ impl GenerationService {
             crate::admission::class(prep.priority).1,
             arrival,
             prep.prompt.len(),
+            self.shared.recent.clone(),
         );
         let job = Job {
             request_id,

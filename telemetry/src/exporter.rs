@@ -53,6 +53,7 @@ pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
     (DECODE_STEP_SECONDS, STEP),
     (DECODE_BATCH_SIZE, BATCH_SEQS),
     (KV_TRANSFER_SECONDS, TRANSFER),
+    (WORKER_ROLE_SWITCH_SECONDS, LATENCY),
 ];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();

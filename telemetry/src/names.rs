@@ -10,7 +10,9 @@
 //! - `role`: `prefill` or `decode`; `state`: `ready` or `draining`;
 //! - `worker`: the worker id, one value per worker *in this process* (one, except in `duet up`);
 //! - `direction`: `sent` or `received`; `reason`: a transfer error class;
-//! - `tier`: where a cached KV block lives: `device` (the KV pool), `host`, `disk`.
+//! - `tier`: where a cached KV block lives: `device` (the KV pool), `host`, `disk`;
+//! - `from`, `to`: roles of a switch; `source`: `predicted` or `observed`; `decision`:
+//!   what a planner evaluation concluded (`keep`, `switch`, `wait`, `no_data`).
 
 /// What kind of metric a name is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,6 +161,22 @@ catalogue! {
         "Failed transfers by `direction` and `reason`.";
     Counter KV_TRANSFER_SHM_PULLS_TOTAL = "duet_kv_transfer_shm_pulls_total",
         "Layers a decode worker pulled over shm, by `source`: `send_arena` (copied from its mapping of the prefill worker's send arena) or `process_memory` (read with process_vm_readv).";
+
+    // ---- role switching (duet worker, duet planner) -------------------------------------------
+    Gauge WORKER_ROLE = "duet_worker_role",
+        "1 for the role a switchable worker (`duet worker`) serves now, 0 for the other (`role`, `worker`).";
+    Counter WORKER_ROLE_SWITCHES_TOTAL = "duet_worker_role_switches_total",
+        "Role switches a worker made (`from`, `to`, `worker`).";
+    Histogram WORKER_ROLE_SWITCH_SECONDS = "duet_worker_role_switch_duration_seconds",
+        "From a role request to the new role registered: the old role's drain plus the new one's start (`worker`).";
+    Counter PLANNER_ROLE_SWITCHES_TOTAL = "duet_planner_role_switches_total",
+        "Role switches the planner asked for (`from`, `to`).";
+    Gauge PLANNER_ATTAINMENT_RATIO = "duet_planner_attainment_ratio",
+        "SLO attainment of the current layout over the planner's window: `source` = `observed` (the routers' requests) or `predicted` (simulated on the profile).";
+    Gauge PLANNER_WORKERS = "duet_planner_workers",
+        "Workers the planner sees serving each `role`.";
+    Counter PLANNER_EVALUATIONS_TOTAL = "duet_planner_evaluations_total",
+        "Planner evaluations by `decision`.";
 
     // ---- registry (discovery) -----------------------------------------------------------------
     Counter LEASE_RENEWALS_TOTAL = "duet_registry_lease_renewals_total",

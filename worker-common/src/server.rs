@@ -90,6 +90,8 @@ pub struct WorkerServer {
     pub client_tls: Option<ClientTls>,
     /// The cluster token: checked on every call but health, carried on calls to peers.
     pub token: ClusterToken,
+    /// The process follows role requests (`duet worker`); published in its record.
+    pub switchable: bool,
 }
 
 impl WorkerServer {
@@ -117,6 +119,7 @@ impl WorkerServer {
         let mut r = WorkerRecord::new(self.cluster.clone(), role, id, self.grpc_addr()?);
         r.model = self.model_name.clone();
         r.fingerprint = fingerprint.to_string();
+        r.switchable = self.switchable;
         Ok(r)
     }
 

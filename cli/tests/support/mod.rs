@@ -169,6 +169,11 @@ impl Proc {
         }
     }
 
+    /// The stdout lines the process printed so far.
+    pub fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+
     /// The stderr lines of a process started with [`Proc::start_logged`].
     pub fn log_lines(&self) -> Vec<String> {
         self.errs.lock().unwrap().clone()

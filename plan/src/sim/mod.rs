@@ -30,7 +30,7 @@ mod decode;
 mod prefill;
 mod router;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;

@@ -8,7 +8,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::profile::tests::{example, example_file};
 
-fn spec(mode: Mode, p: usize, d: usize) -> ClusterSpec {
+pub(crate) fn spec(mode: Mode, p: usize, d: usize) -> ClusterSpec {
     ClusterSpec {
         mode,
         prefill_workers: p,

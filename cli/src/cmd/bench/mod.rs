@@ -4,7 +4,7 @@
 
 mod engine;
 mod plot;
-mod router;
+pub mod router;
 pub mod serve;
 mod transfer;
 pub mod workload_args;

@@ -289,26 +289,15 @@ pub fn run(a: RouterBenchArgs) -> anyhow::Result<()> {
             keep.push(regs);
             r
         };
-        let cfg = RouterConfig {
-            mode: Mode::Disaggregated,
-            local_prefill_max_tokens: local_max,
-            model_name: "bench".into(),
-            max_queued_per_priority: 1 << 20,
-            kv_routing: a.kv_routing == crate::cmd::cluster::args::Switch::On,
-            ..RouterConfig::default()
-        };
-        let front = front.clone();
-        let url = router_rt.block_on(async {
-            let view = ClusterView::start(registry.clone(), "bench", cancel.clone());
-            view.clone().wait_for(|s| s.workers.len() == 2).await.ok();
-            let svc = GenerationService::new(front, cfg, view);
-            let addr = serve_fake(
-                tonic::service::Routes::new(svc.into_server()),
-                cancel.clone(),
-            )
-            .await?;
-            anyhow::Ok(format!("http://{addr}"))
-        })?;
+        let kv_routing = a.kv_routing == crate::cmd::cluster::args::Switch::On;
+        let url = start_router(
+            &router_rt,
+            front.clone(),
+            registry,
+            local_max,
+            kv_routing,
+            &cancel,
+        )?;
         targets.push(Target { name, url });
     }
     // Rounds interleave the targets, so that the machine's drift reaches all of them alike.
@@ -354,6 +343,95 @@ pub fn run(a: RouterBenchArgs) -> anyhow::Result<()> {
 }
 
 const BARE_RELAY: &str = "bare relay (reference)";
+
+/// A router on `rt` over the fake workers of `registry`, prefilling prompts of at most
+/// `local_max` tokens on their decode worker; its URL.
+fn start_router(
+    rt: &tokio::runtime::Runtime,
+    front: Arc<TextFrontend>,
+    registry: Arc<dyn duet_discovery::Registry>,
+    local_max: usize,
+    kv_routing: bool,
+    cancel: &CancellationToken,
+) -> anyhow::Result<String> {
+    let cfg = RouterConfig {
+        mode: Mode::Disaggregated,
+        local_prefill_max_tokens: local_max,
+        model_name: "bench".into(),
+        max_queued_per_priority: 1 << 20,
+        kv_routing,
+        ..RouterConfig::default()
+    };
+    rt.block_on(async {
+        let view = ClusterView::start(registry, "bench", cancel.clone());
+        view.clone().wait_for(|s| s.workers.len() == 2).await.ok();
+        let svc = GenerationService::new(front, cfg, view);
+        let addr = serve_fake(
+            tonic::service::Routes::new(svc.into_server()),
+            cancel.clone(),
+        )
+        .await?;
+        anyhow::Ok(format!("http://{addr}"))
+    })
+}
+
+/// What the router and its gRPC hops add to every request, for `duet profile`: the median
+/// time of a one-token request, one at a time, through an in-process router (its own
+/// runtime thread, KV-aware routing on, the prompt prefilled on its decode worker: one
+/// RPC) to fake workers that answer at once, after `warmup` requests.
+pub fn request_overhead(
+    model: &std::path::Path,
+    warmup: usize,
+    requests: usize,
+) -> anyhow::Result<f64> {
+    let front = Arc::new(
+        TextFrontend::load(model).with_context(|| format!("reading {}", model.display()))?,
+    );
+    let one_thread = |name: &str| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name(name)
+            .enable_all()
+            .build()
+    };
+    let (router_rt, load_rt) = (one_thread("duet-router")?, one_thread("bench-load")?);
+    let cancel = CancellationToken::new();
+    let _stop = cancel.clone().drop_guard();
+    let (registry, _, regs) = load_rt.block_on(fake_workers(&cancel))?;
+    let url = start_router(&router_rt, front, registry, usize::MAX, true, &cancel)?;
+    let times = load_rt.block_on(async {
+        let ch = tonic::transport::Endpoint::from_shared(url)?
+            .tcp_nodelay(true)
+            .connect()
+            .await?;
+        let mut c = pb::generation_client::GenerationClient::new(ch);
+        let mut times = Vec::with_capacity(requests);
+        for i in 0..warmup + requests {
+            let req = pb::GenerateRequest {
+                prompt: Some(pb::generate_request::Prompt::Text(
+                    "Hello there, router".into(),
+                )),
+                max_tokens: 1,
+                ..Default::default()
+            };
+            let t = Instant::now();
+            let mut s = c.generate(req).await?.into_inner();
+            let mut finished = false;
+            while let Some(m) = s.message().await? {
+                finished |= matches!(m.event, Some(pb::generate_response::Event::Final(_)));
+            }
+            if !finished {
+                anyhow::bail!("a request through the router ended without its final message");
+            }
+            if i >= warmup {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        anyhow::Ok(times)
+    })?;
+    drop(regs);
+    Ok(median(times))
+}
 
 /// The median round of `s`, with its ratios to the bare relay's round of the same index.
 fn row(name: &'static str, s: &[Sample], bare: &[Sample]) -> Row {

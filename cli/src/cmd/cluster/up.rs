@@ -1,6 +1,7 @@
 //! `duet up`: router + prefill workers + decode workers in one process, in-memory registry,
-//! KV handed over in process (`local` transport); and the separate-process commands
-//! `duet router`, `duet prefill`, `duet decode`, which run the same pieces against etcd.
+//! KV handed over in process (`local` transport); the separate-process commands run the
+//! same pieces against etcd ([`super::processes`]). The workers' scheduling flags are
+//! defined here, once, for both.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -18,16 +19,12 @@ use tokio_util::sync::CancellationToken;
 
 #[cfg(feature = "rdma")]
 use super::args::UcxArgs;
-use super::args::{
-    default_shm_dir, parse_duration, KvArgs, RegistryArgs, SecretArgs, ShmArgs, Switch,
-};
-use super::router::{model_name, run_router, serve_metrics_on, RouterListeners, RoutingArgs};
+use super::args::{default_shm_dir, parse_duration, KvArgs};
+use super::router::{model_name, run_router, RouterListeners, RoutingArgs};
 use super::tls_args::TlsArgs;
 #[cfg(feature = "rdma")]
 use super::worker::RdmaSetting;
-use super::worker::{
-    mib, run_decode, run_prefill, ShmSetting, WorkerEnv, DEFAULT_SEND_ARENA_MIB, MAX_SEND_ARENA_MIB,
-};
+use super::worker::{mib, run_decode, run_prefill, ShmSetting, WorkerEnv, DEFAULT_SEND_ARENA_MIB};
 use crate::cmd::model_args::{EngineArgs, ModelArgs};
 
 /// Decode scheduling flags.
@@ -42,7 +39,7 @@ pub struct DecodeArgs {
 }
 
 impl DecodeArgs {
-    fn config(&self) -> anyhow::Result<DecodeConfig> {
+    pub fn config(&self) -> anyhow::Result<DecodeConfig> {
         if self.max_batch == 0 || self.prefill_chunk_tokens == 0 {
             anyhow::bail!("--max-batch and --prefill-chunk-tokens must be at least 1");
         }
@@ -63,7 +60,7 @@ pub struct PrefillArgs {
 }
 
 impl PrefillArgs {
-    fn config(&self) -> anyhow::Result<PrefillConfig> {
+    pub fn config(&self) -> anyhow::Result<PrefillConfig> {
         if self.max_batch_tokens < super::args::BLOCK_SIZE {
             anyhow::bail!("--max-batch-tokens: at least {}", super::args::BLOCK_SIZE);
         }
@@ -126,11 +123,11 @@ pub enum KvTransport {
     Rdma,
 }
 
-fn load(m: &ModelArgs, e: &EngineArgs) -> anyhow::Result<Arc<EngineModel>> {
+pub fn load(m: &ModelArgs, e: &EngineArgs) -> anyhow::Result<Arc<EngineModel>> {
     Ok(Arc::new(m.load_engine(e)?))
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -195,6 +192,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             tls: server_tls.clone(),
             client_tls: client_tls.clone(),
             secret: secret.clone(),
+            switchable: false,
         };
         for i in 0..a.decode_workers {
             let model = load(&a.model, &a.engine)?;
@@ -318,284 +316,4 @@ async fn wait_all(
         }
     }
     first_err.map_or(Ok(()), Err)
-}
-
-/// Flags of a separate worker or router process.
-#[derive(Args, Debug)]
-pub struct ProcessArgs {
-    #[command(flatten)]
-    pub registry: RegistryArgs,
-    /// gRPC listen address (port 0: any free port, printed at start).
-    #[arg(long, env = "DUET_LISTEN", default_value = "127.0.0.1:0")]
-    pub listen: SocketAddr,
-    /// Host name other processes reach this one at (default: the listen IP).
-    #[arg(long, env = "DUET_ADVERTISE_HOST")]
-    pub advertise_host: Option<String>,
-    /// Worker id (default: role and a random suffix).
-    #[arg(long, env = "DUET_ID")]
-    pub id: Option<String>,
-    /// How long in-flight requests may finish after SIGTERM.
-    #[arg(long, env = "DUET_DRAIN", default_value = "10s", value_parser = parse_duration)]
-    pub drain: Duration,
-    /// Where `/metrics` is served (port 0: any free port, printed at start).
-    #[arg(long, env = "DUET_METRICS_LISTEN", default_value = "127.0.0.1:0")]
-    pub metrics_listen: SocketAddr,
-    #[command(flatten)]
-    pub tls: TlsArgs,
-}
-
-impl ProcessArgs {
-    fn host(&self) -> String {
-        self.advertise_host.clone().unwrap_or_else(|| {
-            let ip = self.listen.ip();
-            if ip.is_unspecified() {
-                "127.0.0.1".into()
-            } else {
-                ip.to_string()
-            }
-        })
-    }
-    fn id(&self, role: &str) -> String {
-        self.id
-            .clone()
-            .unwrap_or_else(|| format!("{role}-{:08x}", rand::random::<u32>()))
-    }
-}
-
-#[derive(Args, Debug)]
-pub struct DecodeCmd {
-    #[command(flatten)]
-    pub process: ProcessArgs,
-    #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub engine: EngineArgs,
-    #[command(flatten)]
-    pub kv: KvArgs,
-    #[command(flatten)]
-    pub decode: DecodeArgs,
-    /// KV receive address (tcp).
-    #[arg(long, env = "DUET_KV_LISTEN", default_value = "127.0.0.1:0")]
-    pub kv_listen: SocketAddr,
-    #[command(flatten)]
-    pub shm: ShmArgs,
-    /// Directory of the shm KV socket and ring files (default: /dev/shm, else the temp dir).
-    #[arg(long, env = "DUET_KV_SHM_DIR")]
-    pub kv_shm_dir: Option<std::path::PathBuf>,
-    /// Host prefill workers send KV to, when KV travels on another network than gRPC (a
-    /// dedicated data network); default: --advertise-host.
-    #[arg(long, env = "DUET_KV_ADVERTISE_HOST")]
-    pub kv_advertise_host: Option<String>,
-    /// Also receive KV over RDMA (UCX): the control address prefill workers connect to
-    /// (port 0: any free port). Advertised beside tcp; prefill workers with `--kv-rdma on`
-    /// prefer it.
-    #[cfg(feature = "rdma")]
-    #[arg(long, env = "DUET_KV_RDMA_LISTEN")]
-    pub kv_rdma_listen: Option<SocketAddr>,
-    #[cfg(feature = "rdma")]
-    #[command(flatten)]
-    pub ucx: UcxArgs,
-    /// Served model name (default: the GGUF file name without extension).
-    #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
-    pub served_model_name: Option<String>,
-}
-
-#[derive(Args, Debug)]
-pub struct PrefillCmd {
-    #[command(flatten)]
-    pub process: ProcessArgs,
-    #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub engine: EngineArgs,
-    #[command(flatten)]
-    pub kv: KvArgs,
-    #[command(flatten)]
-    pub prefill: PrefillArgs,
-    #[command(flatten)]
-    pub shm: ShmArgs,
-    /// Size of the send arena, in MiB: shared memory the KV of shm transfers is laid out in,
-    /// which same-host decode workers map and copy from with a memcpy (layers that do not
-    /// fit go from ordinary memory, read with process_vm_readv). Address space until used;
-    /// 0: no arena.
-    #[arg(
-        long,
-        env = "DUET_KV_SEND_ARENA_MIB",
-        default_value_t = DEFAULT_SEND_ARENA_MIB,
-        value_parser = clap::value_parser!(u32).range(0..=MAX_SEND_ARENA_MIB)
-    )]
-    pub kv_send_arena_mib: u32,
-    /// Send KV over RDMA (UCX) to decode workers that offer it (after a same-host shm
-    /// endpoint, before tcp).
-    #[cfg(feature = "rdma")]
-    #[arg(long, env = "DUET_KV_RDMA", value_enum, default_value = "on")]
-    pub kv_rdma: Switch,
-    #[cfg(feature = "rdma")]
-    #[command(flatten)]
-    pub ucx: UcxArgs,
-    /// Served model name (default: the GGUF file name without extension).
-    #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
-    pub served_model_name: Option<String>,
-}
-
-#[derive(Args, Debug)]
-pub struct RouterCmd {
-    #[command(flatten)]
-    pub process: ProcessArgs,
-    #[command(flatten)]
-    pub routing: RoutingArgs,
-    /// Address of the HTTP door: OpenAI-compatible API, /health and /metrics (port 0: any
-    /// free port, printed at start).
-    #[arg(long, env = "DUET_HTTP_LISTEN", default_value = "127.0.0.1:0")]
-    pub http_listen: SocketAddr,
-    #[command(flatten)]
-    pub secret: SecretArgs,
-    /// GGUF model file (the router reads only its tokenizer and metadata).
-    #[arg(long, env = "DUET_MODEL", default_value = crate::cmd::model_args::DEFAULT_MODEL)]
-    pub model: std::path::PathBuf,
-}
-
-async fn worker_env(
-    p: &ProcessArgs,
-    model: Arc<EngineModel>,
-    model_name: String,
-    kv: KvArgs,
-) -> anyhow::Result<WorkerEnv> {
-    let tls = p.tls.server()?;
-    let client_tls = p.tls.client()?;
-    let secret = kv.secret.required()?;
-    let registry = p.registry.connect().await?;
-    let grpc = TcpListener::bind(p.listen)
-        .await
-        .with_context(|| format!("binding {}", p.listen))?;
-    Ok(WorkerEnv {
-        tls,
-        client_tls,
-        secret,
-        model,
-        model_name,
-        kv,
-        registry,
-        cluster: p.registry.cluster.clone(),
-        registration: p.registry.registration(),
-        grpc,
-        advertise_host: p.host(),
-        hub: None,
-        kv_shm: None,
-        kv_advertise_host: None,
-        #[cfg(feature = "rdma")]
-        kv_rdma: None,
-        drain: p.drain,
-    })
-}
-
-pub fn decode(a: DecodeCmd) -> anyhow::Result<()> {
-    a.process.registry.validate()?;
-    let cfg = a.decode.config()?;
-    let model = load(&a.model, &a.engine)?;
-    let name = model_name(&a.model.model, &a.served_model_name);
-    runtime()?.block_on(async move {
-        let shutdown = duet_serving::server::shutdown_on_signal();
-        serve_metrics_on(a.process.metrics_listen, shutdown.clone()).await?;
-        let mut env = worker_env(&a.process, model, name, a.kv.clone()).await?;
-        env.kv_advertise_host = a.kv_advertise_host.clone();
-        if a.shm.kv_shm == Switch::On {
-            env.kv_shm = Some(ShmSetting {
-                dir: a.kv_shm_dir.clone().unwrap_or_else(default_shm_dir),
-                required: a.kv_shm_dir.is_some(),
-                send_arena_bytes: 0,
-            });
-        }
-        let kv = TcpListener::bind(a.kv_listen)
-            .await
-            .with_context(|| format!("binding {}", a.kv_listen))?;
-        #[cfg(feature = "rdma")]
-        if let Some(addr) = a.kv_rdma_listen {
-            let l = TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("--kv-rdma-listen: binding {addr}"))?;
-            env.kv_rdma = Some(RdmaSetting {
-                options: a.ucx.options(),
-                listener: Some(l),
-            });
-        }
-        run_decode(env, a.process.id("decode"), cfg, Some(kv), shutdown).await
-    })
-}
-
-pub fn prefill(a: PrefillCmd) -> anyhow::Result<()> {
-    a.process.registry.validate()?;
-    let cfg = a.prefill.config()?;
-    let model = load(&a.model, &a.engine)?;
-    let name = model_name(&a.model.model, &a.served_model_name);
-    runtime()?.block_on(async move {
-        let shutdown = duet_serving::server::shutdown_on_signal();
-        serve_metrics_on(a.process.metrics_listen, shutdown.clone()).await?;
-        let mut env = worker_env(&a.process, model, name, a.kv.clone()).await?;
-        if a.shm.kv_shm == Switch::On {
-            // Only "on" matters to a sender: the directory is the receiver's.
-            env.kv_shm = Some(ShmSetting {
-                dir: default_shm_dir(),
-                required: false,
-                send_arena_bytes: mib(a.kv_send_arena_mib),
-            });
-        }
-        #[cfg(feature = "rdma")]
-        if a.kv_rdma == Switch::On {
-            env.kv_rdma = Some(RdmaSetting {
-                options: a.ucx.options(),
-                listener: None,
-            });
-        }
-        run_prefill(env, a.process.id("prefill"), cfg, shutdown).await
-    })
-}
-
-pub fn router(a: RouterCmd) -> anyhow::Result<()> {
-    a.process.registry.validate()?;
-    a.routing.validate()?;
-    let tls = a.process.tls.server()?;
-    let scheme = duet_serving::tls::scheme(tls.is_some());
-    let worker_tls = a.process.tls.client()?;
-    let token = super::args::cluster_token(&a.secret.required()?)?;
-    let front = Arc::new(
-        TextFrontend::load(&a.model).with_context(|| format!("reading {}", a.model.display()))?,
-    );
-    let name = model_name(&a.model, &a.routing.served_model_name);
-    runtime()?.block_on(async move {
-        let shutdown = duet_serving::server::shutdown_on_signal();
-        serve_metrics_on(a.process.metrics_listen, shutdown.clone()).await?;
-        let registry = a.process.registry.connect().await?;
-        let listener = TcpListener::bind(a.process.listen)
-            .await
-            .with_context(|| format!("binding {}", a.process.listen))?;
-        let http = TcpListener::bind(a.http_listen)
-            .await
-            .with_context(|| format!("binding --http-listen {}", a.http_listen))?;
-        println!(
-            "duet: router listening on {scheme}://{}",
-            listener.local_addr()?
-        );
-        println!(
-            "duet: http listening on {scheme}://{} (OpenAI API under /v1)",
-            http.local_addr()?
-        );
-        let mut cfg = a.routing.config(name)?;
-        cfg.worker_tls = worker_tls;
-        cfg.cluster_token = Some(token);
-        run_router(
-            front,
-            cfg,
-            registry,
-            a.process.registry.cluster.clone(),
-            RouterListeners {
-                grpc: listener,
-                http,
-                tls,
-            },
-            shutdown,
-            a.process.drain,
-        )
-        .await
-    })
 }

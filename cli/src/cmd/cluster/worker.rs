@@ -75,6 +75,8 @@ pub struct WorkerEnv {
     /// The cluster secret: the KV handshake's, and the source of the token internal calls
     /// carry (this worker's server refuses calls without it, health excepted).
     pub secret: SharedSecret,
+    /// The worker follows role requests (`duet worker`), as its record says.
+    pub switchable: bool,
 }
 
 impl WorkerEnv {
@@ -92,6 +94,7 @@ impl WorkerEnv {
             tls: self.tls,
             client_tls: self.client_tls,
             token,
+            switchable: self.switchable,
         };
         let parts = Parts {
             model: self.model,

@@ -1,6 +1,7 @@
-//! `duet plan ...` and `duet profile`: sizing clusters from measured profiles (the logic
+//! `duet plan ...`, `duet profile` and `duet planner`: sizing clusters from measured profiles (the logic
 //! lives in the `duet-plan` crate; these files map flags to it and print what it returns).
 
+pub mod planner;
 pub mod profile;
 mod search;
 mod simulate;

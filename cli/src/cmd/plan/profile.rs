@@ -54,10 +54,11 @@ pub struct ProfileArgs {
     /// KV cache element type.
     #[arg(long, env = "DUET_KV_DTYPE", default_value = "f16")]
     pub kv_dtype: KvDtype,
-    /// What the router and its gRPC hops add to each request, milliseconds (not measured
-    /// here: see docs/plan.md).
-    #[arg(long, default_value_t = 2.0)]
-    pub router_overhead_ms: f64,
+    /// What the router and its gRPC hops add to each request, milliseconds; default:
+    /// measured (the median one-token request, one at a time, through an in-process router
+    /// to fake workers that answer at once, as `duet bench router` runs it).
+    #[arg(long)]
+    pub router_overhead_ms: Option<f64>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -76,10 +77,32 @@ fn machine() -> String {
 }
 
 pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
-    if !(a.router_overhead_ms.is_finite() && a.router_overhead_ms >= 0.0) {
+    if a.router_overhead_ms
+        .is_some_and(|ms| !(ms.is_finite() && ms >= 0.0))
+    {
         anyhow::bail!("--router-overhead-ms: a number >= 0");
     }
     let kind = a.engine.resolve()?;
+    let (router_overhead_s, note) = match a.router_overhead_ms {
+        Some(ms) => (
+            ms / 1e3,
+            format!("router_overhead_s given on the command line ({ms} ms), not measured"),
+        ),
+        None => {
+            const WARMUP: usize = 50;
+            const REQUESTS: usize = 400;
+            if !a.quiet {
+                eprintln!("measuring the router's overhead ({REQUESTS} requests)");
+            }
+            let s = crate::cmd::bench::router::request_overhead(&a.model.model, WARMUP, REQUESTS)?;
+            (
+                s,
+                format!(
+                    "router_overhead_s measured: median of {REQUESTS} one-token requests, one at a time, through an in-process router (one runtime thread, KV-aware routing, prefill on the decode worker) to fake workers that answer at once"
+                ),
+            )
+        }
+    };
     let model = a.model.load_engine(&a.engine)?;
     let grid = Grid {
         prefill_tokens: a.prefill_tokens.clone(),
@@ -91,7 +114,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
         links: a.links.clone(),
         kv_pool_bytes: a.kv_pool as usize,
         kv_dtype: a.kv_dtype,
-        router_overhead_s: a.router_overhead_ms / 1e3,
+        router_overhead_s,
     };
     let source = Source {
         kind: "measured".into(),
@@ -109,7 +132,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
         created_unix_s: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64()),
-        notes: vec![],
+        notes: vec![note],
     };
     let file = measure(&model, a.model.threads, &grid, source, !a.quiet)?;
     let profile = Profile::new(&a.output.display().to_string(), file)?;

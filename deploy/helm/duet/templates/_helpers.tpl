@@ -97,6 +97,53 @@ app.kubernetes.io/component: {{ .component }}
 {{- join "," $peers -}}
 {{- end -}}
 
+{{/*
+A duet container's access to an external etcd: its TLS material (etcd.external.tlsSecret,
+mounted at /etc/duet/etcd-tls) and user/password (etcd.external.authSecret). Nothing for
+the bundled etcd.
+*/}}
+{{- define "duet.etcdClientEnv" -}}
+{{- $e := .Values.etcd -}}
+{{- if not $e.enabled }}
+{{- if $e.external.tlsSecret }}
+- name: DUET_ETCD_CA
+  value: /etc/duet/etcd-tls/ca.crt
+- name: DUET_ETCD_CERT
+  value: /etc/duet/etcd-tls/tls.crt
+- name: DUET_ETCD_KEY
+  value: /etc/duet/etcd-tls/tls.key
+{{- end }}
+{{- if $e.external.authSecret }}
+- name: DUET_ETCD_USER
+  valueFrom:
+    secretKeyRef:
+      name: {{ $e.external.authSecret }}
+      key: username
+- name: DUET_ETCD_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $e.external.authSecret }}
+      key: password
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "duet.etcdClientMount" -}}
+{{- if and (not .Values.etcd.enabled) .Values.etcd.external.tlsSecret }}
+- name: etcd-tls
+  mountPath: /etc/duet/etcd-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "duet.etcdClientVolume" -}}
+{{- if and (not .Values.etcd.enabled) .Values.etcd.external.tlsSecret }}
+- name: etcd-tls
+  secret:
+    secretName: {{ .Values.etcd.external.tlsSecret }}
+{{- end }}
+{{- end -}}
+
 {{/* ---- durations and the grace period ------------------------------------------------ */}}
 
 {{/* Whole seconds (rounded up) of a duet duration: 500ms, 10s, 2m, 1h, or plain seconds. */}}
