@@ -10,6 +10,9 @@
 //! planner asked for both switches and the workers made them, and no worker holds a KV
 //! block afterwards.
 //!
+//! A second test asks for switches by hand in the middle of a stream, as the planner
+//! would: the stream finishes during the drain, or is cut and migrates, with the same tokens.
+//!
 //! The planner models each worker as its own machine (`--workers-per-host 1`, its default),
 //! as in a real cluster; on this 2-core machine the three workers share the cores, so the
 //! switches are judged, not paid off here (docs/plan.md).
