@@ -369,13 +369,7 @@ fn a_switch_asked_mid_stream_lets_the_stream_finish_or_migrate_with_the_same_tok
         wait_layout(&url, (1, 2), START, &router).await;
         // 1. d0 is asked to prefill mid-stream: the stream finishes there (the drain
         //    outlasts it), then d0 serves prefill.
-        let stream = {
-            let url = url.clone();
-            tokio::spawn(async move {
-                let mut c = client(&url).await;
-                generate(&mut c, greedy(chat(question), 200)).await
-            })
-        };
+        let stream = tokio::spawn(stream_of(url.clone(), question));
         wait_running(&d0.metrics_url(), "d0").await;
         ask(&ep, "d0", Role::Prefill).await;
         assert!(!stream.is_finished(), "the switch was asked mid-stream");
@@ -389,13 +383,7 @@ fn a_switch_asked_mid_stream_lets_the_stream_finish_or_migrate_with_the_same_tok
 
         // 2. d1 (1 s drain) is asked to prefill mid-stream while d0 comes back to decode:
         //    the stream is cut and resumed on d0 with the same tokens.
-        let stream = {
-            let url = url.clone();
-            tokio::spawn(async move {
-                let mut c = client(&url).await;
-                generate(&mut c, greedy(chat(question), 200)).await
-            })
-        };
+        let stream = tokio::spawn(stream_of(url.clone(), question));
         wait_running(&d1.metrics_url(), "d1").await;
         ask(&ep, "d0", Role::Decode).await;
         wait_layout(&url, (1, 2), Duration::from_secs(30), &router).await;
@@ -413,6 +401,12 @@ fn a_switch_asked_mid_stream_lets_the_stream_finish_or_migrate_with_the_same_tok
             assert_eq!(used, 0.0, "{name} holds KV blocks");
         }
     });
+}
+
+/// A 200-token greedy answer to `question`, streamed through the router at `url`.
+async fn stream_of(url: String, question: &str) -> Result<support::Completion, tonic::Status> {
+    let mut c = client(&url).await;
+    generate(&mut c, greedy(chat(question), 200)).await
 }
 
 /// Waits until the decode worker behind `metrics` runs a sequence.

@@ -12,6 +12,7 @@ use clap::Args;
 use duet_discovery::Registry;
 use duet_engine::{EngineModel, TextFrontend};
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 
 #[cfg(feature = "rdma")]
 use super::args::UcxArgs;
@@ -241,13 +242,37 @@ pub struct Loaded {
 
 impl WorkerProcessArgs {
     /// Loads the model (before the runtime: it is CPU work).
-    pub fn load(&self) -> anyhow::Result<(Arc<EngineModel>, String)> {
+    fn load(&self) -> anyhow::Result<(Arc<EngineModel>, String)> {
         self.process.registry.validate()?;
         let model = load(&self.model, &self.engine)?;
         Ok((
             model,
             model_name(&self.model.model, &self.served_model_name),
         ))
+    }
+
+    /// Runs a worker process: loads the model, then on the runtime starts `/metrics`,
+    /// connects to the registry, binds the ports (the decode side's too with `decode_kv`)
+    /// and hands them to `serve` until shutdown.
+    pub fn run(
+        &self,
+        decode_kv: Option<&DecodeKvArgs>,
+        serve: impl AsyncFnOnce(&Loaded, &Ports, CancellationToken) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        let (model, model_name) = self.load()?;
+        runtime()?.block_on(async move {
+            let shutdown = duet_serving::server::shutdown_on_signal();
+            let p = &self.process;
+            serve_metrics_on(p.metrics_listen, shutdown.clone()).await?;
+            let registry = p.registry.connect().await?;
+            let ports = Ports::bind(p, decode_kv).await?;
+            let loaded = Loaded {
+                model,
+                model_name,
+                registry,
+            };
+            serve(&loaded, &ports, shutdown).await
+        })
     }
 
     /// The environment of one role's run on `ports`.
@@ -283,7 +308,7 @@ impl WorkerProcessArgs {
         args: (&DecodeArgs, &DecodeKvArgs),
         id: String,
         switchable: bool,
-        shutdown: tokio_util::sync::CancellationToken,
+        shutdown: CancellationToken,
     ) -> anyhow::Result<()> {
         let (sched, d) = args;
         let cfg = sched.config()?;
@@ -317,7 +342,7 @@ impl WorkerProcessArgs {
         args: (&PrefillArgs, &PrefillKvArgs),
         id: String,
         switchable: bool,
-        shutdown: tokio_util::sync::CancellationToken,
+        shutdown: CancellationToken,
     ) -> anyhow::Result<()> {
         let (sched, p) = args;
         let cfg = sched.config()?;
@@ -343,54 +368,23 @@ impl WorkerProcessArgs {
 
 pub fn decode(a: DecodeCmd) -> anyhow::Result<()> {
     a.decode.config()?;
-    let (model, model_name) = a.worker.load()?;
-    runtime()?.block_on(async move {
-        let shutdown = duet_serving::server::shutdown_on_signal();
-        let p = &a.worker.process;
-        serve_metrics_on(p.metrics_listen, shutdown.clone()).await?;
-        let registry = p.registry.connect().await?;
-        let ports = Ports::bind(p, Some(&a.decode_kv)).await?;
-        let loaded = Loaded {
-            model,
-            model_name,
-            registry,
-        };
-        a.worker
-            .serve_decode(
-                &loaded,
-                &ports,
-                (&a.decode, &a.decode_kv),
-                p.id("decode"),
-                false,
-                shutdown,
-            )
-            .await
-    })
+    let id = a.worker.process.id("decode");
+    a.worker
+        .run(Some(&a.decode_kv), async |loaded, ports, shutdown| {
+            let args = (&a.decode, &a.decode_kv);
+            (a.worker)
+                .serve_decode(loaded, ports, args, id, false, shutdown)
+                .await
+        })
 }
 
 pub fn prefill(a: PrefillCmd) -> anyhow::Result<()> {
     a.prefill.config()?;
-    let (model, model_name) = a.worker.load()?;
-    runtime()?.block_on(async move {
-        let shutdown = duet_serving::server::shutdown_on_signal();
-        let p = &a.worker.process;
-        serve_metrics_on(p.metrics_listen, shutdown.clone()).await?;
-        let registry = p.registry.connect().await?;
-        let ports = Ports::bind(p, None).await?;
-        let loaded = Loaded {
-            model,
-            model_name,
-            registry,
-        };
-        a.worker
-            .serve_prefill(
-                &loaded,
-                &ports,
-                (&a.prefill, &a.prefill_kv),
-                p.id("prefill"),
-                false,
-                shutdown,
-            )
+    let id = a.worker.process.id("prefill");
+    a.worker.run(None, async |loaded, ports, shutdown| {
+        let args = (&a.prefill, &a.prefill_kv);
+        (a.worker)
+            .serve_prefill(loaded, ports, args, id, false, shutdown)
             .await
     })
 }

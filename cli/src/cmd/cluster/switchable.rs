@@ -27,9 +27,8 @@ use duet_discovery::{control, Registry, Role};
 use duet_telemetry::names::*;
 use tokio_util::sync::CancellationToken;
 
-use super::processes::{DecodeKvArgs, Loaded, Ports, PrefillKvArgs, WorkerProcessArgs};
-use super::router::serve_metrics_on;
-use super::up::{runtime, DecodeArgs, PrefillArgs};
+use super::processes::{DecodeKvArgs, PrefillKvArgs, WorkerProcessArgs};
+use super::up::{DecodeArgs, PrefillArgs};
 
 /// A role, as a flag.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -70,92 +69,87 @@ type Serving<'a> = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send + 'a>>
 pub fn worker(a: WorkerCmd) -> anyhow::Result<()> {
     a.decode.config()?;
     a.prefill.config()?;
-    let (model, model_name) = a.worker.load()?;
-    runtime()?.block_on(async move {
-        let shutdown = duet_serving::server::shutdown_on_signal();
-        let p = &a.worker.process;
-        serve_metrics_on(p.metrics_listen, shutdown.clone()).await?;
-        let registry = p.registry.connect().await?;
-        let ports = Ports::bind(p, Some(&a.decode_kv)).await?;
-        let id = p.id("worker");
-        let cluster = p.registry.cluster.clone();
-        let loaded = Loaded {
-            model,
-            model_name,
-            registry: registry.clone(),
-        };
-        let mut role = match control::role_request(registry.as_ref(), &cluster, &id).await? {
-            Some(r) => {
-                tracing::info!(worker = %id, role = %r.role, "taking the requested role");
-                r.role
-            }
-            None => a.role.into(),
-        };
-        let mut requested =
-            control::follow_role_request(registry.clone(), &cluster, &id, shutdown.child_token());
-        let serve = |role: Role, stop: CancellationToken| -> Serving<'_> {
-            match role {
-                Role::Decode => Box::pin(a.worker.serve_decode(
-                    &loaded,
-                    &ports,
-                    (&a.decode, &a.decode_kv),
-                    id.clone(),
-                    true,
-                    stop,
-                )),
-                Role::Prefill => Box::pin(a.worker.serve_prefill(
-                    &loaded,
-                    &ports,
-                    (&a.prefill, &a.prefill_kv),
-                    id.clone(),
-                    true,
-                    stop,
-                )),
-            }
-        };
-        let mut following = true;
-        loop {
-            set_role_gauge(&id, role);
-            let stop = shutdown.child_token();
-            let mut serving = serve(role, stop.clone());
-            let next = loop {
-                tokio::select! {
-                    r = &mut serving => return r,
-                    changed = requested.changed(), if following => {
-                        if changed.is_err() {
-                            following = false;
-                            continue;
-                        }
-                        match *requested.borrow_and_update() {
-                            Some(want) if want != role => break want,
-                            _ => {}
-                        }
-                    }
+    let id = a.worker.process.id("worker");
+    let cluster = a.worker.process.registry.cluster.clone();
+    a.worker
+        .run(Some(&a.decode_kv), async |loaded, ports, shutdown| {
+            let registry = loaded.registry.clone();
+            let mut role = match control::role_request(registry.as_ref(), &cluster, &id).await? {
+                Some(r) => {
+                    tracing::info!(worker = %id, role = %r.role, "taking the requested role");
+                    r.role
+                }
+                None => a.role.into(),
+            };
+            let mut requested = control::follow_role_request(
+                registry.clone(),
+                &cluster,
+                &id,
+                shutdown.child_token(),
+            );
+            let serve = |role: Role, stop: CancellationToken| -> Serving<'_> {
+                match role {
+                    Role::Decode => Box::pin(a.worker.serve_decode(
+                        loaded,
+                        ports,
+                        (&a.decode, &a.decode_kv),
+                        id.clone(),
+                        true,
+                        stop,
+                    )),
+                    Role::Prefill => Box::pin(a.worker.serve_prefill(
+                        loaded,
+                        ports,
+                        (&a.prefill, &a.prefill_kv),
+                        id.clone(),
+                        true,
+                        stop,
+                    )),
                 }
             };
-            println!("duet worker: {id}: switching from {role} to {next}");
-            let t = Instant::now();
-            stop.cancel();
-            serving.await?;
-            zero_role_gauges(&id, role);
-            if shutdown.is_cancelled() {
-                return Ok(());
+            let mut following = true;
+            loop {
+                set_role_gauge(&id, role);
+                let stop = shutdown.child_token();
+                let mut serving = serve(role, stop.clone());
+                let next = loop {
+                    tokio::select! {
+                        r = &mut serving => return r,
+                        changed = requested.changed(), if following => {
+                            if changed.is_err() {
+                                following = false;
+                                continue;
+                            }
+                            match *requested.borrow_and_update() {
+                                Some(want) if want != role => break want,
+                                _ => {}
+                            }
+                        }
+                    }
+                };
+                println!("duet worker: {id}: switching from {role} to {next}");
+                let t = Instant::now();
+                stop.cancel();
+                serving.await?;
+                zero_role_gauges(&id, role);
+                if shutdown.is_cancelled() {
+                    return Ok(());
+                }
+                metrics::counter!(
+                    WORKER_ROLE_SWITCHES_TOTAL,
+                    "from" => role.as_str(), "to" => next.as_str(), "worker" => id.clone()
+                )
+                .increment(1);
+                tokio::spawn(time_the_switch(
+                    registry.clone(),
+                    duet_discovery::worker_key(&cluster, next, &id),
+                    id.clone(),
+                    t,
+                    shutdown.clone(),
+                ));
+                role = next;
             }
-            metrics::counter!(
-                WORKER_ROLE_SWITCHES_TOTAL,
-                "from" => role.as_str(), "to" => next.as_str(), "worker" => id.clone()
-            )
-            .increment(1);
-            tokio::spawn(time_the_switch(
-                registry.clone(),
-                duet_discovery::worker_key(&cluster, next, &id),
-                id.clone(),
-                t,
-                shutdown.clone(),
-            ));
-            role = next;
-        }
-    })
+        })
 }
 
 /// Records how long the switch begun at `started` took, once the new role's record `key`

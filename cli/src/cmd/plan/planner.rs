@@ -18,7 +18,7 @@ use duet_plan::planner::{Decision, Evaluation, Observation, Planner, PlannerConf
 use duet_plan::Profile;
 use duet_telemetry::names::*;
 
-use super::simulate::SchedArgs;
+use super::simulate::{PlacementArgs, SchedArgs};
 use crate::cmd::cluster::args::{parse_duration, ModeArg, RegistryArgs};
 use crate::cmd::cluster::router::serve_metrics_on;
 
@@ -65,12 +65,8 @@ pub struct PlannerArgs {
     /// Evaluate and report, but write no role request.
     #[arg(long, env = "DUET_PLANNER_DRY_RUN")]
     pub dry_run: bool,
-    /// The routers' mode (as their flag).
-    #[arg(long, env = "DUET_MODE", value_enum, default_value = "disaggregated")]
-    pub mode: ModeArg,
-    /// The routers' --local-prefill-max-tokens.
-    #[arg(long, env = "DUET_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 32)]
-    pub local_prefill_max_tokens: usize,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
     #[command(flatten)]
     pub sched: SchedArgs,
     /// Where `/metrics` is served (port 0: any free port, printed at start).
@@ -104,7 +100,7 @@ impl PlannerArgs {
         if self.min_decode == 0 {
             anyhow::bail!("--min-decode: at least 1");
         }
-        if matches!(self.mode, ModeArg::Colocated) {
+        if matches!(self.placement.mode, ModeArg::Colocated) {
             anyhow::bail!("--mode: colocated clusters have no prefill role to switch to");
         }
         Ok(slo)
@@ -114,9 +110,13 @@ impl PlannerArgs {
 pub fn run(a: PlannerArgs) -> anyhow::Result<()> {
     let slo = a.validate()?;
     let profile = Profile::read(&a.profile)?;
-    let spec = a
-        .sched
-        .cluster(&profile, a.mode.into(), 1, 1, a.local_prefill_max_tokens)?;
+    let spec = a.sched.cluster(
+        &profile,
+        a.placement.mode.into(),
+        1,
+        1,
+        a.placement.local_prefill_max_tokens,
+    )?;
     let cfg = PlannerConfig {
         slo,
         target: a.slo_attainment,

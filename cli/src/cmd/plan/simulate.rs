@@ -31,12 +31,8 @@ pub struct SimulateArgs {
     /// Decode workers.
     #[arg(long, env = "DUET_DECODE_WORKERS", default_value_t = 1)]
     pub decode_workers: usize,
-    /// How the router places prefill.
-    #[arg(long, env = "DUET_MODE", value_enum, default_value = "disaggregated")]
-    pub mode: ModeArg,
-    /// Prompts with at most this many tokens to compute are prefilled on the decode worker.
-    #[arg(long, env = "DUET_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 32)]
-    pub local_prefill_max_tokens: usize,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
     #[command(flatten)]
     pub sched: SchedArgs,
     /// Requests from a trace instead of the generated workload: Azure LLM inference CSV
@@ -73,12 +69,23 @@ impl SimulateArgs {
         }
         self.sched.cluster(
             profile,
-            self.mode.into(),
+            self.placement.mode.into(),
             self.prefill_workers,
             self.decode_workers,
-            self.local_prefill_max_tokens,
+            self.placement.local_prefill_max_tokens,
         )
     }
+}
+
+/// How the routers place prefill, as their flags (`plan simulate`, `planner`).
+#[derive(Args, Debug)]
+pub struct PlacementArgs {
+    /// How the router places prefill.
+    #[arg(long, env = "DUET_MODE", value_enum, default_value = "disaggregated")]
+    pub mode: ModeArg,
+    /// Prompts with at most this many tokens to compute are prefilled on the decode worker.
+    #[arg(long, env = "DUET_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 32)]
+    pub local_prefill_max_tokens: usize,
 }
 
 /// The router's and workers' scheduling flags a simulated cluster takes (same names and
