@@ -59,15 +59,27 @@ impl Slo {
     }
 
     pub fn met_by(&self, r: &RequestRecord) -> bool {
-        let within = |bound: Option<f64>, value_s: Option<f64>| match (bound, value_s) {
+        let ms = |s: Option<f64>| s.map(|s| s * 1000.0);
+        self.met(r.ok(), ms(r.ttft_s), ms(r.tpot_s), ms(r.e2e_s))
+    }
+
+    /// Whether a request that ended `ok` with these times (milliseconds) meets every
+    /// bound; TPOT does not apply to a request without one (a single token).
+    pub fn met(
+        &self,
+        ok: bool,
+        ttft_ms: Option<f64>,
+        tpot_ms: Option<f64>,
+        e2e_ms: Option<f64>,
+    ) -> bool {
+        let within = |bound: Option<f64>, value_ms: Option<f64>| match (bound, value_ms) {
             (None, _) => true,
-            (Some(ms), Some(v)) => v * 1000.0 <= ms,
+            (Some(b), Some(v)) => v <= b,
             (Some(_), None) => false,
         };
-        r.ok()
-            && within(self.ttft_ms, r.ttft_s)
-            && (self.tpot_ms.is_none() || r.tpot_s.is_none() || within(self.tpot_ms, r.tpot_s))
-            && within(self.e2e_ms, r.e2e_s)
+        ok && within(self.ttft_ms, ttft_ms)
+            && (self.tpot_ms.is_none() || tpot_ms.is_none() || within(self.tpot_ms, tpot_ms))
+            && within(self.e2e_ms, e2e_ms)
     }
 
     /// (requests meeting the SLO, attainment); attainment is None without requests.

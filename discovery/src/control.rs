@@ -132,7 +132,8 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
     serde_json::from_slice(bytes).map_err(|source| Error::Decode { source })
 }
 
-fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
+/// Encodes a control value.
+pub fn to_json<T: Serialize>(value: &T) -> Result<Vec<u8>> {
     serde_json::to_vec(value).map_err(|source| Error::Encode { source })
 }
 
@@ -144,7 +145,7 @@ pub async fn request_role(
     request: &RoleRequest,
 ) -> Result<()> {
     let key = role_request_key(cluster, id);
-    let value = encode(request)?;
+    let value = to_json(request)?;
     with_timeout("put", CALL_TIMEOUT, registry.put(&key, value, None)).await?;
     Ok(())
 }
@@ -155,53 +156,56 @@ pub async fn role_request(
     cluster: &str,
     id: &str,
 ) -> Result<Option<RoleRequest>> {
-    let key = role_request_key(cluster, id);
-    let listing = with_timeout("list", CALL_TIMEOUT, registry.list(&key)).await?;
-    listing
+    Ok(read_exact(registry, &role_request_key(cluster, id))
+        .await?
+        .0)
+}
+
+/// The role request at exactly `key` (a listing of `key` also holds longer keys), and the
+/// revision the read reflects.
+async fn read_exact(registry: &dyn Registry, key: &str) -> Result<(Option<RoleRequest>, i64)> {
+    let listing = with_timeout("list", CALL_TIMEOUT, registry.list(key)).await?;
+    let request = listing
         .kvs
         .iter()
         .find(|kv| kv.key == key)
         .map(|kv| decode(&kv.value))
-        .transpose()
+        .transpose()?;
+    Ok((request, listing.revision))
 }
 
-/// Every role request of `cluster`, by worker id (values that do not decode are skipped
-/// with a warning: one bad key must not stop the planner).
+/// Every value under `prefix` that decodes, with its key's remainder (values that do not
+/// decode are skipped with a warning: one bad key must not stop the planner).
+async fn list_decoded<T: DeserializeOwned>(
+    registry: &dyn Registry,
+    prefix: &str,
+) -> Result<Vec<(String, T)>> {
+    let listing = with_timeout("list", CALL_TIMEOUT, registry.list(prefix)).await?;
+    Ok(listing
+        .kvs
+        .into_iter()
+        .filter_map(|kv| {
+            let name = kv.key.strip_prefix(prefix)?.to_string();
+            decode::<T>(&kv.value)
+                .inspect_err(|e| tracing::warn!(key = %kv.key, error = %e, "skipping a value"))
+                .ok()
+                .map(|v| (name, v))
+        })
+        .collect())
+}
+
+/// Every role request of `cluster`, by worker id.
 pub async fn role_requests(
     registry: &dyn Registry,
     cluster: &str,
 ) -> Result<Vec<(String, RoleRequest)>> {
-    let prefix = roles_prefix(cluster);
-    let listing = with_timeout("list", CALL_TIMEOUT, registry.list(&prefix)).await?;
-    Ok(listing
-        .kvs
-        .into_iter()
-        .filter_map(|kv| {
-            let id = kv.key.strip_prefix(&prefix)?.to_string();
-            decode::<RoleRequest>(&kv.value)
-                .inspect_err(
-                    |e| tracing::warn!(key = %kv.key, error = %e, "skipping a role request"),
-                )
-                .ok()
-                .map(|r| (id, r))
-        })
-        .collect())
+    list_decoded(registry, &roles_prefix(cluster)).await
 }
 
-/// Every router's published load in `cluster` (undecodable values skipped with a warning).
+/// Every router's published load in `cluster`.
 pub async fn router_loads(registry: &dyn Registry, cluster: &str) -> Result<Vec<RouterLoad>> {
-    let listing = with_timeout("list", CALL_TIMEOUT, registry.list(&load_prefix(cluster))).await?;
-    Ok(listing
-        .kvs
-        .into_iter()
-        .filter_map(|kv| {
-            decode::<RouterLoad>(&kv.value)
-                .inspect_err(
-                    |e| tracing::warn!(key = %kv.key, error = %e, "skipping a router's load"),
-                )
-                .ok()
-        })
-        .collect())
+    let loads = list_decoded(registry, &load_prefix(cluster)).await?;
+    Ok(loads.into_iter().map(|(_, l)| l).collect())
 }
 
 /// Follows worker `id`'s role request until `stop`: the receiver holds the requested role
@@ -241,18 +245,9 @@ async fn follow_once(
     key: &str,
     tx: &watch::Sender<Option<Role>>,
 ) -> Result<()> {
-    let listing = with_timeout("list", CALL_TIMEOUT, registry.list(key)).await?;
-    let role = match listing.kvs.iter().find(|kv| kv.key == key) {
-        Some(kv) => Some(decode::<RoleRequest>(&kv.value)?.role),
-        None => None,
-    };
-    tx.send_replace(role);
-    let mut events = with_timeout(
-        "watch",
-        CALL_TIMEOUT,
-        registry.watch(key, listing.revision + 1),
-    )
-    .await?;
+    let (request, revision) = read_exact(registry, key).await?;
+    tx.send_replace(request.map(|r| r.role));
+    let mut events = with_timeout("watch", CALL_TIMEOUT, registry.watch(key, revision + 1)).await?;
     while let Some(ev) = events.next().await {
         let ev = ev?;
         if ev.key() != key {
@@ -323,11 +318,6 @@ pub async fn publish_leased(
     if let Some(id) = lease {
         let _ = with_timeout("revoke", CALL_TIMEOUT, registry.revoke_lease(id)).await;
     }
-}
-
-/// Encodes a control value (for [`publish_leased`]'s closure).
-pub fn to_json<T: Serialize>(value: &T) -> Result<Vec<u8>> {
-    encode(value)
 }
 
 #[cfg(test)]

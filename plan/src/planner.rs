@@ -395,20 +395,13 @@ pub fn observed_attainment(slo: &Slo, requests: &[ObservedRequest]) -> Option<f6
     if requests.is_empty() {
         return None;
     }
-    let within = |bound: Option<f64>, v: Option<f64>| match (bound, v) {
-        (None, _) => true,
-        (Some(b), Some(v)) => v <= b,
-        (Some(_), None) => false,
-    };
     let met = requests
         .iter()
         .filter(|r| {
             let e2e = r.ttft_ms.map(|t| {
                 t + r.tpot_ms.unwrap_or(0.0) * f64::from(r.output_tokens.saturating_sub(1))
             });
-            r.ok && within(slo.ttft_ms, r.ttft_ms)
-                && (r.tpot_ms.is_none() || within(slo.tpot_ms, r.tpot_ms))
-                && within(slo.e2e_ms, e2e)
+            slo.met(r.ok, r.ttft_ms, r.tpot_ms, e2e)
         })
         .count();
     Some(met as f64 / requests.len() as f64)

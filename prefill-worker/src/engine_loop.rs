@@ -175,6 +175,12 @@ impl EngineLoop for Engine {
             self.cache.free_sequence(r.job.request_id);
             let _ = r.tx.send(Msg::Fail(PrefillError::ShuttingDown));
         }
+        // The pool goes with the thread: nothing is queued or held, and there is no pool
+        // (a `duet worker` that moved to decode must not show its last sample forever).
+        let m = &self.metrics;
+        for g in [&m.queue_depth, &m.queued_tokens, &m.kv_used, &m.kv_capacity] {
+            g.set(0.0);
+        }
     }
 }
 

@@ -156,6 +156,12 @@ impl Scheduler {
             let _ = seq.events.send(Event::Error(DecodeError::ShuttingDown));
         }
         self.publish();
+        // The pool goes with the thread: nothing runs, waits or is held, and there is no
+        // pool (a `duet worker` that moved to prefill must not show its last sample).
+        let m = &self.metrics;
+        for g in [&m.running, &m.waiting, &m.kv_used, &m.kv_capacity] {
+            g.set(0.0);
+        }
     }
 
     fn publish(&mut self) {

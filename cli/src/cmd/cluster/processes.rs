@@ -11,6 +11,8 @@ use anyhow::Context;
 use clap::Args;
 use duet_discovery::Registry;
 use duet_engine::{EngineModel, TextFrontend};
+use duet_kv_transfer::SharedSecret;
+use duet_serving::tls::{ClientTls, ServerTls};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -233,11 +235,14 @@ impl Ports {
     }
 }
 
-/// A worker process's loaded model and registry connection, shared by every role it serves.
+/// What a worker process loads, reads and connects once, shared by every role it serves.
 pub struct Loaded {
     pub model: Arc<EngineModel>,
     pub model_name: String,
     pub registry: Arc<dyn Registry>,
+    tls: Option<ServerTls>,
+    client_tls: Option<ClientTls>,
+    secret: SharedSecret,
 }
 
 impl WorkerProcessArgs {
@@ -251,7 +256,8 @@ impl WorkerProcessArgs {
         ))
     }
 
-    /// Runs a worker process: loads the model, then on the runtime starts `/metrics`,
+    /// Runs a worker process: loads the model, reads its TLS files and the cluster secret,
+    /// then on the runtime starts `/metrics`,
     /// connects to the registry, binds the ports (the decode side's too with `decode_kv`)
     /// and hands them to `serve` until shutdown.
     pub fn run(
@@ -260,9 +266,12 @@ impl WorkerProcessArgs {
         serve: impl AsyncFnOnce(&Loaded, &Ports, CancellationToken) -> anyhow::Result<()>,
     ) -> anyhow::Result<()> {
         let (model, model_name) = self.load()?;
+        let p = &self.process;
+        // Read once: every role this process serves uses them.
+        let (tls, client_tls) = (p.tls.server()?, p.tls.client()?);
+        let secret = self.kv.secret.required()?;
         runtime()?.block_on(async move {
             let shutdown = duet_serving::server::shutdown_on_signal();
-            let p = &self.process;
             serve_metrics_on(p.metrics_listen, shutdown.clone()).await?;
             let registry = p.registry.connect().await?;
             let ports = Ports::bind(p, decode_kv).await?;
@@ -270,6 +279,9 @@ impl WorkerProcessArgs {
                 model,
                 model_name,
                 registry,
+                tls,
+                client_tls,
+                secret,
             };
             serve(&loaded, &ports, shutdown).await
         })
@@ -279,9 +291,9 @@ impl WorkerProcessArgs {
     fn env(&self, loaded: &Loaded, ports: &Ports, switchable: bool) -> anyhow::Result<WorkerEnv> {
         let p = &self.process;
         Ok(WorkerEnv {
-            tls: p.tls.server()?,
-            client_tls: p.tls.client()?,
-            secret: self.kv.secret.required()?,
+            tls: loaded.tls.clone(),
+            client_tls: loaded.client_tls.clone(),
+            secret: loaded.secret.clone(),
             model: loaded.model.clone(),
             model_name: loaded.model_name.clone(),
             kv: self.kv.clone(),

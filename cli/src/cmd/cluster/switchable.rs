@@ -10,7 +10,8 @@
 //! 2. its server drains in-flight calls for up to `--drain`; decode streams still running
 //!    then are cut and the router resumes them on another decode worker by token replay
 //!    (the same path as a worker that stops), prefill calls finish or fail over;
-//! 3. its engine thread stops and drops its KV pool (no block outlives the role);
+//! 3. its engine thread stops and drops its KV pool (no block outlives the role; the
+//!    role's load and pool gauges read 0, as the engine sets them when it stops);
 //!
 //! then the other role starts on the same ports under the same id and registers under its
 //! new role. Invariants: at most one role serves at a time; the ports stay bound
@@ -131,7 +132,6 @@ pub fn worker(a: WorkerCmd) -> anyhow::Result<()> {
                 let t = Instant::now();
                 stop.cancel();
                 serving.await?;
-                zero_role_gauges(&id, role);
                 if shutdown.is_cancelled() {
                     return Ok(());
                 }
@@ -178,28 +178,5 @@ fn set_role_gauge(id: &str, role: Role) {
     for r in Role::ALL {
         metrics::gauge!(WORKER_ROLE, "role" => r.as_str(), "worker" => id.to_string())
             .set(if r == role { 1.0 } else { 0.0 });
-    }
-}
-
-/// The stopped role's load gauges read 0: its engine thread has stopped and its KV pool
-/// is gone, so nothing is running, waiting or held (they would otherwise keep their last
-/// sample, as if blocks were stranded).
-fn zero_role_gauges(id: &str, role: Role) {
-    let names: &[&str] = match role {
-        Role::Decode => &[
-            DECODE_RUNNING,
-            DECODE_WAITING,
-            DECODE_KV_BLOCKS_USED,
-            DECODE_KV_BLOCKS_CAPACITY,
-        ],
-        Role::Prefill => &[
-            PREFILL_QUEUE_DEPTH,
-            PREFILL_QUEUED_TOKENS,
-            PREFILL_KV_BLOCKS_USED,
-            PREFILL_KV_BLOCKS_CAPACITY,
-        ],
-    };
-    for name in names {
-        metrics::gauge!(*name, "worker" => id.to_string()).set(0.0);
     }
 }
