@@ -301,3 +301,100 @@ fn eval_perplexity_equals_llama_cpps() {
     ]);
     assert_clean_failure(&o, "ctx");
 }
+
+/// `--attention window=W,sinks=S` (StreamingLLM) as a user measures it: a window at least
+/// as long as the text changes nothing; a short window holds a fraction of the KV and costs
+/// some perplexity, reported; bad windows are refused naming the field; `duet run`
+/// generates under a window, and the candle engine, which cannot, says so.
+#[test]
+fn eval_perplexity_under_a_window_holds_less_kv_at_a_measured_quality_cost() {
+    let m = model();
+    let corpus =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/data/persuasion-vol1.txt");
+    let ppl = |attention: &str| -> serde_json::Value {
+        let o = duet(&[
+            "eval",
+            "perplexity",
+            "--model",
+            m.to_str().unwrap(),
+            "--file",
+            corpus.to_str().unwrap(),
+            "--ctx",
+            "512",
+            "--chunks",
+            "2",
+            "--attention",
+            attention,
+            "--json",
+        ]);
+        assert!(o.status.success(), "{attention}: {}", stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let full = ppl("full");
+    let wide = ppl("window=600,sinks=4");
+    let short = ppl("window=128,sinks=4");
+    assert_eq!(
+        wide["ppl"], full["ppl"],
+        "a window past the text masks nothing"
+    );
+    assert_eq!(wide["attention"], "window=600,sinks=4");
+    let f = full["ppl"].as_f64().unwrap();
+    let s = short["ppl"].as_f64().unwrap();
+    assert!(s > f && s < 2.0 * f, "window 128: ppl {s} vs full {f}");
+    // f16 KV, blocks of 16 tokens: 30 layers x K,V x 3 heads x 16 x 64 x 2 bytes per block.
+    let block = 30 * 2 * 3 * 16 * 64 * 2;
+    assert_eq!(full["kv_bytes_peak"], 32 * block, "{full}");
+    // The sink block, the window's 8 (+1 straddling), and the 4 of the next 64-token chunk.
+    let peak = short["kv_bytes_peak"].as_u64().unwrap();
+    assert!(
+        peak <= 14 * block && peak >= 9 * block,
+        "window 128 held {} blocks",
+        peak / block
+    );
+
+    let bad = |attention: &str| {
+        duet(&[
+            "eval",
+            "perplexity",
+            "--model",
+            m.to_str().unwrap(),
+            "--file",
+            corpus.to_str().unwrap(),
+            "--attention",
+            attention,
+        ])
+    };
+    // A malformed flag is a usage error (exit code 2, clap's); a window the model cannot
+    // hold is refused after loading it, naming the field.
+    let o = bad("window=0");
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("window must be at least 1"),
+        "{}",
+        stderr(&o)
+    );
+    assert_clean_failure(&bad("window=9000,sinks=4"), "attention.window");
+
+    // `duet run` under a window, then the candle engine refusing one.
+    let run = |engine: &str| {
+        duet(&[
+            "run",
+            "--model",
+            m.to_str().unwrap(),
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "80",
+            "--attention",
+            "window=32,sinks=4",
+            "--engine",
+            engine,
+            "--json",
+        ])
+    };
+    let o = run("native");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(!out["ids"].as_array().unwrap().is_empty(), "{out}");
+    assert_clean_failure(&run("candle"), "full attention only");
+}

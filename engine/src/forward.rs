@@ -12,11 +12,14 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::attention_gemm;
+use crate::attention_window::{windowed_row, Queries};
+pub(crate) use crate::checks::check_chunk_fits;
+pub use crate::checks::{check_prompt, check_token_ids};
 use crate::error::{EngineError, Result};
 use crate::kernels;
 use crate::kernels::ggml::DotOrder;
 use crate::kv::cache::Storage;
-use crate::kv::{BlockId, KvCache, KvKind, SeqId};
+use crate::kv::{BlockId, KvCache, KvKind, SeqId, Window};
 use crate::linear::KernelRows;
 use crate::model::Model;
 
@@ -66,10 +69,14 @@ struct Row {
     pos: usize,
     block: BlockId,
     slot: usize,
+    /// The sequence's local window when this row's view is masked by it (`kv::window`):
+    /// the row attends to the sinks with its query rotated at the cache position, and to
+    /// its window with its own.
+    masked: Option<Window>,
 }
 
 /// A KV storage element, and how llama.cpp's attention treats that storage.
-trait KvElem: kernels::KvLanes + Send + Sync {
+pub(crate) trait KvElem: kernels::KvLanes + Send + Sync {
     /// f16 storage follows llama.cpp's f16 KV path: the query and the softmax
     /// weights are rounded to f16 too before their products, and a
     /// multi-token batch's `QK^T` goes through tinyBLAS. (With f32 storage
@@ -100,7 +107,7 @@ impl KvElem for f16 {
 
 /// `row += p * V[base..]` for each `(base, p)`, in order.
 #[inline(always)]
-fn accumulate<T: KvElem>(
+pub(crate) fn accumulate<T: KvElem>(
     row: &mut [f32],
     terms: impl Iterator<Item = (usize, f32)>,
     data: &[T],
@@ -220,7 +227,11 @@ impl Model {
         let bs = layout.block_size;
         let tables: Vec<Vec<BlockId>> = batch
             .iter()
-            .map(|ch| cache.sequence_blocks(ch.seq).map(|b| b.to_vec()))
+            .map(|ch| cache.logical_table(ch.seq))
+            .collect::<Result<_>>()?;
+        let windows: Vec<Option<Window>> = batch
+            .iter()
+            .map(|ch| cache.window(ch.seq))
             .collect::<Result<_>>()?;
         let mut rows = Vec::new();
         let mut tokens = Vec::new();
@@ -233,6 +244,7 @@ impl Model {
                     pos,
                     block: tables[i][pos / bs],
                     slot: pos % bs,
+                    masked: windows[i].filter(|w| w.masks(pos)),
                 });
                 tokens.push(t);
             }
@@ -271,7 +283,11 @@ impl Model {
     /// before it changes anything, so a caller whose batch failed can tell which of its
     /// sequences is to blame and go on with the others.
     pub fn check_chunk(&self, cache: &KvCache, ch: &SeqChunk<'_>) -> Result<()> {
-        check_chunk_fits(&self.config, cache.sequence_len(ch.seq)?, ch.tokens)
+        let len = cache.sequence_len(ch.seq)?;
+        // A windowed sequence's queries never look further back than its window and sinks,
+        // which fit in the context: it may grow past the context.
+        let bounded = cache.window(ch.seq)?.is_none();
+        check_chunk_fits(&self.config, len, ch.tokens, bounded)
     }
 
     /// [`Self::forward_with`] without a per-layer hook.
@@ -311,11 +327,35 @@ impl Model {
                 &mut sin[span],
             );
         }
+        // Masked rows' queries for the sinks, rotated at their cache position.
+        let masked = rows.iter().any(|r| r.masked.is_some());
+        let (mut sink_cos, mut sink_sin) = (Vec::new(), Vec::new());
+        if masked {
+            (sink_cos, sink_sin) = (vec![0f32; n * half], vec![0f32; n * half]);
+            for (r, row) in rows.iter().enumerate() {
+                if let Some(w) = row.masked {
+                    let span = r * half..(r + 1) * half;
+                    let (cs, sn) = (&mut sink_cos[span.clone()], &mut sink_sin[span]);
+                    rope_angles(w.sink_query_pos(row.pos), c.rope_theta, hd, cs, sn);
+                }
+            }
+        }
+        let mut sink_q = vec![0f32; if masked { n * q_dim } else { 0 }];
         let mut xn = vec![0f32; n * d];
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut xn);
             let mut qkv = layer.wqkv.forward_with(&xn, n, kernel_rows)?;
             let stride = q_dim + 2 * kv_dim;
+            if masked {
+                for (r, row) in rows.iter().enumerate() {
+                    if row.masked.is_some() {
+                        let q = &mut sink_q[r * q_dim..(r + 1) * q_dim];
+                        q.copy_from_slice(&qkv[r * stride..r * stride + q_dim]);
+                        let span = r * half..(r + 1) * half;
+                        rope(q, hd, &sink_cos[span.clone()], &sink_sin[span]);
+                    }
+                }
+            }
             for (r, row) in qkv.chunks_exact_mut(stride).enumerate() {
                 let (cs, sn) = (
                     &cos[r * half..(r + 1) * half],
@@ -329,7 +369,12 @@ impl Model {
                 let (k, v) = (&row[q_dim..q_dim + kv_dim], &row[q_dim + kv_dim..]);
                 cache.write_token(r.block, r.slot, l, k, v);
             }
-            let attn = self.attention(cache, l, &qkv, stride, rows, tables, batch)?;
+            let queries = Queries {
+                qkv: &qkv,
+                stride,
+                sink_q: &sink_q,
+            };
+            let attn = self.attention(cache, l, &queries, rows, tables, batch)?;
             let o = layer.wo.forward_with(&attn, n, kernel_rows)?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
@@ -385,41 +430,45 @@ impl Model {
         Ok(out)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         cache: &KvCache,
         layer: usize,
-        qkv: &[f32],
-        stride: usize,
+        q: &Queries<'_>,
         rows: &[Row],
         tables: &[Vec<BlockId>],
         batch: &[SeqChunk<'_>],
     ) -> Result<Vec<f32>> {
         let data = match cache.storage() {
             Storage::F16(data) => {
-                return Ok(self.attention_t(cache, data, layer, qkv, stride, rows, tables, &[]))
+                return Ok(self.attention_t(cache, data, layer, q, rows, tables, &[]))
             }
             Storage::F32(data) => data,
         };
-        // Prompt rows that see many keys go through matrix products; the rest per row.
-        let mut gemm_from = vec![usize::MAX; batch.len()];
+        // Prompt rows that see many keys go through matrix products; the rest per row. Rows
+        // a window masks go per row whatever their chunk.
+        let mut gemm = vec![(usize::MAX, 0); batch.len()];
         let mut chunks = Vec::new();
         let mut first = 0;
         for (i, ch) in batch.iter().enumerate() {
             let start = rows[first].pos;
-            if let Some(from) = attention_gemm::gemm_from(start, ch.tokens.len()) {
-                gemm_from[i] = from;
+            let mut end = start + ch.tokens.len();
+            // The chunk's last row is its furthest: masked whenever any row is.
+            if let Some(w) = rows[first + ch.tokens.len() - 1].masked {
+                end = end.min(w.sinks + w.window);
+            }
+            if let Some(from) = attention_gemm::gemm_from(start, end.saturating_sub(start)) {
+                gemm[i] = (from, end);
                 chunks.push(attention_gemm::ChunkRows {
                     first_row: first + (from - start),
-                    rows: start + ch.tokens.len() - from,
+                    rows: end - from,
                     start_pos: from,
                     table: &tables[i],
                 });
             }
             first += ch.tokens.len();
         }
-        let mut out = self.attention_t(cache, data, layer, qkv, stride, rows, tables, &gemm_from);
+        let mut out = self.attention_t(cache, data, layer, q, rows, tables, &gemm);
         let c = &self.config;
         let dims = attention_gemm::Dims {
             n_heads: c.n_heads,
@@ -427,23 +476,27 @@ impl Model {
             head_dim: c.head_dim,
         };
         for ch in &chunks {
-            attention_gemm::chunk_attention(cache, data, layer, qkv, stride, ch, &dims, &mut out)?;
+            attention_gemm::chunk_attention(
+                cache, data, layer, q.qkv, q.stride, ch, &dims, &mut out,
+            )?;
         }
         Ok(out)
     }
 
+    /// Every row's attention output but the rows `gemm` (per chunk, a range of positions)
+    /// leaves to matrix products.
     #[allow(clippy::too_many_arguments)]
     fn attention_t<T: KvElem>(
         &self,
         cache: &KvCache,
         data: &[T],
         layer: usize,
-        qkv: &[f32],
-        stride: usize,
+        queries: &Queries<'_>,
         rows: &[Row],
         tables: &[Vec<BlockId>],
-        gemm_from: &[usize],
+        gemm: &[(usize, usize)],
     ) -> Vec<f32> {
+        let (qkv, stride) = (queries.qkv, queries.stride);
         let c = &self.config;
         let (hd, nh, group) = (c.head_dim, c.n_heads, c.group_size());
         let bs = cache.block_size();
@@ -452,9 +505,9 @@ impl Model {
         out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
             let (r, h) = (idx / nh, idx % nh);
             let row = &rows[r];
-            if gemm_from
+            if gemm
                 .get(row.chunk)
-                .is_some_and(|&from| row.pos >= from)
+                .is_some_and(|&(from, to)| (from..to).contains(&row.pos))
             {
                 return;
             }
@@ -462,6 +515,19 @@ impl Model {
             let mut q = qkv[r * stride + h * hd..r * stride + (h + 1) * hd].to_vec();
             if T::F16_PATH {
                 q.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32());
+            }
+            if let Some(w) = row.masked {
+                let q_dim = nh * hd;
+                let mut qs = queries.sink_q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].to_vec();
+                if T::F16_PATH {
+                    qs.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32());
+                }
+                let table = &tables[row.chunk];
+                let at = |t: usize, kind| {
+                    cache.region_offset(table[t / bs], layer, kind) + (g * bs + t % bs) * hd
+                };
+                windowed_row::<T>(data, &q, &qs, w, row.pos, scale, bs, &at, o);
+                return;
             }
             // llama.cpp's reduction orders: a multi-token batch's `softmax(QK^T)V`
             // goes through tinyBLAS, a single token's through ggml's dot products.
@@ -516,53 +582,4 @@ impl Model {
         });
         out
     }
-}
-
-/// Every id of `tokens` is inside a vocabulary of `vocab_size` (what a worker checks at its
-/// door, before a request reaches a batch).
-pub fn check_token_ids(tokens: &[u32], vocab_size: usize) -> Result<()> {
-    match tokens.iter().find(|&&t| t as usize >= vocab_size) {
-        Some(&bad) => Err(EngineError::invalid(
-            "tokens",
-            format!("token id {bad} outside the vocabulary of {vocab_size}"),
-        )),
-        None => Ok(()),
-    }
-}
-
-/// A prompt a model of `context_length` can hold with room for one generated token (1 to
-/// `context_length - 1` tokens), every id inside the vocabulary: what both workers check at
-/// their doors.
-pub fn check_prompt(prompt: &[u32], vocab_size: usize, context_length: usize) -> Result<()> {
-    if prompt.is_empty() || prompt.len() >= context_length {
-        return Err(EngineError::invalid(
-            "prompt",
-            format!("{} tokens (must be in 1..{context_length})", prompt.len()),
-        ));
-    }
-    check_token_ids(prompt, vocab_size)
-}
-
-/// The rule every engine checks a chunk by before computing anything: some tokens, all
-/// inside the vocabulary, and the sequence (`len` tokens so far) still within the context.
-pub(crate) fn check_chunk_fits(
-    c: &crate::config::ModelConfig,
-    len: usize,
-    tokens: &[u32],
-) -> Result<()> {
-    if tokens.is_empty() {
-        return Err(EngineError::invalid("tokens", "empty chunk"));
-    }
-    check_token_ids(tokens, c.vocab_size)?;
-    if len + tokens.len() > c.context_length {
-        return Err(EngineError::invalid(
-            "tokens",
-            format!(
-                "{} tokens exceed the context length {}",
-                len + tokens.len(),
-                c.context_length
-            ),
-        ));
-    }
-    Ok(())
 }

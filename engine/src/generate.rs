@@ -12,11 +12,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
 use crate::forward::SeqChunk;
-use crate::kv::{KvCache, SeqId};
+use crate::kv::{AttentionPolicy, KvCache, SeqId};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplingParams, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
 use crate::session::{ForwardSession, NativeSession};
 use crate::tokenizer::{Detokenizer, Tokenizer};
+
+/// What a windowed sequence's length is bounded by: nothing the model imposes.
+const UNBOUNDED: usize = u32::MAX as usize;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -303,26 +306,38 @@ pub fn generate(
         prompt,
         params,
         prefill_chunk,
+        AttentionPolicy::Full,
         on_step,
     )
 }
 
 /// [`generate`] on any engine: the prompt in chunks of `prefill_chunk` tokens (0: whole),
 /// then one decode step per token until a stop condition; the sequence is freed after.
+/// Under a local window (`attention`) the sequence may run past the model's context.
 pub fn generate_in(
     session: &mut dyn ForwardSession,
     seq: SeqId,
     prompt: &[u32],
     params: GenerationParams,
     prefill_chunk: usize,
+    attention: AttentionPolicy,
     on_step: &mut dyn FnMut(&TokenStep),
 ) -> Result<GenerationOutput> {
     if prompt.is_empty() {
         return Err(EngineError::invalid("prompt", "empty"));
     }
-    params.validate(session.context_length())?;
+    attention.validate(session.context_length())?;
+    let windowed = attention.window().is_some();
+    params.validate(match windowed {
+        true => UNBOUNDED,
+        false => session.context_length(),
+    })?;
     let mut gen = Generation::new(session.tokenizer(), prompt, params)?;
     session.add_sequence(seq)?;
+    if let Err(e) = session.set_attention(seq, attention) {
+        session.free_sequence(seq);
+        return Err(e);
+    }
     let res = run(session, seq, prompt, &mut gen, prefill_chunk, on_step);
     session.free_sequence(seq);
     res
@@ -336,7 +351,10 @@ fn run(
     prefill_chunk: usize,
     on_step: &mut dyn FnMut(&TokenStep),
 ) -> Result<GenerationOutput> {
-    let ctx = session.context_length();
+    let ctx = match session.window(seq)? {
+        Some(_) => UNBOUNDED,
+        None => session.context_length(),
+    };
     let t0 = Instant::now();
     let chunk = if prefill_chunk == 0 {
         prompt.len()
@@ -355,7 +373,7 @@ fn run(
     let t1 = Instant::now();
     let mut text = String::new();
     loop {
-        let left = ctx - session.sequence_len(seq)?;
+        let left = ctx.saturating_sub(session.sequence_len(seq)?);
         let step = gen.step(session.tokenizer(), &mut logits, left);
         text.push_str(&step.text);
         on_step(&step);

@@ -26,9 +26,11 @@
 #![deny(unsafe_code)]
 
 mod attention_gemm;
+mod attention_window;
 mod bpe;
 pub mod candle_engine;
 pub mod chat;
+mod checks;
 pub mod config;
 pub mod device;
 pub mod engine_model;
@@ -57,8 +59,9 @@ pub use generate::{
     generate, generate_in, FinishReason, Generation, GenerationOutput, GenerationParams, TokenStep,
 };
 pub use kv::{
-    reusable_tokens, BlockHash, KvCache, KvCacheConfig, KvDtype, KvEvent, KvExport, KvKind,
-    KvLayout, KvTier, PrefixCacheConfig, PrefixHasher, PrefixHit, SeqId, TierCounts,
+    reusable_tokens, AttentionPolicy, BlockHash, KvCache, KvCacheConfig, KvDtype, KvEvent,
+    KvExport, KvKind, KvLayout, KvTier, PrefixCacheConfig, PrefixHasher, PrefixHit, SeqId,
+    TierCounts, Window,
 };
 pub use linear::WeightMode;
 pub use model::{LoadOptions, Model, TextFrontend};

@@ -12,12 +12,16 @@
 //! - Each scored token adds `-log softmax(logits)[next]`, with the softmax's sum of `expf`
 //!   accumulated in f64 after subtracting the largest logit (llama.cpp's `log_softmax`).
 //!   `ppl = exp(mean)`, and its standard error is `ppl * sqrt(var / (n - 1))`.
+//! - Under a local window (`kv::window`) each window of text is fed in chunks of
+//!   [`WINDOWED_CHUNK`] tokens, so that blocks out of view go back to the pool as they would
+//!   in a long generation and `kv_bytes_peak` is what the policy holds. A row's logits do
+//!   not depend on the chunking (`forward`), so the figure is the same as in one chunk.
 
 use serde::Serialize;
 
 use crate::error::{EngineError, Result};
 use crate::forward::SeqChunk;
-use crate::kv::{KvCache, KvDtype};
+use crate::kv::{AttentionPolicy, KvCache, KvDtype};
 use crate::model::Model;
 
 /// How to cut the text into windows.
@@ -30,7 +34,12 @@ pub struct PerplexityConfig {
     /// At most this many windows (`None`: all).
     pub max_windows: Option<usize>,
     pub kv_dtype: KvDtype,
+    /// Full attention (llama.cpp's) or a local window with sinks.
+    pub attention: AttentionPolicy,
 }
+
+/// Tokens per forward of a windowed evaluation.
+pub const WINDOWED_CHUNK: usize = 64;
 
 /// The result, as `duet eval perplexity --json` prints it.
 #[derive(Debug, Clone, Serialize)]
@@ -45,6 +54,8 @@ pub struct PerplexityReport {
     pub windows: usize,
     pub ctx: usize,
     pub stride: usize,
+    /// `full`, or `window=W,sinks=S`.
+    pub attention: String,
     /// The most KV bytes a window's sequence held in the cache.
     pub kv_bytes_peak: usize,
 }
@@ -136,6 +147,7 @@ pub fn perplexity(
             ),
         ));
     }
+    cfg.attention.validate(model.config.context_length)?;
     let wins = windows(tokens.len(), cfg)?;
     let layout = model.kv_layout(16, cfg.kv_dtype);
     let bos = model
@@ -151,10 +163,10 @@ pub fn perplexity(
             window[0] = b;
         }
         cache.add_sequence(0)?;
-        let logits =
-            model.forward_every_row(&mut cache, SeqChunk::prompt(0, &window, true, window.len()));
-        kv_peak = kv_peak
-            .max(cache.used_blocks() * cache.layout().n_layers * 2 * cache.layout().region_bytes());
+        let block_bytes = cache.layout().n_layers * 2 * cache.layout().region_bytes();
+        let logits = window_logits(model, &mut cache, &window, cfg.attention, &mut |used| {
+            kv_peak = kv_peak.max(used * block_bytes)
+        });
         cache.free_sequence(0);
         let logits = logits?;
         for j in first..cfg.ctx - 1 {
@@ -171,8 +183,33 @@ pub fn perplexity(
         windows: wins.len(),
         ctx: cfg.ctx,
         stride: cfg.stride,
+        attention: cfg.attention.to_string(),
         kv_bytes_peak: kv_peak,
     })
+}
+
+/// The logits of every row of `window` for the new sequence 0 under `attention`; `held`
+/// sees the blocks in use at each forward's largest (its rows reserved).
+fn window_logits(
+    model: &Model,
+    cache: &mut KvCache,
+    window: &[u32],
+    attention: AttentionPolicy,
+    held: &mut dyn FnMut(usize),
+) -> Result<Vec<Vec<f32>>> {
+    cache.set_attention(0, attention)?;
+    let chunk = match attention {
+        AttentionPolicy::Full => window.len(),
+        AttentionPolicy::Window(_) => WINDOWED_CHUNK,
+    };
+    let mut logits = Vec::with_capacity(window.len());
+    for part in window.chunks(chunk) {
+        cache.prepare_append(0, part.len())?;
+        held(cache.used_blocks());
+        let ch = SeqChunk::prompt(0, part, true, window.len());
+        logits.extend(model.forward_every_row(cache, ch)?);
+    }
+    Ok(logits)
 }
 
 #[cfg(test)]
@@ -185,6 +222,7 @@ mod tests {
             stride,
             max_windows: None,
             kv_dtype: KvDtype::F16,
+            attention: AttentionPolicy::Full,
         }
     }
 

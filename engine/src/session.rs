@@ -4,9 +4,9 @@
 //! `duet run` drives both engines through the same sampling, stop and timing code.
 
 use crate::candle_engine::CandleModel;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::forward::SeqChunk;
-use crate::kv::{KvCache, SeqId};
+use crate::kv::{AttentionPolicy, KvCache, SeqId, Window};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
@@ -17,6 +17,10 @@ pub trait ForwardSession {
     fn add_sequence(&mut self, seq: SeqId) -> Result<()>;
     fn free_sequence(&mut self, seq: SeqId);
     fn sequence_len(&self, seq: SeqId) -> Result<usize>;
+    /// Gives the new, empty sequence `seq` an attention policy.
+    fn set_attention(&mut self, seq: SeqId, policy: AttentionPolicy) -> Result<()>;
+    /// The sequence's local window (`None`: full attention).
+    fn window(&self, seq: SeqId) -> Result<Option<Window>>;
     /// One forward over `batch`; per chunk the logits of its last token where asked.
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>>;
 }
@@ -42,6 +46,12 @@ impl ForwardSession for NativeSession<'_> {
     }
     fn sequence_len(&self, seq: SeqId) -> Result<usize> {
         self.cache.sequence_len(seq)
+    }
+    fn set_attention(&mut self, seq: SeqId, policy: AttentionPolicy) -> Result<()> {
+        self.cache.set_attention(seq, policy)
+    }
+    fn window(&self, seq: SeqId) -> Result<Option<Window>> {
+        self.cache.window(seq)
     }
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
         self.model.forward(self.cache, batch)
@@ -69,6 +79,20 @@ impl ForwardSession for CandleSession<'_> {
     }
     fn sequence_len(&self, seq: SeqId) -> Result<usize> {
         self.cache.sequence_len(seq)
+    }
+    fn set_attention(&mut self, seq: SeqId, policy: AttentionPolicy) -> Result<()> {
+        if policy != AttentionPolicy::Full {
+            return Err(EngineError::invalid(
+                "attention",
+                format!(
+                    "the candle engine runs full attention only ({policy} needs --engine native)"
+                ),
+            ));
+        }
+        self.cache.set_attention(seq, policy)
+    }
+    fn window(&self, seq: SeqId) -> Result<Option<Window>> {
+        self.cache.window(seq)
     }
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
         self.model.forward(self.cache, batch)

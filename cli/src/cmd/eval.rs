@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use duet_engine::perplexity::{perplexity, PerplexityConfig};
-use duet_engine::KvDtype;
+use duet_engine::{AttentionPolicy, KvDtype};
 
 use super::model_args::ModelArgs;
 
@@ -39,6 +39,11 @@ pub struct PerplexityArgs {
     /// KV cache element type.
     #[arg(long, env = "DUET_KV_DTYPE", default_value = "f16")]
     pub kv_dtype: KvDtype,
+    /// `full` (the model's attention, llama.cpp's figure), or `window=W,sinks=S`: each
+    /// token attends to the first S tokens and its last W (StreamingLLM), and blocks out of
+    /// view go back to the pool.
+    #[arg(long, env = "DUET_ATTENTION", default_value = "full")]
+    pub attention: AttentionPolicy,
     /// Print one JSON object (ppl, ppl_stderr, nll, tokens_scored, kv_bytes_peak, ...).
     #[arg(long)]
     pub json: bool,
@@ -60,14 +65,15 @@ fn run_perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
         stride: a.stride,
         max_windows: a.chunks,
         kv_dtype: a.kv_dtype,
+        attention: a.attention,
     };
     let r = perplexity(&model, &tokens, &cfg)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "PPL = {:.4} +/- {:.5} ({} tokens scored in {} windows of {})",
-            r.ppl, r.ppl_stderr, r.tokens_scored, r.windows, r.ctx
+            "PPL = {:.4} +/- {:.5} ({} tokens scored in {} windows of {}, attention {}, KV peak {} bytes)",
+            r.ppl, r.ppl_stderr, r.tokens_scored, r.windows, r.ctx, r.attention, r.kv_bytes_peak
         );
     }
     Ok(())

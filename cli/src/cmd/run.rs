@@ -5,8 +5,9 @@ use std::io::Write;
 use anyhow::Context;
 use clap::Args;
 use duet_engine::{
-    generate_in, CandleModel, CandleSession, ChatMessage, ChatTemplate, EngineKind, ForwardSession,
-    GenerationParams, KvCache, KvDtype, NativeSession, SamplingParams, Tokenizer,
+    generate_in, AttentionPolicy, CandleModel, CandleSession, ChatMessage, ChatTemplate,
+    EngineKind, ForwardSession, GenerationParams, KvCache, KvDtype, NativeSession, SamplingParams,
+    Tokenizer,
 };
 
 use super::model_args::{EngineArgs, ModelArgs};
@@ -48,6 +49,11 @@ pub struct RunArgs {
     /// KV cache element type.
     #[arg(long, env = "DUET_KV_DTYPE", default_value = "f16")]
     pub kv_dtype: KvDtype,
+    /// `full`, or `window=W,sinks=S`: each token attends to the first S tokens and its last
+    /// W (StreamingLLM); the KV held stays bounded and generation may run past the model's
+    /// context (native engine).
+    #[arg(long, env = "DUET_ATTENTION", default_value = "full")]
+    pub attention: AttentionPolicy,
     /// Print one JSON object (prompt_ids, ids, text, timings) instead of streaming.
     #[arg(long)]
     pub json: bool,
@@ -85,9 +91,17 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         EngineKind::Native => {
             native = a.model.load()?;
             let prompt = prompt_ids(&a, &native.tokenizer, native.chat_template.as_ref())?;
-            params.validate(native.config.context_length)?;
+            a.attention.validate(native.config.context_length)?;
             let layout = native.kv_layout(16, a.kv_dtype);
-            let blocks = (prompt.len() + a.max_tokens).div_ceil(layout.block_size);
+            let bs = layout.block_size;
+            let blocks = match a.attention.window() {
+                // The prompt's blocks while it is computed, then at most the window's.
+                Some(w) => prompt.len().div_ceil(bs) + w.max_blocks(bs),
+                None => {
+                    params.validate(native.config.context_length)?;
+                    (prompt.len() + a.max_tokens).div_ceil(bs)
+                }
+            };
             cache = KvCache::new(layout, blocks);
             let s = NativeSession {
                 model: &native,
@@ -116,6 +130,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         &prompt,
         params,
         a.prefill_chunk,
+        a.attention,
         &mut |s| {
             if !json {
                 let mut o = stdout.lock();

@@ -118,7 +118,13 @@ impl CandleModel {
 
     /// Whether `ch` can be computed on its own (the native engine's rule).
     pub fn check_chunk(&self, cache: &KvCache, ch: &SeqChunk<'_>) -> Result<()> {
-        check_chunk_fits(&self.config, cache.sequence_len(ch.seq)?, ch.tokens)
+        if cache.window(ch.seq)?.is_some() {
+            return Err(EngineError::invalid(
+                "attention",
+                "the candle engine runs full attention only (a window needs --engine native)",
+            ));
+        }
+        check_chunk_fits(&self.config, cache.sequence_len(ch.seq)?, ch.tokens, true)
     }
 
     fn run(

@@ -8,7 +8,9 @@
 //! regions in the same order.
 //!
 //! Invariants: a sequence of `len` tokens owns exactly `ceil(len / block_size)`
-//! blocks (plus those reserved ahead of a write); a block shared by several
+//! blocks (plus those reserved ahead of a write), less the blocks a windowed sequence
+//! dropped (`super::window`: they sit right after its sink blocks, in logical order, and
+//! are never referenced again); a block shared by several
 //! sequences, or indexed by the prefix cache, is copied before anyone writes into it
 //! (copy-on-write), so a block's content never changes while its hash names it.
 
@@ -21,9 +23,14 @@ use super::allocator::{BlockAllocator, BlockId};
 use super::device_sync::DeviceSync;
 use super::prefix::BlockHash;
 use super::prefix_cache::PrefixState;
+use super::window::Window;
 use crate::error::{EngineError, Result};
 
 pub type SeqId = u64;
+
+/// What a windowed sequence's logical block table ([`KvCache::logical_table`]) holds where
+/// a block was dropped: no query sees it, so no one reads it.
+pub const DROPPED: BlockId = BlockId::MAX;
 
 /// Element type of the stored KV.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -159,6 +166,26 @@ pub(super) struct Sequence {
     /// Hashes of the sequence's first full blocks, as far as they were computed
     /// (prefix cache; the hash chain of a growing sequence is extended, never redone).
     pub(super) hashes: Vec<BlockHash>,
+    /// Local attention with sinks (`None`: full attention).
+    pub(super) window: Option<Window>,
+    /// Logical blocks dropped after the sink blocks (windowed sequences only).
+    pub(super) dropped: usize,
+}
+
+impl Sequence {
+    /// Where logical block `i` sits in `blocks` (`None`: dropped).
+    fn physical(&self, i: usize, block_size: usize) -> Option<usize> {
+        let sinks = self
+            .window
+            .map_or(usize::MAX, |w| w.sink_blocks(block_size));
+        if i < sinks {
+            Some(i)
+        } else if i < sinks + self.dropped {
+            None
+        } else {
+            Some(i - self.dropped)
+        }
+    }
 }
 
 pub struct KvCache {
@@ -245,6 +272,8 @@ impl KvCache {
         Ok(self.seq(id)?.len)
     }
 
+    /// The blocks a sequence holds, in order (a windowed sequence's dropped blocks are not
+    /// among them).
     pub fn sequence_blocks(&self, id: SeqId) -> Result<&[BlockId]> {
         Ok(&self.seq(id)?.blocks)
     }
@@ -299,16 +328,18 @@ impl KvCache {
         let bs = self.layout.block_size;
         let s = self.seq(id)?;
         let (len, have) = (s.len, s.blocks.len());
-        let need = self.blocks_for(len + n).saturating_sub(have);
-        let cow = len % bs != 0 && n > 0 && {
-            let last = s.blocks[len / bs];
-            self.alloc.refcount(last) > 1 || self.alloc.is_cacheable(last)
-        };
+        let need = self.blocks_for(len + n).saturating_sub(have + s.dropped);
+        let last = s.physical(len / bs, bs);
+        let cow = len % bs != 0
+            && n > 0
+            && last.is_some_and(|i| {
+                let b = s.blocks[i];
+                self.alloc.refcount(b) > 1 || self.alloc.is_cacheable(b)
+            });
         let fresh = self.allocate_blocks(need + usize::from(cow))?;
         let mut fresh = fresh.into_iter();
-        if cow {
+        if let (true, Some(idx)) = (cow, last) {
             if let Some(copy) = fresh.next() {
-                let idx = len / bs;
                 let old = self.seqs[&id].blocks[idx];
                 self.copy_block(old, copy);
                 self.alloc.release(old);
@@ -330,13 +361,14 @@ impl KvCache {
             .seqs
             .get_mut(&id)
             .ok_or(EngineError::UnknownSequence(id))?;
-        if (s.len + n).div_ceil(bs) > s.blocks.len() {
+        if (s.len + n).div_ceil(bs) > s.blocks.len() + s.dropped {
             return Err(EngineError::invalid(
                 "tokens",
                 "commit beyond reserved blocks",
             ));
         }
         s.len += n;
+        self.drop_out_of_window(id);
         Ok(())
     }
 
@@ -349,6 +381,12 @@ impl KvCache {
             .ok_or(EngineError::UnknownSequence(id))?;
         if len > s.len {
             return Err(EngineError::invalid("len", "truncate beyond the sequence"));
+        }
+        if s.dropped > 0 {
+            return Err(EngineError::invalid(
+                "len",
+                "a windowed sequence that dropped blocks cannot be truncated",
+            ));
         }
         s.len = len;
         s.hashes.truncate(len / self.layout.block_size);
@@ -462,134 +500,6 @@ impl KvCache {
         match &mut self.storage {
             Storage::F32(d) => bytemuck::cast_slice_mut(&mut d[o..o + n]),
             Storage::F16(d) => bytemuck::cast_slice_mut(&mut d[o..o + n]),
-        }
-    }
-
-    /// One layer's frame for a sequence: K regions, then V regions.
-    pub fn export_layer(&self, id: SeqId, layer: usize) -> Result<Vec<u8>> {
-        let s = self.seq(id)?;
-        if layer >= self.layout.n_layers {
-            return Err(EngineError::invalid(
-                "layer",
-                format!("{layer} out of range"),
-            ));
-        }
-        let mut out = Vec::with_capacity(2 * s.blocks.len() * self.layout.region_bytes());
-        for kind in [KvKind::K, KvKind::V] {
-            for &b in &s.blocks {
-                out.extend_from_slice(self.region_bytes(b, layer, kind));
-            }
-        }
-        Ok(out)
-    }
-
-    /// The whole sequence's KV, detached.
-    pub fn export(&self, id: SeqId) -> Result<KvExport> {
-        let tokens = self.seq(id)?.len;
-        let layers = (0..self.layout.n_layers)
-            .map(|l| self.export_layer(id, l))
-            .collect::<Result<_>>()?;
-        Ok(KvExport {
-            layout: self.layout.clone(),
-            tokens,
-            layers,
-        })
-    }
-
-    /// Reserve blocks for a sequence whose KV will arrive from elsewhere.
-    /// The sequence exists with length 0 until [`Self::commit_append`].
-    pub fn reserve_sequence(&mut self, id: SeqId, tokens: usize) -> Result<Vec<BlockId>> {
-        self.add_sequence(id)?;
-        if let Err(e) = self.prepare_append(id, tokens) {
-            self.seqs.remove(&id);
-            return Err(e);
-        }
-        Ok(self.seq(id)?.blocks.clone())
-    }
-
-    /// Write one imported layer frame (in `src.dtype`) into a reserved sequence.
-    pub fn import_layer(
-        &mut self,
-        id: SeqId,
-        layer: usize,
-        src: &KvLayout,
-        frame: &[u8],
-    ) -> Result<()> {
-        self.layout.check_compatible(src)?;
-        let blocks = self.seq(id)?.blocks.clone();
-        let rb_src = src.region_bytes();
-        if layer >= self.layout.n_layers {
-            return Err(EngineError::invalid(
-                "layer",
-                format!("{layer} out of range"),
-            ));
-        }
-        if frame.len() != 2 * blocks.len() * rb_src {
-            return Err(EngineError::invalid(
-                "frame",
-                format!(
-                    "{} bytes for {} blocks of {} bytes (K and V)",
-                    frame.len(),
-                    blocks.len(),
-                    rb_src
-                ),
-            ));
-        }
-        for (i, chunk) in frame.chunks_exact(rb_src).enumerate() {
-            let kind = if i < blocks.len() {
-                KvKind::K
-            } else {
-                KvKind::V
-            };
-            let b = blocks[i % blocks.len()];
-            self.device.host_wrote(b);
-            let o = self.region_offset(b, layer, kind);
-            let n = self.layout.region_elems();
-            write_converted(&mut self.storage, o, n, chunk, src.dtype);
-        }
-        Ok(())
-    }
-
-    /// Import a whole exported sequence as a new sequence `id`.
-    pub fn import(&mut self, id: SeqId, ex: &KvExport) -> Result<()> {
-        self.layout.check_compatible(&ex.layout)?;
-        if ex.layers.len() != self.layout.n_layers {
-            return Err(EngineError::invalid(
-                "layers",
-                "wrong number of layer frames",
-            ));
-        }
-        self.reserve_sequence(id, ex.tokens)?;
-        let res = (|| {
-            for (l, frame) in ex.layers.iter().enumerate() {
-                self.import_layer(id, l, &ex.layout, frame)?;
-            }
-            self.commit_append(id, ex.tokens)
-        })();
-        if res.is_err() {
-            self.free_sequence(id);
-        }
-        res
-    }
-}
-
-fn write_converted(storage: &mut Storage, o: usize, n: usize, src: &[u8], dtype: KvDtype) {
-    match (storage, dtype) {
-        (Storage::F32(d), KvDtype::F32) => {
-            bytemuck::cast_slice_mut::<f32, u8>(&mut d[o..o + n]).copy_from_slice(src)
-        }
-        (Storage::F16(d), KvDtype::F16) => {
-            bytemuck::cast_slice_mut::<f16, u8>(&mut d[o..o + n]).copy_from_slice(src)
-        }
-        (Storage::F32(d), KvDtype::F16) => {
-            for (x, c) in d[o..o + n].iter_mut().zip(src.chunks_exact(2)) {
-                *x = f16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        (Storage::F16(d), KvDtype::F32) => {
-            for (x, c) in d[o..o + n].iter_mut().zip(src.chunks_exact(4)) {
-                *x = f16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
-            }
         }
     }
 }

@@ -4,12 +4,15 @@
 pub mod allocator;
 pub mod cache;
 mod device_sync;
+mod export;
 mod lru;
 pub mod prefix;
 pub mod prefix_cache;
 pub mod tiers;
+pub mod window;
 
 pub use allocator::{BlockAllocator, BlockId};
 pub use cache::{KvCache, KvCacheConfig, KvDtype, KvExport, KvKind, KvLayout, SeqId};
 pub use prefix::{reusable_tokens, BlockHash, KvEvent, KvTier, PrefixHasher, PrefixHit};
 pub use prefix_cache::{PrefixCacheConfig, TierCounts};
+pub use window::{AttentionPolicy, Window};

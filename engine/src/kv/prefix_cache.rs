@@ -199,6 +199,11 @@ impl KvCache {
                 format!("prefix attached to sequence {id}, which holds tokens"),
             ));
         }
+        if s.window.is_some() {
+            // A cached block holds KV computed under full attention; past `sinks + window`
+            // tokens a windowed sequence's KV differs from it.
+            return Ok(PrefixHit::default());
+        }
         let mut hit = PrefixHit::default();
         let limit = hashes.len().min(max_tokens / self.layout.block_size);
         let mut blocks = Vec::with_capacity(limit);
@@ -273,6 +278,11 @@ impl KvCache {
             return Ok(0);
         };
         let s = self.seq(id)?;
+        if s.window.is_some() {
+            // Its KV is not what a full-attention sequence of these tokens holds, and its
+            // dropped blocks are gone: a windowed sequence publishes nothing.
+            return Ok(0);
+        }
         let full = s.len.min(tokens.len()) / self.layout.block_size;
         if full <= s.hashes.len() {
             return Ok(0);

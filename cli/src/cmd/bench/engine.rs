@@ -1,7 +1,9 @@
 //! `duet bench engine`: prefill tok/s at several prompt lengths and
-//! aggregate decode tok/s at several batch sizes (every sequence with its own
+//! aggregate decode tok/s at several batch sizes and contexts (every sequence with its own
 //! context of `--context` tokens), plus resident memory, on either engine (`--engine`,
-//! `--device`: the native CPU engine or the candle engine on its device).
+//! `--device`: the native CPU engine or the candle engine on its device). Under
+//! `--attention window=W,sinks=S` the decoding sequences attend to their window and sinks
+//! only, so a step's cost stops growing with the context (`docs/long-context.md`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -11,7 +13,8 @@ use clap::Args;
 use duet_bench::corpus::synthetic_ids as tokens;
 use duet_bench::stats::median;
 use duet_engine::{
-    sampling::argmax, EngineKind, EngineModel, KvCache, KvCacheConfig, KvDtype, SeqChunk,
+    sampling::argmax, AttentionPolicy, EngineKind, EngineModel, KvCache, KvCacheConfig, KvDtype,
+    SeqChunk,
 };
 use serde::Serialize;
 
@@ -29,9 +32,13 @@ pub struct EngineBenchArgs {
     /// Batch sizes for decode.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
     pub batch: Vec<usize>,
-    /// Context of every decoding sequence before the timed steps.
-    #[arg(long, default_value_t = 512)]
-    pub context: usize,
+    /// Contexts of the decoding sequences before the timed steps (each batch size at
+    /// each context).
+    #[arg(long, value_delimiter = ',', default_value = "512")]
+    pub context: Vec<usize>,
+    /// Attention of the decoding sequences: `full`, or `window=W,sinks=S` (native engine).
+    #[arg(long, env = "DUET_ATTENTION", default_value = "full")]
+    pub attention: AttentionPolicy,
     /// Timed decode steps per batch size.
     #[arg(long, default_value_t = 16)]
     pub steps: usize,
@@ -72,6 +79,7 @@ struct Report {
     threads: usize,
     weights: String,
     kv_dtype: String,
+    attention: String,
     prefill: Vec<Prefill>,
     decode: Vec<Decode>,
     rss_after_load_bytes: u64,
@@ -122,14 +130,22 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
         });
     }
     let mut decode = Vec::new();
-    for &b in &a.batch {
-        decode.push(bench_decode(
-            &model,
-            new_cache(b * (a.context + a.steps + 1).div_ceil(16))?,
-            b,
-            a.context,
-            a.steps,
-        )?);
+    for &context in &a.context {
+        // Blocks per sequence: its whole context, or a prefill chunk and the window.
+        let per_seq = match a.attention.window() {
+            Some(w) => CONTEXT_CHUNK.div_ceil(16) + w.max_blocks(16) + 1,
+            None => (context + a.steps + 1).div_ceil(16),
+        };
+        for &b in &a.batch {
+            let cache = new_cache(b * per_seq)?;
+            let shape = DecodeShape {
+                batch: b,
+                context,
+                steps: a.steps,
+                attention: a.attention,
+            };
+            decode.push(bench_decode(&model, cache, &shape)?);
+        }
     }
     let (config, weight_bytes) = (model.config().clone(), model.weight_bytes());
     let sized = KvCacheConfig::from_budget(
@@ -149,6 +165,7 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
         threads: a.model.threads,
         weights: format!("{:?}", a.model.weights),
         kv_dtype: format!("{:?}", a.kv_dtype).to_lowercase(),
+        attention: a.attention.to_string(),
         prefill,
         decode,
         rss_after_load_bytes: rss_after_load,
@@ -169,27 +186,49 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn bench_decode(
-    model: &EngineModel,
-    mut cache: KvCache,
+/// Tokens per prefill forward of a decoding sequence's context.
+const CONTEXT_CHUNK: usize = 512;
+
+struct DecodeShape {
     batch: usize,
     context: usize,
     steps: usize,
+    attention: AttentionPolicy,
+}
+
+fn bench_decode(
+    model: &EngineModel,
+    mut cache: KvCache,
+    shape: &DecodeShape,
 ) -> anyhow::Result<Decode> {
-    // Distinct contexts per sequence, prefilled a few sequences per forward.
+    let &DecodeShape {
+        batch,
+        context,
+        steps,
+        attention,
+    } = shape;
+    // Distinct contexts per sequence, prefilled a few sequences per forward, in chunks (a
+    // windowed sequence then holds only its window).
     let prompts: Vec<Vec<u32>> = (0..batch).map(|i| tokens(context, i + 1)).collect();
     let mut next = vec![0u32; batch];
     for group in (0..batch).collect::<Vec<_>>().chunks(4) {
-        let chunks: Vec<SeqChunk> = group
-            .iter()
-            .map(|&i| {
-                cache.add_sequence(i as u64)?;
-                Ok(SeqChunk::new(i as u64, &prompts[i]))
-            })
-            .collect::<anyhow::Result<_>>()?;
-        let logits = model.forward(&mut cache, &chunks).context("prefill")?;
-        for (&i, l) in group.iter().zip(&logits) {
-            next[i] = argmax(l);
+        for &i in group {
+            cache.add_sequence(i as u64)?;
+            cache.set_attention(i as u64, attention)?;
+        }
+        for start in (0..context).step_by(CONTEXT_CHUNK) {
+            let end = (start + CONTEXT_CHUNK).min(context);
+            let last = end == context;
+            let chunks: Vec<SeqChunk> = group
+                .iter()
+                .map(|&i| SeqChunk::prompt(i as u64, &prompts[i][start..end], last, context))
+                .collect();
+            let logits = model.forward(&mut cache, &chunks).context("prefill")?;
+            if last {
+                for (&i, l) in group.iter().zip(&logits) {
+                    next[i] = argmax(l);
+                }
+            }
         }
     }
     let step = |cache: &mut KvCache, next: &mut Vec<u32>| -> anyhow::Result<()> {

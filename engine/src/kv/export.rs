@@ -1,0 +1,146 @@
+//! Export and import of a sequence's KV in its described layout (what kv-transfer moves
+//! between workers): a layer's frame is the K regions of the sequence's blocks in table
+//! order, then the V regions in the same order. Import converts between element types.
+
+use half::f16;
+
+use super::allocator::BlockId;
+use super::cache::{KvCache, KvDtype, KvExport, KvKind, KvLayout, SeqId, Storage};
+use crate::error::{EngineError, Result};
+
+impl KvCache {
+    /// One layer's frame for a sequence: K regions, then V regions.
+    pub fn export_layer(&self, id: SeqId, layer: usize) -> Result<Vec<u8>> {
+        let s = self.seq(id)?;
+        if s.window.is_some() {
+            return Err(EngineError::invalid(
+                "attention",
+                "the KV of a windowed sequence cannot be exported (yet): its layout has no \
+                 field for the dropped blocks",
+            ));
+        }
+        if layer >= self.layout.n_layers {
+            return Err(EngineError::invalid(
+                "layer",
+                format!("{layer} out of range"),
+            ));
+        }
+        let mut out = Vec::with_capacity(2 * s.blocks.len() * self.layout.region_bytes());
+        for kind in [KvKind::K, KvKind::V] {
+            for &b in &s.blocks {
+                out.extend_from_slice(self.region_bytes(b, layer, kind));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The whole sequence's KV, detached.
+    pub fn export(&self, id: SeqId) -> Result<KvExport> {
+        let tokens = self.seq(id)?.len;
+        let layers = (0..self.layout.n_layers)
+            .map(|l| self.export_layer(id, l))
+            .collect::<Result<_>>()?;
+        Ok(KvExport {
+            layout: self.layout.clone(),
+            tokens,
+            layers,
+        })
+    }
+
+    /// Reserve blocks for a sequence whose KV will arrive from elsewhere.
+    /// The sequence exists with length 0 until [`Self::commit_append`].
+    pub fn reserve_sequence(&mut self, id: SeqId, tokens: usize) -> Result<Vec<BlockId>> {
+        self.add_sequence(id)?;
+        if let Err(e) = self.prepare_append(id, tokens) {
+            self.seqs.remove(&id);
+            return Err(e);
+        }
+        Ok(self.seq(id)?.blocks.clone())
+    }
+
+    /// Write one imported layer frame (in `src.dtype`) into a reserved sequence.
+    pub fn import_layer(
+        &mut self,
+        id: SeqId,
+        layer: usize,
+        src: &KvLayout,
+        frame: &[u8],
+    ) -> Result<()> {
+        self.layout.check_compatible(src)?;
+        let blocks = self.seq(id)?.blocks.clone();
+        let rb_src = src.region_bytes();
+        if layer >= self.layout.n_layers {
+            return Err(EngineError::invalid(
+                "layer",
+                format!("{layer} out of range"),
+            ));
+        }
+        if frame.len() != 2 * blocks.len() * rb_src {
+            return Err(EngineError::invalid(
+                "frame",
+                format!(
+                    "{} bytes for {} blocks of {} bytes (K and V)",
+                    frame.len(),
+                    blocks.len(),
+                    rb_src
+                ),
+            ));
+        }
+        for (i, chunk) in frame.chunks_exact(rb_src).enumerate() {
+            let kind = if i < blocks.len() {
+                KvKind::K
+            } else {
+                KvKind::V
+            };
+            let b = blocks[i % blocks.len()];
+            self.device.host_wrote(b);
+            let o = self.region_offset(b, layer, kind);
+            let n = self.layout.region_elems();
+            write_converted(&mut self.storage, o, n, chunk, src.dtype);
+        }
+        Ok(())
+    }
+
+    /// Import a whole exported sequence as a new sequence `id`.
+    pub fn import(&mut self, id: SeqId, ex: &KvExport) -> Result<()> {
+        self.layout.check_compatible(&ex.layout)?;
+        if ex.layers.len() != self.layout.n_layers {
+            return Err(EngineError::invalid(
+                "layers",
+                "wrong number of layer frames",
+            ));
+        }
+        self.reserve_sequence(id, ex.tokens)?;
+        let res = (|| {
+            for (l, frame) in ex.layers.iter().enumerate() {
+                self.import_layer(id, l, &ex.layout, frame)?;
+            }
+            self.commit_append(id, ex.tokens)
+        })();
+        if res.is_err() {
+            self.free_sequence(id);
+        }
+        res
+    }
+}
+
+fn write_converted(storage: &mut Storage, o: usize, n: usize, src: &[u8], dtype: KvDtype) {
+    match (storage, dtype) {
+        (Storage::F32(d), KvDtype::F32) => {
+            bytemuck::cast_slice_mut::<f32, u8>(&mut d[o..o + n]).copy_from_slice(src)
+        }
+        (Storage::F16(d), KvDtype::F16) => {
+            bytemuck::cast_slice_mut::<f16, u8>(&mut d[o..o + n]).copy_from_slice(src)
+        }
+        (Storage::F32(d), KvDtype::F16) => {
+            for (x, c) in d[o..o + n].iter_mut().zip(src.chunks_exact(2)) {
+                *x = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        (Storage::F16(d), KvDtype::F32) => {
+            for (x, c) in d[o..o + n].iter_mut().zip(src.chunks_exact(4)) {
+                *x = f16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+            }
+        }
+    }
+}
