@@ -22,6 +22,25 @@ fn duet(args: &[&str]) -> Output {
         .expect("run duet")
 }
 
+/// `duet eval perplexity` on the bench corpus with `args`.
+fn eval_perplexity(args: &[&str]) -> Output {
+    let (m, corpus) = (model(), corpus());
+    let mut all = vec![
+        "eval",
+        "perplexity",
+        "--model",
+        m.to_str().unwrap(),
+        "--file",
+        corpus.to_str().unwrap(),
+    ];
+    all.extend_from_slice(args);
+    duet(&all)
+}
+
+fn corpus() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/data/persuasion-vol1.txt")
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -254,22 +273,7 @@ fn eval_perplexity_equals_llama_cpps() {
         "../../tests/data/smollm2-q4_1-perplexity.json"
     ))
     .unwrap();
-    let m = model();
-    let corpus =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/data/persuasion-vol1.txt");
-    let o = duet(&[
-        "eval",
-        "perplexity",
-        "--model",
-        m.to_str().unwrap(),
-        "--file",
-        corpus.to_str().unwrap(),
-        "--ctx",
-        "256",
-        "--chunks",
-        "4",
-        "--json",
-    ]);
+    let o = eval_perplexity(&["--ctx", "256", "--chunks", "4", "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let got: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     for k in ["tokens_scored", "tokens_total", "windows", "ctx"] {
@@ -289,17 +293,7 @@ fn eval_perplexity_equals_llama_cpps() {
     // 256 tokens of f16 KV: 16 blocks x 30 layers x K,V x 3 heads x 16 x 64 x 2 bytes.
     assert_eq!(got["kv_bytes_peak"], 16 * 30 * 2 * 3 * 16 * 64 * 2, "{got}");
     // Too short a text for the windows: refused naming the file.
-    let o = duet(&[
-        "eval",
-        "perplexity",
-        "--model",
-        m.to_str().unwrap(),
-        "--file",
-        corpus.to_str().unwrap(),
-        "--ctx",
-        "100000",
-    ]);
-    assert_clean_failure(&o, "ctx");
+    assert_clean_failure(&eval_perplexity(&["--ctx", "100000"]), "ctx");
 }
 
 /// `--attention window=W,sinks=S` (StreamingLLM) as a user measures it: a window at least
@@ -308,17 +302,8 @@ fn eval_perplexity_equals_llama_cpps() {
 /// generates under a window, and the candle engine, which cannot, says so.
 #[test]
 fn eval_perplexity_under_a_window_holds_less_kv_at_a_measured_quality_cost() {
-    let m = model();
-    let corpus =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/data/persuasion-vol1.txt");
     let ppl = |attention: &str| -> serde_json::Value {
-        let o = duet(&[
-            "eval",
-            "perplexity",
-            "--model",
-            m.to_str().unwrap(),
-            "--file",
-            corpus.to_str().unwrap(),
+        let o = eval_perplexity(&[
             "--ctx",
             "512",
             "--chunks",
@@ -352,18 +337,7 @@ fn eval_perplexity_under_a_window_holds_less_kv_at_a_measured_quality_cost() {
         peak / block
     );
 
-    let bad = |attention: &str| {
-        duet(&[
-            "eval",
-            "perplexity",
-            "--model",
-            m.to_str().unwrap(),
-            "--file",
-            corpus.to_str().unwrap(),
-            "--attention",
-            attention,
-        ])
-    };
+    let bad = |attention: &str| eval_perplexity(&["--attention", attention]);
     // A malformed flag is a usage error (exit code 2, clap's); a window the model cannot
     // hold is refused after loading it, naming the field.
     let o = bad("window=0");
@@ -376,6 +350,7 @@ fn eval_perplexity_under_a_window_holds_less_kv_at_a_measured_quality_cost() {
     assert_clean_failure(&bad("window=9000,sinks=4"), "attention.window");
 
     // `duet run` under a window, then the candle engine refusing one.
+    let m = model();
     let run = |engine: &str| {
         duet(&[
             "run",

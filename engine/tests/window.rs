@@ -149,56 +149,31 @@ fn a_windowed_generation_runs_in_a_pool_of_its_window_and_past_the_context() {
     // The prompt's blocks plus the window's: far fewer than 300 tokens need.
     let blocks = prompt.len().div_ceil(16) + w.max_blocks(16);
     let mut cache = KvCache::new(m.kv_layout(16, KvDtype::F16), blocks);
-    let mut session = NativeSession {
-        model: &m,
-        cache: &mut cache,
+    let mut generate = |params: &GenerationParams, attention| {
+        let mut session = NativeSession {
+            model: &m,
+            cache: &mut cache,
+        };
+        generate_in(
+            &mut session,
+            1,
+            &prompt,
+            params.clone(),
+            0,
+            attention,
+            &mut |_| {},
+        )
     };
-    let out = generate_in(
-        &mut session,
-        1,
-        &prompt,
-        params.clone(),
-        0,
-        AttentionPolicy::Window(w),
-        &mut |_| {},
-    )
-    .unwrap();
+    let out = generate(&params, AttentionPolicy::Window(w)).unwrap();
     assert_eq!(out.ids.len(), 300, "past the context of 160");
     assert!(prompt.len() + 300 > 160);
-    assert_eq!(cache.used_blocks(), 0);
 
     // Full attention refuses the same run: past the context.
-    let mut session = NativeSession {
-        model: &m,
-        cache: &mut cache,
-    };
-    let e = generate_in(
-        &mut session,
-        1,
-        &prompt,
-        params,
-        0,
-        AttentionPolicy::Full,
-        &mut |_| {},
-    )
-    .unwrap_err();
+    let e = generate(&params, AttentionPolicy::Full).unwrap_err();
     assert!(e.to_string().contains("max_tokens"), "{e}");
 
     // A window wider than the context is refused, naming the field.
-    let mut session = NativeSession {
-        model: &m,
-        cache: &mut cache,
-    };
-    let e = generate_in(
-        &mut session,
-        1,
-        &prompt,
-        GenerationParams::default(),
-        0,
-        policy(200, 4),
-        &mut |_| {},
-    )
-    .unwrap_err();
+    let e = generate(&GenerationParams::default(), policy(200, 4)).unwrap_err();
     assert!(e.to_string().contains("attention.window"), "{e}");
-    assert_eq!(cache.used_blocks(), 0);
+    assert_eq!(cache.used_blocks(), 0, "every block back in the pool");
 }
