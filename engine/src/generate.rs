@@ -327,18 +327,27 @@ pub fn generate_in(
         return Err(EngineError::invalid("prompt", "empty"));
     }
     attention.validate(session.context_length())?;
-    let windowed = attention.window().is_some();
-    params.validate(match windowed {
-        true => UNBOUNDED,
-        false => session.context_length(),
-    })?;
+    // The most tokens the sequence may hold.
+    let limit = match attention.window() {
+        Some(_) => UNBOUNDED,
+        None => session.context_length(),
+    };
+    params.validate(limit)?;
     let mut gen = Generation::new(session.tokenizer(), prompt, params)?;
     session.add_sequence(seq)?;
     if let Err(e) = session.set_attention(seq, attention) {
         session.free_sequence(seq);
         return Err(e);
     }
-    let res = run(session, seq, prompt, &mut gen, prefill_chunk, on_step);
+    let res = run(
+        session,
+        seq,
+        prompt,
+        &mut gen,
+        prefill_chunk,
+        limit,
+        on_step,
+    );
     session.free_sequence(seq);
     res
 }
@@ -349,12 +358,9 @@ fn run(
     prompt: &[u32],
     gen: &mut Generation,
     prefill_chunk: usize,
+    limit: usize,
     on_step: &mut dyn FnMut(&TokenStep),
 ) -> Result<GenerationOutput> {
-    let ctx = match session.window(seq)? {
-        Some(_) => UNBOUNDED,
-        None => session.context_length(),
-    };
     let t0 = Instant::now();
     let chunk = if prefill_chunk == 0 {
         prompt.len()
@@ -373,7 +379,7 @@ fn run(
     let t1 = Instant::now();
     let mut text = String::new();
     loop {
-        let left = ctx.saturating_sub(session.sequence_len(seq)?);
+        let left = limit.saturating_sub(session.sequence_len(seq)?);
         let step = gen.step(session.tokenizer(), &mut logits, left);
         text.push_str(&step.text);
         on_step(&step);

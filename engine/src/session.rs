@@ -6,7 +6,7 @@
 use crate::candle_engine::CandleModel;
 use crate::error::{EngineError, Result};
 use crate::forward::SeqChunk;
-use crate::kv::{AttentionPolicy, KvCache, SeqId, Window};
+use crate::kv::{AttentionPolicy, KvCache, SeqId};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
@@ -19,8 +19,6 @@ pub trait ForwardSession {
     fn sequence_len(&self, seq: SeqId) -> Result<usize>;
     /// Gives the new, empty sequence `seq` an attention policy.
     fn set_attention(&mut self, seq: SeqId, policy: AttentionPolicy) -> Result<()>;
-    /// The sequence's local window (`None`: full attention).
-    fn window(&self, seq: SeqId) -> Result<Option<Window>>;
     /// One forward over `batch`; per chunk the logits of its last token where asked.
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>>;
 }
@@ -49,9 +47,6 @@ impl ForwardSession for NativeSession<'_> {
     }
     fn set_attention(&mut self, seq: SeqId, policy: AttentionPolicy) -> Result<()> {
         self.cache.set_attention(seq, policy)
-    }
-    fn window(&self, seq: SeqId) -> Result<Option<Window>> {
-        self.cache.window(seq)
     }
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
         self.model.forward(self.cache, batch)
@@ -90,9 +85,6 @@ impl ForwardSession for CandleSession<'_> {
             ));
         }
         self.cache.set_attention(seq, policy)
-    }
-    fn window(&self, seq: SeqId) -> Result<Option<Window>> {
-        self.cache.window(seq)
     }
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
         self.model.forward(self.cache, batch)

@@ -207,11 +207,6 @@ impl KvCache {
         Ok(self.seq(id)?.window)
     }
 
-    /// Blocks a windowed sequence has dropped so far.
-    pub fn dropped_blocks(&self, id: SeqId) -> Result<usize> {
-        Ok(self.seq(id)?.dropped)
-    }
-
     /// Returns the blocks of windowed sequence `id` that no later query can see.
     pub(super) fn drop_out_of_window(&mut self, id: SeqId) {
         let bs = self.layout.block_size;
