@@ -46,6 +46,7 @@ cluster-down:
 
 model:
 	./scripts/fetch-model.sh
+	./scripts/fetch-gemma.sh
 
 deps:
 	./scripts/install-test-deps.sh

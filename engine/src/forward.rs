@@ -257,16 +257,24 @@ impl Model {
         let decode = batch.iter().all(|c| c.tokens.len() == 1 && !c.prompt);
         let kernel_rows = match (decode, continues) {
             (true, _) => KernelRows::Decode,
-            (false, true) => KernelRows::As(
-                batch
+            (false, true) => KernelRows::As {
+                n: batch
                     .iter()
                     .zip(&starts)
                     .map(|(c, s)| s + c.tokens.len())
                     .max()
                     .unwrap_or(0)
                     .max(rows.len()),
-            ),
-            (false, false) => KernelRows::As(rows.len()),
+                // One continuing chunk: its rows are the prompt's rows from its start.
+                first: match starts.as_slice() {
+                    [s] => *s,
+                    _ => 0,
+                },
+            },
+            (false, false) => KernelRows::As {
+                n: rows.len(),
+                first: 0,
+            },
         };
         let logits = self.pool.install(|| {
             let sel = (kernel_rows, every_row);
@@ -421,7 +429,10 @@ impl Model {
         rms_norm(&sel, &self.out_norm, c.rms_eps, &mut seln);
         let head_rows = match kernel_rows {
             KernelRows::Decode => KernelRows::Decode,
-            KernelRows::As(_) => KernelRows::As(want.len()),
+            KernelRows::As { .. } => KernelRows::As {
+                n: want.len(),
+                first: 0,
+            },
         };
         let logits = self.output.forward_with(&seln, want.len(), head_rows)?;
         for (&(i, _), lg) in want.iter().zip(logits.chunks_exact(c.vocab_size)) {

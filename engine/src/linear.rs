@@ -7,8 +7,11 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
+use crate::kernels::kdot::{self, Kernel};
+use crate::kernels::kquant::KFormat;
 use crate::kernels::q8::{self, Q8Batch, TILE};
-use crate::kernels::{self, BlockFormat, FUSED_MAX_ROWS, FUSED_MAX_ROWS_QUANTIZED_ONLY, QK};
+use crate::kernels::q8k::{self, Q8KBlock, Q8KRows};
+use crate::kernels::{self, BlockFormat, FUSED_MAX_ROWS, FUSED_MAX_ROWS_QUANTIZED_ONLY};
 
 /// Which forms of the weights a model keeps in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
@@ -51,12 +54,14 @@ pub struct QWeight {
 
 impl QWeight {
     pub fn new(format: BlockFormat, data: Vec<u8>, rows: usize, cols: usize) -> Result<Self> {
-        if !cols.is_multiple_of(QK) {
+        let per_block = format.block_elems();
+        if !cols.is_multiple_of(per_block) {
             return Err(EngineError::Unsupported(format!(
-                "weight with {cols} columns (not a multiple of {QK})"
+                "{} weight with {cols} columns (not a multiple of {per_block})",
+                format.name()
             )));
         }
-        let want = rows * cols / QK * format.block_bytes();
+        let want = rows * cols / per_block * format.block_bytes();
         if data.len() != want {
             return Err(EngineError::Format(format!(
                 "weight data is {} bytes, {rows}x{cols} {} needs {want}",
@@ -73,7 +78,7 @@ impl QWeight {
     }
 
     pub fn row_bytes(&self) -> usize {
-        self.cols / QK * self.format.block_bytes()
+        self.cols / self.format.block_elems() * self.format.block_bytes()
     }
 
     pub fn row(&self, r: usize) -> &[u8] {
@@ -92,6 +97,17 @@ impl QWeight {
             .enumerate()
             .for_each(|(r, o)| self.dequant_row(r, o));
         out
+    }
+
+    /// The same matrix expanded to f32 blocks.
+    pub fn expanded(&self) -> Result<QWeight> {
+        let v = self.dequantize();
+        QWeight::new(
+            BlockFormat::F32,
+            bytemuck::cast_slice(&v).to_vec(),
+            self.rows,
+            self.cols,
+        )
     }
 
     /// Stack several matrices with equal format and columns into one, so
@@ -117,10 +133,12 @@ impl QWeight {
 /// How the rows of one forward pick a layer's kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelRows {
-    /// As a forward over this many rows (at least the rows given) would: the
-    /// rows of a prompt's later chunk take the kernel a forward over the
-    /// whole prompt takes, so the KV does not depend on the chunking.
-    As(usize),
+    /// As a forward over `n` rows (at least the rows given) would, whose
+    /// first row here is row `first` of that forward: the rows of a prompt's
+    /// later chunk take the kernel a forward over the whole prompt takes, so
+    /// the KV does not depend on the chunking. (`first` matters only where
+    /// llama.cpp's kernel depends on a row's index: repacked Q4_K.)
+    As { n: usize, first: usize },
     /// Decode steps, one row per sequence: with Q4_1/Q8_0 weights every row
     /// takes the integer kernel, as it does alone, so a sequence's logits do
     /// not depend on the batch it decodes in.
@@ -181,7 +199,7 @@ impl Linear {
 
     /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
     pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
-        self.forward_with(x, rows, KernelRows::As(rows))
+        self.forward_with(x, rows, KernelRows::As { n: rows, first: 0 })
     }
 
     /// [`Self::forward`], with the kernel chosen by `kernel` (see [`KernelRows`]).
@@ -193,16 +211,20 @@ impl Linear {
         // copy, decode steps keep the integer kernel at any batch size too
         // (it is as fast as the GEMM there, and batch-invariant).
         let (rows_max, decode) = match kernel {
-            KernelRows::As(k) => (k.max(rows), false),
+            KernelRows::As { n, .. } => (n.max(rows), false),
             KernelRows::Decode => (rows, true),
         };
+        let integer = |f: BlockFormat| q8::supported(f) || f.kquant().is_some();
         let fused = match (&self.dense, &self.quantized) {
-            (Some(_), Some(q)) if decode && q8::supported(q.format) => true,
+            (Some(_), Some(q)) if decode && integer(q.format) => true,
             (Some(_), _) => rows_max <= FUSED_MAX_ROWS,
-            (None, Some(q)) => q8::supported(q.format) || rows_max <= FUSED_MAX_ROWS_QUANTIZED_ONLY,
+            (None, Some(q)) => integer(q.format) || rows_max <= FUSED_MAX_ROWS_QUANTIZED_ONLY,
             (None, None) => false,
         };
         if let Some(q) = &self.quantized {
+            if let (true, Some(k)) = (fused, q.format.kquant()) {
+                return Ok(self.k_matmul(q, k, x, rows, kernel));
+            }
             if fused && q8::supported(q.format) {
                 let acts = Q8Batch::quantize(x, self.in_dim);
                 return Ok(self.q8_matmul(q, &acts));
@@ -212,7 +234,10 @@ impl Linear {
         let x = match self.round_activations {
             true => {
                 let mut r = x.to_vec();
-                kernels::round_to_q8_grid(&mut r);
+                match self.quantized.as_ref().and_then(|q| q.format.kquant()) {
+                    Some(_) => q8k::round_to_grid(&mut r),
+                    None => kernels::round_to_q8_grid(&mut r),
+                }
                 rounded = r;
                 &rounded[..]
             }
@@ -256,17 +281,54 @@ impl Linear {
                     q8::dot_tile_rows(q.format, w, rb, tile, out, n_out);
                 }
             });
+        self.untile(t, rows, OUT_PER_TASK)
+    }
+
+    /// Row-major `[rows][out]` from per-task runs of `per_task` output
+    /// features, each `[rows][n_out]` row-major.
+    fn untile(&self, t: Vec<f32>, rows: usize, per_task: usize) -> Vec<f32> {
         if rows == 1 {
             return t;
         }
         let mut y = vec![0f32; rows * self.out_dim];
-        for (task, chunk) in t.chunks(OUT_PER_TASK * rows).enumerate() {
-            let (o0, n_out) = (task * OUT_PER_TASK, chunk.len() / rows);
+        for (task, chunk) in t.chunks(per_task * rows).enumerate() {
+            let (o0, n_out) = (task * per_task, chunk.len() / rows);
             for (r, src) in chunk.chunks_exact(n_out).enumerate() {
                 y[r * self.out_dim + o0..r * self.out_dim + o0 + n_out].copy_from_slice(src);
             }
         }
         y
+    }
+
+    /// `x W^T` with the K-quant integer kernels, each row computed as the
+    /// kernel llama.cpp would pick for it (see [`Kernel::choose`]).
+    fn k_matmul(
+        &self,
+        q: &QWeight,
+        k: KFormat,
+        x: &[f32],
+        rows: usize,
+        kernel: KernelRows,
+    ) -> Vec<f32> {
+        const OUT_PER_TASK: usize = 64;
+        let acts = Q8KRows::quantize(x, self.in_dim);
+        let refs: Vec<&[Q8KBlock]> = (0..rows).map(|r| acts.row(r)).collect();
+        let out_rows = self.out_dim;
+        let choose = |r: usize| match kernel {
+            KernelRows::Decode => Kernel::choose(k, out_rows, 1, 0),
+            KernelRows::As { n, first } => Kernel::choose(k, out_rows, n.max(rows), first + r),
+        };
+        let rb = q.row_bytes();
+        let mut t = vec![0f32; self.out_dim * rows];
+        t.par_chunks_mut(OUT_PER_TASK * rows)
+            .enumerate()
+            .for_each(|(task, chunk)| {
+                let o0 = task * OUT_PER_TASK;
+                let n_out = chunk.len() / rows;
+                let w = &q.data[o0 * rb..(o0 + n_out) * rb];
+                kdot::dot_rows(k, w, rb, &refs, choose, chunk, n_out);
+            });
+        self.untile(t, rows, OUT_PER_TASK)
     }
 
     /// Runs `dot(w, out)` for every output feature `w` in parallel, where

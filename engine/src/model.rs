@@ -13,6 +13,7 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::fingerprint::Fingerprinter;
 use crate::gguf_check;
+use crate::kernels::kquant::KFormat;
 use crate::kernels::BlockFormat;
 use crate::kv::{KvDtype, KvLayout};
 use crate::linear::{Linear, QWeight, WeightMode};
@@ -71,6 +72,9 @@ fn block_format(dt: GgmlDType) -> Option<BlockFormat> {
         GgmlDType::Q4_0 => BlockFormat::Q4_0,
         GgmlDType::Q4_1 => BlockFormat::Q4_1,
         GgmlDType::Q8_0 => BlockFormat::Q8_0,
+        GgmlDType::Q4K => BlockFormat::K(KFormat::Q4K),
+        GgmlDType::Q5K => BlockFormat::K(KFormat::Q5K),
+        GgmlDType::Q6K => BlockFormat::K(KFormat::Q6K),
         _ => return None,
     })
 }
@@ -152,6 +156,31 @@ pub(crate) fn open_checked(path: &Path) -> Result<(File, Content)> {
     let mut file = File::open(path).map_err(io)?;
     let content = Content::read(&mut file)?;
     Ok((file, content))
+}
+
+/// One weight matrix of a GGUF file (`name`, e.g. `blk.0.ffn_down.weight`)
+/// as the engine keeps it: its own blocks where a native kernel exists,
+/// expanded to f32 otherwise. For kernel benchmarks and tests.
+pub fn read_weight(path: &Path, name: &str) -> Result<QWeight> {
+    let (file, content) = open_checked(path)?;
+    let info = content
+        .tensor_infos
+        .get(name)
+        .ok_or_else(|| EngineError::Format(format!("missing tensor `{name}`")))?;
+    let (rows, cols) = match info.shape.dims() {
+        [rows, cols] => (*rows, *cols),
+        dims => {
+            return Err(EngineError::Format(format!(
+                "tensor `{name}` has shape {dims:?}, not a matrix"
+            )))
+        }
+    };
+    let mut loader = Loader {
+        content: &content,
+        file,
+        fp: Fingerprinter::default(),
+    };
+    loader.matrix(name, rows, cols)
 }
 
 /// What a model's text side needs without its weights: hyper-parameters,
@@ -337,16 +366,8 @@ fn stack(parts: Vec<QWeight>) -> Result<QWeight> {
         return QWeight::concat(parts);
     }
     let expanded = parts
-        .into_iter()
-        .map(|p| {
-            let v = p.dequantize();
-            QWeight::new(
-                BlockFormat::F32,
-                bytemuck::cast_slice(&v).to_vec(),
-                p.rows,
-                p.cols,
-            )
-        })
+        .iter()
+        .map(QWeight::expanded)
         .collect::<Result<Vec<_>>>()?;
     QWeight::concat(expanded)
 }

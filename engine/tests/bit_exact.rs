@@ -18,8 +18,13 @@ struct Step {
     top20: Vec<(usize, f32)>,
 }
 
+/// `tests/data/llama-cpp-logits.json`, or the fixture `DUET_LOGITS_FIXTURE`
+/// names (with `DUET_MODEL`, how `scripts/check-kquant-llama.sh` checks a
+/// K-quant variant of the model against llama.cpp).
 fn fixture() -> Vec<(String, Vec<Step>)> {
-    let p = common::root().join("tests/data/llama-cpp-logits.json");
+    let p = std::env::var_os("DUET_LOGITS_FIXTURE")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| common::root().join("tests/data/llama-cpp-logits.json"));
     let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     let v: serde_json::Value = serde_json::from_str(&text).expect("fixture is JSON");
     v["cases"]

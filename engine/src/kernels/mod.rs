@@ -13,7 +13,10 @@ use half::f16;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod ggml;
+pub mod kdot;
+pub mod kquant;
 pub mod q8;
+pub mod q8k;
 
 /// KV element types with vector attention kernels (f32, f16).
 #[cfg(target_arch = "x86_64")]
@@ -86,6 +89,8 @@ pub enum BlockFormat {
     Q4_0,
     Q4_1,
     Q8_0,
+    /// ggml's K-quants: 256 values per block, Q8_K activations.
+    K(kquant::KFormat),
 }
 
 impl BlockFormat {
@@ -93,11 +98,27 @@ impl BlockFormat {
     pub fn quantizes_activations(self) -> bool {
         matches!(
             self,
-            BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q8_0
+            BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q8_0 | BlockFormat::K(_)
         )
     }
 
-    /// Bytes per block of [`QK`] elements.
+    /// The K-quant format, if this is one.
+    pub fn kquant(self) -> Option<kquant::KFormat> {
+        match self {
+            BlockFormat::K(k) => Some(k),
+            _ => None,
+        }
+    }
+
+    /// Elements per block: [`QK`], or [`kquant::QK_K`] for K-quants.
+    pub fn block_elems(self) -> usize {
+        match self {
+            BlockFormat::K(_) => kquant::QK_K,
+            _ => QK,
+        }
+    }
+
+    /// Bytes per block of [`Self::block_elems`] elements.
     pub fn block_bytes(self) -> usize {
         match self {
             BlockFormat::F32 => 4 * QK,
@@ -105,6 +126,7 @@ impl BlockFormat {
             BlockFormat::Q4_0 => 2 + QK / 2,
             BlockFormat::Q4_1 => 4 + QK / 2,
             BlockFormat::Q8_0 => 2 + QK,
+            BlockFormat::K(k) => k.block_bytes(),
         }
     }
 
@@ -115,6 +137,9 @@ impl BlockFormat {
             BlockFormat::Q4_0 => "q4_0",
             BlockFormat::Q4_1 => "q4_1",
             BlockFormat::Q8_0 => "q8_0",
+            BlockFormat::K(kquant::KFormat::Q4K) => "q4_k",
+            BlockFormat::K(kquant::KFormat::Q5K) => "q5_k",
+            BlockFormat::K(kquant::KFormat::Q6K) => "q6_k",
         }
     }
 }
@@ -202,6 +227,7 @@ pub fn dequant_row(fmt: BlockFormat, row: &[u8], out: &mut [f32]) {
         BlockFormat::Q4_0 => dequant_row_t::<BQ4_0>(row, out),
         BlockFormat::Q4_1 => dequant_row_t::<BQ4_1>(row, out),
         BlockFormat::Q8_0 => dequant_row_t::<BQ8_0>(row, out),
+        BlockFormat::K(k) => kquant::dequant_row(k, row, out),
     }
 }
 
@@ -222,6 +248,14 @@ pub fn dot_rows(fmt: BlockFormat, wrow: &[u8], xs: &[&[f32]], out: &mut [f32]) {
         BlockFormat::Q4_0 => dot_rows_t::<BQ4_0>(wrow, xs, out),
         BlockFormat::Q4_1 => dot_rows_t::<BQ4_1>(wrow, xs, out),
         BlockFormat::Q8_0 => dot_rows_t::<BQ8_0>(wrow, xs, out),
+        BlockFormat::K(_) => {
+            // Not a kernel llama.cpp has (its K-quants always quantize the
+            // activations, see `kdot`): dequantize, then the f32 tile kernel.
+            let mut w = vec![0f32; xs.first().map_or(0, |x| x.len())];
+            dequant_row(fmt, wrow, &mut w);
+            let bytes: &[u8] = bytemuck::cast_slice(&w);
+            dot_rows_t::<BF32>(bytes, xs, out)
+        }
     }
 }
 

@@ -3,6 +3,7 @@
 //! engine, llama.cpp, is driven by `scripts/bench-engine.sh`).
 
 mod engine;
+mod matmul;
 mod plot;
 pub mod router;
 pub mod serve;
@@ -15,6 +16,9 @@ use clap::Subcommand;
 pub enum BenchCommand {
     /// Prefill and batched-decode throughput of the engine.
     Engine(engine::EngineBenchArgs),
+    /// One weight matrix of a GGUF file: the engine's native kernel beside the same
+    /// matrix expanded to f32.
+    Matmul(matmul::MatmulBenchArgs),
     /// Requests per second per core the router sustains, with instant fake workers.
     Router(router::RouterBenchArgs),
     /// KV transfer throughput and latency beside iperf3 / memcpy.
@@ -29,6 +33,7 @@ pub enum BenchCommand {
 pub fn run(c: BenchCommand) -> anyhow::Result<()> {
     match c {
         BenchCommand::Engine(a) => engine::run(a),
+        BenchCommand::Matmul(a) => matmul::run(a),
         BenchCommand::Transfer(a) => transfer::run(a),
         BenchCommand::Router(a) => router::run(a),
         BenchCommand::Serve(a) => serve::run(*a),
