@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# K-quant matmul speed: duet's kernels (`duet bench matmul`) beside llama.cpp's CPU backend
+# Matmul speed of the quantized formats (K-quants, Q5_0): duet's kernels (`duet bench matmul`) beside llama.cpp's CPU backend
 # on the same weight matrix and activation rows (bench/llama_cpp_matmul_speed.py: a one-op
 # ggml graph of llama-cpp-python 0.3.36's libggml-cpu), 1 thread, ROUNDS alternating rounds
 # of each, medians. Also prints duet's time with the matrix expanded to f32 (what the
 # engine did with K-quants before it had kernels for them).
 #
-# Env: TENSORS (default: Gemma 3 270M's blk.0.attn_output (Q4_K) and blk.0.ffn_down (Q6_K)),
+# Env: TENSORS (default: Gemma 3 270M's blk.0.attn_output (Q4_K), blk.0.ffn_down (Q6_K) and
+#      blk.0.attn_q (Q5_0)),
 #      ROWS (1,4,16,128), ROUNDS (3), MODEL (models/gemma-3-270m-q4_k_m.gguf).
 # Needs .venv/llama (llama-cpp-python 0.3.36 + gguf: scripts/check-kquant-llama.sh installs it).
 # Results: bench/results/kquant/.
@@ -23,7 +24,7 @@ cargo build --release -p duet >&2
 duet="${CARGO_TARGET_DIR:-$root/target}/release/duet"
 mkdir -p "$out"
 rm -f "$out"/*.json
-for t in ${TENSORS:-blk.0.attn_output.weight blk.0.ffn_down.weight}; do
+for t in ${TENSORS:-blk.0.attn_output.weight blk.0.ffn_down.weight blk.0.attn_q.weight}; do
   for r in $(seq "$rounds"); do
     taskset -c 0 "$duet" bench matmul --model "$model" --tensor "$t" --rows "$rows" --threads 1 \
       --repeat 9 --json "$out/duet-$t-$r.json" >/dev/null

@@ -71,6 +71,8 @@ fn block_format(dt: GgmlDType) -> Option<BlockFormat> {
         GgmlDType::F16 => BlockFormat::F16,
         GgmlDType::Q4_0 => BlockFormat::Q4_0,
         GgmlDType::Q4_1 => BlockFormat::Q4_1,
+        GgmlDType::Q5_0 => BlockFormat::Q5_0,
+        GgmlDType::Q5_1 => BlockFormat::Q5_1,
         GgmlDType::Q8_0 => BlockFormat::Q8_0,
         GgmlDType::Q4K => BlockFormat::K(KFormat::Q4K),
         GgmlDType::Q5K => BlockFormat::K(KFormat::Q5K),

@@ -9,20 +9,15 @@
 //! `scripts/fetch-gemma.sh` (`make model`); without it these tests fail.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
+mod common;
 
-use candle_core::quantized::gguf_file::Content;
-use candle_core::Device;
+use common::{f32_hex, gemma, root, tensor_bytes};
 use duet_engine::kernels::kdot::{self, Kernel};
 use duet_engine::kernels::kquant::{self, KFormat, QK_K};
 use duet_engine::kernels::q8k::Q8KRows;
 use duet_engine::kernels::BlockFormat;
 use duet_engine::linear::{KernelRows, Linear, QWeight, WeightMode};
 use sha2::{Digest, Sha256};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 fn reference() -> serde_json::Value {
     let p = root().join("tests/data/kquant-reference.json");
@@ -36,24 +31,6 @@ fn format(name: &str) -> KFormat {
         "q6_k" => KFormat::Q6K,
         other => panic!("unknown format {other}"),
     }
-}
-
-fn gemma() -> (std::fs::File, Content) {
-    let p = root().join("models/gemma-3-270m-q4_k_m.gguf");
-    let mut f = std::fs::File::open(&p).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e}; fetch it with scripts/fetch-gemma.sh (make model)",
-            p.display()
-        )
-    });
-    let c = Content::read(&mut f).unwrap();
-    (f, c)
-}
-
-/// Raw bytes of a tensor of the Gemma file.
-fn tensor_bytes(f: &mut std::fs::File, c: &Content, name: &str) -> Vec<u8> {
-    let t = c.tensor(f, name, &Device::Cpu).unwrap();
-    t.data().unwrap().into_owned()
 }
 
 #[test]
@@ -277,11 +254,7 @@ fn q8k_quantization_and_vec_dot_equal_llama_cpp_bit_for_bit() {
             .iter()
             .enumerate()
         {
-            let x: Vec<f32> = hex::decode(act.as_str().unwrap())
-                .unwrap()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
+            let x = f32_hex(act.as_str().unwrap());
             let q = Q8KRows::quantize(&x, cols);
             let ours: Vec<u8> = q.row(0).iter().flat_map(q8k_bytes).collect();
             let theirs = hex::decode(case["q8k_hex"][a].as_str().unwrap()).unwrap();

@@ -34,7 +34,7 @@ pub fn dot_tile_rows(
     out: &mut [f32],
     stride: usize,
 ) -> bool {
-    if !available() || !matches!(fmt, BlockFormat::Q4_1 | BlockFormat::Q8_0) || row_bytes == 0 {
+    if !available() || !super::q8::supported(fmt) || row_bytes == 0 {
         return false;
     }
     let nb = row_bytes / fmt.block_bytes();
@@ -50,30 +50,40 @@ pub fn dot_tile_rows(
         "tile does not cover the weight rows"
     );
     macro_rules! run {
-        ($q41:literal) => {
+        ($f:ident) => {
             // SAFETY: for every arm, `available()` confirmed AVX2/FMA/F16C; the assert above
             // bounds every read to the slices' lengths (blocks `i < nb` of each weight row,
             // `R = t.rows` rows) and every write to `out`.
             unsafe {
                 match t.rows {
-                    1 => each_row::<1>(tile::<1, $q41>, w, row_bytes, nb, t, out, stride),
-                    2 => each_row::<2>(tile::<2, $q41>, w, row_bytes, nb, t, out, stride),
-                    3 => each_row::<3>(tile::<3, $q41>, w, row_bytes, nb, t, out, stride),
-                    4 => each_row::<4>(tile::<4, $q41>, w, row_bytes, nb, t, out, stride),
-                    5 => each_row::<5>(tile::<5, $q41>, w, row_bytes, nb, t, out, stride),
-                    6 => each_row::<6>(tile::<6, $q41>, w, row_bytes, nb, t, out, stride),
-                    7 => each_row::<7>(tile::<7, $q41>, w, row_bytes, nb, t, out, stride),
-                    _ => each_row::<8>(tile::<8, $q41>, w, row_bytes, nb, t, out, stride),
+                    1 => each_row::<1>(tile::<1, $f>, w, row_bytes, nb, t, out, stride),
+                    2 => each_row::<2>(tile::<2, $f>, w, row_bytes, nb, t, out, stride),
+                    3 => each_row::<3>(tile::<3, $f>, w, row_bytes, nb, t, out, stride),
+                    4 => each_row::<4>(tile::<4, $f>, w, row_bytes, nb, t, out, stride),
+                    5 => each_row::<5>(tile::<5, $f>, w, row_bytes, nb, t, out, stride),
+                    6 => each_row::<6>(tile::<6, $f>, w, row_bytes, nb, t, out, stride),
+                    7 => each_row::<7>(tile::<7, $f>, w, row_bytes, nb, t, out, stride),
+                    _ => each_row::<8>(tile::<8, $f>, w, row_bytes, nb, t, out, stride),
                 }
             }
         };
     }
     match fmt {
-        BlockFormat::Q4_1 => run!(true),
-        _ => run!(false),
+        BlockFormat::Q4_1 => run!(F_Q4_1),
+        BlockFormat::Q4_0 => run!(F_Q4_0),
+        BlockFormat::Q5_0 => run!(F_Q5_0),
+        BlockFormat::Q5_1 => run!(F_Q5_1),
+        _ => run!(F_Q8_0),
     }
     true
 }
+
+/// The formats of [`tile`], as const parameters.
+const F_Q8_0: u8 = 0;
+const F_Q4_1: u8 = 1;
+const F_Q4_0: u8 = 2;
+const F_Q5_0: u8 = 3;
+const F_Q5_1: u8 = 4;
 
 /// A tile kernel over every weight row of `w`.
 type TileKernel = unsafe fn(&[u8], usize, &Q8Tile, &mut [f32]);
@@ -165,19 +175,28 @@ unsafe fn scales<const BB: usize, const M: bool>(
     }
 }
 
-/// One weight row against `R` activation rows, Q4_1 (`Q41`, 20-byte blocks)
-/// or Q8_0 (34-byte blocks): per block the weight is unpacked once (Q4_1's
-/// nibbles; Q8_0's magnitudes, its signs moved onto the activations) and
-/// each row keeps its own 8-lane accumulator: the chain of ggml's
-/// `ggml_vec_dot_q4_1_q8_1` / `ggml_vec_dot_q8_0_q8_0`, so every output is
-/// bit-identical to it.
+/// One weight row against `R` activation rows, in format `F` (Q8_0, Q4_1,
+/// Q4_0, Q5_0, Q5_1): per block the weight is unpacked once (Q4_1's nibbles
+/// in registers, Q8_0's bytes as they are, the others' codes by
+/// [`super::signed_weights`] / [`super::unsigned_codes`]; signed weights
+/// give their magnitudes, their signs moved onto the activations) and each
+/// row keeps its own 8-lane accumulator: the chain of ggml's
+/// `ggml_vec_dot_q*_q8_*`, so every output is bit-identical to it.
 ///
 /// # Safety
 /// AVX2/FMA/F16C must be available; `w` must hold `nb` blocks and the tile must cover
 /// `R` rows of `nb` blocks; `out` holds at least `R` values.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const R: usize, const Q41: bool>(w: &[u8], nb: usize, t: &Q8Tile, out: &mut [f32]) {
-    let bb = if Q41 { 20 } else { 34 };
+unsafe fn tile<const R: usize, const F: u8>(w: &[u8], nb: usize, t: &Q8Tile, out: &mut [f32]) {
+    let fmt = match F {
+        F_Q8_0 => BlockFormat::Q8_0,
+        F_Q4_1 => BlockFormat::Q4_1,
+        F_Q4_0 => BlockFormat::Q4_0,
+        F_Q5_0 => BlockFormat::Q5_0,
+        _ => BlockFormat::Q5_1,
+    };
+    let bb = fmt.block_bytes();
+    let with_min = F == F_Q4_1 || F == F_Q5_1;
     let mut acc = [_mm256_setzero_ps(); R];
     let mut summs = _mm256_setzero_ps();
     let mut scale = [0f32; SPAN * TILE];
@@ -186,31 +205,51 @@ unsafe fn tile<const R: usize, const Q41: bool>(w: &[u8], nb: usize, t: &Q8Tile,
     let (wp, qp) = (w.as_ptr(), t.q.as_ptr());
     for i0 in (0..nb).step_by(SPAN) {
         let n = SPAN.min(nb - i0);
-        // SAFETY: blocks `i0..i0 + n <= nb` are within the row (Q4_1: d, m,
-        // 16 packed nibbles; Q8_0: d, 32 signed weights); d and s hold 8
-        // values per block; the tile's q holds `R` blocks of 32 at `i * R * 32`.
+        // SAFETY: blocks `i0..i0 + n <= nb` are within the row (`bb` bytes each:
+        // f16 d, Q4_1/Q5_1's f16 m, Q5's 32 fifth bits, the codes); d and s hold
+        // 8 values per block; the tile's q holds `R` blocks of 32 at `i * R * 32`.
         unsafe {
-            if Q41 {
-                scales::<20, true>(wp, i0, n, t, &mut summs, &mut scale);
-            } else {
-                scales::<34, false>(wp, i0, n, t, &mut summs, &mut scale);
+            match F {
+                F_Q8_0 => scales::<34, false>(wp, i0, n, t, &mut summs, &mut scale),
+                F_Q4_1 => scales::<20, true>(wp, i0, n, t, &mut summs, &mut scale),
+                F_Q4_0 => scales::<18, false>(wp, i0, n, t, &mut summs, &mut scale),
+                F_Q5_0 => scales::<22, false>(wp, i0, n, t, &mut summs, &mut scale),
+                _ => scales::<24, true>(wp, i0, n, t, &mut summs, &mut scale),
             }
             for k in 0..n {
                 let blk = wp.add((i0 + k) * bb);
-                // `u`: the unsigned weight operand; `signs`: Q8_0's weights,
+                // `u`: the unsigned weight operand; `signs`: the signed weights,
                 // whose signs go onto the activations.
-                let (u, signs) = if Q41 {
-                    let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
-                    let qw = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-                    (_mm256_and_si256(qw, low), low)
-                } else {
-                    let qw = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                    (_mm256_sign_epi8(qw, qw), qw)
+                let (u, signs) = match F {
+                    F_Q4_1 => {
+                        let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                        let qw = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+                        (_mm256_and_si256(qw, low), low)
+                    }
+                    F_Q8_0 => {
+                        let qw = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                        (_mm256_sign_epi8(qw, qw), qw)
+                    }
+                    F_Q4_0 => {
+                        let qw = _mm256_sub_epi8(nibbles(blk.add(2), low), _mm256_set1_epi8(8));
+                        (_mm256_sign_epi8(qw, qw), qw)
+                    }
+                    F_Q5_0 => {
+                        // The fifth bit clear: the code minus 16 is the nibble | 0xF0.
+                        let hi =
+                            _mm256_andnot_si256(bits_to_bytes(blk.add(2)), _mm256_set1_epi8(-16));
+                        let qw = _mm256_or_si256(nibbles(blk.add(6), low), hi);
+                        (_mm256_sign_epi8(qw, qw), qw)
+                    }
+                    _ => {
+                        let hi = _mm256_and_si256(bits_to_bytes(blk.add(4)), _mm256_set1_epi8(16));
+                        (_mm256_or_si256(nibbles(blk.add(8), low), hi), low)
+                    }
                 };
                 let qx = qp.add((i0 + k) * R * QK);
                 for (r, a) in acc.iter_mut().enumerate() {
                     let mut x = _mm256_loadu_si256(qx.add(r * QK) as *const __m256i);
-                    if !Q41 {
+                    if !with_min {
                         x = _mm256_sign_epi8(x, signs);
                     }
                     let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
@@ -224,11 +263,45 @@ unsafe fn tile<const R: usize, const Q41: bool>(w: &[u8], nb: usize, t: &Q8Tile,
     // SAFETY: `sm` has room for 8 floats.
     unsafe { _mm256_storeu_ps(sm.as_mut_ptr(), summs) };
     for r in 0..R {
-        out[r] = match Q41 {
+        out[r] = match with_min {
             true => hsum(acc[r]) + sm[r],
             false => hsum(acc[r]),
         };
     }
+}
+
+/// The 32 nibbles of the 16 bytes at `p`, low nibbles first (elements
+/// 0..16), then high (16..32), as bytes.
+///
+/// # Safety
+/// AVX2 must be available; 16 bytes at `p` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles(p: *const u8, low: __m256i) -> __m256i {
+    // SAFETY: the caller guarantees the 16 bytes.
+    let packed = unsafe { _mm_loadu_si128(p as *const __m128i) };
+    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low)
+}
+
+/// ggml's `bytes_from_bits_32`: byte `j` is 0xFF where bit `j` of the
+/// little-endian u32 at `p` is set, else 0.
+///
+/// # Safety
+/// AVX2 must be available; 4 bytes at `p` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bits_to_bytes(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees the 4 bytes (read unaligned).
+    let x = unsafe { (p as *const u32).read_unaligned() };
+    let shuf = _mm256_set_epi64x(
+        0x0303_0303_0303_0303,
+        0x0202_0202_0202_0202,
+        0x0101_0101_0101_0101,
+        0,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
+    let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+    _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
 }
 
 /// `ggml_vec_dot_f32`'s four 16-lane accumulators (eight 8-lane registers:
@@ -476,55 +549,4 @@ unsafe fn pv_n<T: KvLoad, const N: usize>(
             unsafe { _mm256_storeu_ps(row.as_mut_ptr().add(8 * i), *ai) };
         }
     }
-}
-
-/// The integer lanes of ggml's K-quant kernels for one (weight block,
-/// activation block) pair: per 32-value chunk `c`, `vpmaddubsw` of the codes
-/// with the activation bytes (codes below 64 times signed bytes: a pair is at
-/// most 2*63*127, no saturation), then `vpmaddwd` with the 16-bit scales of
-/// the pairs, giving lane `l` = the scaled products of bytes `4l..4l+4`.
-/// `lanes` gets their sum over the chunks; `parts[c]`, if given, each
-/// chunk's own lanes. Exact integers. `false` (nothing written) without AVX2.
-pub fn kquant_lanes(
-    q: &[u8; 256],
-    x: &[i8; 256],
-    scales: &[[i16; 16]; 8],
-    lanes: &mut [i32; 8],
-    parts: Option<&mut [[i32; 8]; 8]>,
-) -> bool {
-    if !available() {
-        return false;
-    }
-    // SAFETY: `available()` confirmed AVX2; every access is within the
-    // fixed-size arrays (8 chunks of 32 bytes and 16 scales in, 8 i32 lanes
-    // and 8 rows of 8 i32 out).
-    unsafe { kquant_lanes_avx2(q, x, scales, lanes, parts) };
-    true
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn kquant_lanes_avx2(
-    q: &[u8; 256],
-    x: &[i8; 256],
-    scales: &[[i16; 16]; 8],
-    lanes: &mut [i32; 8],
-    mut parts: Option<&mut [[i32; 8]; 8]>,
-) {
-    let mut sum = _mm256_setzero_si256();
-    for c in 0..8 {
-        // SAFETY: bytes `32c..32c+32` of both 256-byte arrays, the 32 bytes of
-        // `scales[c]`, of `parts[c]` and of `lanes`; unaligned loads and stores.
-        unsafe {
-            let vq = _mm256_loadu_si256(q.as_ptr().add(32 * c).cast::<__m256i>());
-            let vx = _mm256_loadu_si256(x.as_ptr().add(32 * c).cast::<__m256i>());
-            let sc = _mm256_loadu_si256(scales[c].as_ptr().cast::<__m256i>());
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(vq, vx), sc);
-            sum = _mm256_add_epi32(sum, p);
-            if let Some(parts) = parts.as_deref_mut() {
-                _mm256_storeu_si256(parts[c].as_mut_ptr().cast::<__m256i>(), p);
-            }
-        }
-    }
-    // SAFETY: the 32 bytes of `lanes`.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast::<__m256i>(), sum) };
 }

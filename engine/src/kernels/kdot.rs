@@ -75,7 +75,7 @@ pub struct Terms {
 pub fn terms(fmt: KFormat, w: &Unpacked, a: &Q8KBlock, need_chunks: bool, t: &mut Terms) {
     let mut parts = [[0i32; 8]; 8];
     #[cfg(target_arch = "x86_64")]
-    let vector = super::avx2::kquant_lanes(
+    let vector = super::avx2_kquant::kquant_lanes(
         &w.q,
         &a.qs,
         &w.pair_scales,

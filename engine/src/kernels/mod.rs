@@ -12,6 +12,8 @@ use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_kquant;
 pub mod ggml;
 pub mod kdot;
 pub mod kquant;
@@ -88,6 +90,8 @@ pub enum BlockFormat {
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
     /// ggml's K-quants: 256 values per block, Q8_K activations.
     K(kquant::KFormat),
@@ -98,7 +102,12 @@ impl BlockFormat {
     pub fn quantizes_activations(self) -> bool {
         matches!(
             self,
-            BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q8_0 | BlockFormat::K(_)
+            BlockFormat::Q4_0
+                | BlockFormat::Q4_1
+                | BlockFormat::Q5_0
+                | BlockFormat::Q5_1
+                | BlockFormat::Q8_0
+                | BlockFormat::K(_)
         )
     }
 
@@ -125,6 +134,8 @@ impl BlockFormat {
             BlockFormat::F16 => 2 * QK,
             BlockFormat::Q4_0 => 2 + QK / 2,
             BlockFormat::Q4_1 => 4 + QK / 2,
+            BlockFormat::Q5_0 => 6 + QK / 2,
+            BlockFormat::Q5_1 => 8 + QK / 2,
             BlockFormat::Q8_0 => 2 + QK,
             BlockFormat::K(k) => k.block_bytes(),
         }
@@ -136,6 +147,8 @@ impl BlockFormat {
             BlockFormat::F16 => "f16",
             BlockFormat::Q4_0 => "q4_0",
             BlockFormat::Q4_1 => "q4_1",
+            BlockFormat::Q5_0 => "q5_0",
+            BlockFormat::Q5_1 => "q5_1",
             BlockFormat::Q8_0 => "q8_0",
             BlockFormat::K(kquant::KFormat::Q4K) => "q4_k",
             BlockFormat::K(kquant::KFormat::Q5K) => "q5_k",
@@ -159,6 +172,8 @@ struct BF32;
 struct BF16;
 struct BQ4_0;
 struct BQ4_1;
+struct BQ5_0;
+struct BQ5_1;
 struct BQ8_0;
 
 impl Block for BF32 {
@@ -208,6 +223,76 @@ impl Block for BQ4_1 {
     }
 }
 
+/// A Q5_0/Q5_1 block's 5-bit codes: element `j` (and `j + 16`) takes bit
+/// `j` (`j + 16`) of the 32-bit `qh` at byte `at` as its fifth bit.
+#[inline(always)]
+fn q5_codes(b: &[u8], at: usize) -> [u8; QK] {
+    let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let qs = &b[at + 4..at + 4 + QK / 2];
+    std::array::from_fn(|j| {
+        let nib = if j < QK / 2 {
+            qs[j] & 0x0f
+        } else {
+            qs[j - QK / 2] >> 4
+        };
+        nib | (((qh >> j) & 1) as u8) << 4
+    })
+}
+
+impl Block for BQ5_0 {
+    const BYTES: usize = 6 + QK / 2;
+    #[inline(always)]
+    fn dequant(b: &[u8], out: &mut [f32; QK]) {
+        let d = f16_at(b, 0);
+        for (o, q) in out.iter_mut().zip(q5_codes(b, 2)) {
+            *o = (q as i32 - 16) as f32 * d;
+        }
+    }
+}
+
+impl Block for BQ5_1 {
+    const BYTES: usize = 8 + QK / 2;
+    #[inline(always)]
+    fn dequant(b: &[u8], out: &mut [f32; QK]) {
+        let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+        for (o, q) in out.iter_mut().zip(q5_codes(b, 4)) {
+            // ggml-base's `x*d + m`, built without FMA: two roundings.
+            *o = q as f32 * d + m;
+        }
+    }
+}
+
+/// The signed 8-bit weights of a Q4_0 / Q5_0 / Q8_0 block, as ggml's
+/// integer kernels multiply them (`q - 8`, `q - 16`, `q`).
+pub(crate) fn signed_weights(fmt: BlockFormat, b: &[u8]) -> [i8; QK] {
+    match fmt {
+        BlockFormat::Q4_0 => std::array::from_fn(|j| {
+            let nib = if j < QK / 2 {
+                b[2 + j] & 0x0f
+            } else {
+                b[2 + j - QK / 2] >> 4
+            };
+            nib as i8 - 8
+        }),
+        BlockFormat::Q5_0 => q5_codes(b, 2).map(|q| q as i8 - 16),
+        _ => std::array::from_fn(|j| b[2 + j] as i8),
+    }
+}
+
+/// The unsigned codes of a Q4_1 / Q5_1 block.
+pub(crate) fn unsigned_codes(fmt: BlockFormat, b: &[u8]) -> [u8; QK] {
+    match fmt {
+        BlockFormat::Q5_1 => q5_codes(b, 4),
+        _ => std::array::from_fn(|j| {
+            if j < QK / 2 {
+                b[4 + j] & 0x0f
+            } else {
+                b[4 + j - QK / 2] >> 4
+            }
+        }),
+    }
+}
+
 impl Block for BQ8_0 {
     const BYTES: usize = 2 + QK;
     #[inline(always)]
@@ -226,6 +311,8 @@ pub fn dequant_row(fmt: BlockFormat, row: &[u8], out: &mut [f32]) {
         BlockFormat::F16 => dequant_row_t::<BF16>(row, out),
         BlockFormat::Q4_0 => dequant_row_t::<BQ4_0>(row, out),
         BlockFormat::Q4_1 => dequant_row_t::<BQ4_1>(row, out),
+        BlockFormat::Q5_0 => dequant_row_t::<BQ5_0>(row, out),
+        BlockFormat::Q5_1 => dequant_row_t::<BQ5_1>(row, out),
         BlockFormat::Q8_0 => dequant_row_t::<BQ8_0>(row, out),
         BlockFormat::K(k) => kquant::dequant_row(k, row, out),
     }
@@ -247,6 +334,8 @@ pub fn dot_rows(fmt: BlockFormat, wrow: &[u8], xs: &[&[f32]], out: &mut [f32]) {
         BlockFormat::F16 => dot_rows_t::<BF16>(wrow, xs, out),
         BlockFormat::Q4_0 => dot_rows_t::<BQ4_0>(wrow, xs, out),
         BlockFormat::Q4_1 => dot_rows_t::<BQ4_1>(wrow, xs, out),
+        BlockFormat::Q5_0 => dot_rows_t::<BQ5_0>(wrow, xs, out),
+        BlockFormat::Q5_1 => dot_rows_t::<BQ5_1>(wrow, xs, out),
         BlockFormat::Q8_0 => dot_rows_t::<BQ8_0>(wrow, xs, out),
         BlockFormat::K(_) => {
             // Not a kernel llama.cpp has (its K-quants always quantize the

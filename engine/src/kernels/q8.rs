@@ -101,7 +101,14 @@ impl Q8Batch {
 
 /// Whether the integer path handles this weight format.
 pub fn supported(fmt: BlockFormat) -> bool {
-    matches!(fmt, BlockFormat::Q4_1 | BlockFormat::Q8_0)
+    matches!(
+        fmt,
+        BlockFormat::Q4_0
+            | BlockFormat::Q4_1
+            | BlockFormat::Q5_0
+            | BlockFormat::Q5_1
+            | BlockFormat::Q8_0
+    )
 }
 
 /// `out[r * stride + j] = dot(weight row j, row r of the tile)` for the
@@ -136,18 +143,17 @@ pub fn dot_scalar(fmt: BlockFormat, wrow: &[u8], t: &Q8Tile, r: usize) -> f32 {
         let (dx, sx) = (t.d[i * TILE + r], t.s[i * TILE + r]);
         let dw = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
         // Lane l of ggml's accumulator sums products 4l..4l+4 of the
-        // (low nibbles, high nibbles) / (32 signed) layout.
+        // block's 32 values in element order.
         let prods: [i32; QK] = match fmt {
-            BlockFormat::Q4_1 => {
+            BlockFormat::Q4_1 | BlockFormat::Q5_1 => {
                 summs += f16::from_le_bytes([blk[2], blk[3]]).to_f32() * sx;
-                std::array::from_fn(|j| {
-                    let b = blk[4 + j % 16];
-                    let w = if j < 16 { b & 0x0f } else { b >> 4 };
-                    w as i32 * qx[j] as i32
-                })
+                let w = super::unsigned_codes(fmt, blk);
+                std::array::from_fn(|j| w[j] as i32 * qx[j] as i32)
             }
-            BlockFormat::Q8_0 => std::array::from_fn(|j| (blk[2 + j] as i8) as i32 * qx[j] as i32),
-            _ => [0; QK],
+            _ => {
+                let w = super::signed_weights(fmt, blk);
+                std::array::from_fn(|j| w[j] as i32 * qx[j] as i32)
+            }
         };
         let scale = dw * dx;
         for (l, a) in acc.iter_mut().enumerate() {

@@ -106,3 +106,38 @@ pub fn greedy_cases() -> Vec<Case> {
         })
         .collect()
 }
+
+/// The second test model (Gemma 3 270M Q4_K_M, `scripts/fetch-gemma.sh`), opened
+/// for its tensors; fails loudly when it is missing.
+pub fn gemma() -> (std::fs::File, candle_core::quantized::gguf_file::Content) {
+    let p = root().join("models/gemma-3-270m-q4_k_m.gguf");
+    let mut f = std::fs::File::open(&p).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}; fetch it with scripts/fetch-gemma.sh (make model)",
+            p.display()
+        )
+    });
+    let c = candle_core::quantized::gguf_file::Content::read(&mut f).expect("GGUF header");
+    (f, c)
+}
+
+/// Raw bytes of a tensor of an opened GGUF file.
+pub fn tensor_bytes(
+    f: &mut std::fs::File,
+    c: &candle_core::quantized::gguf_file::Content,
+    name: &str,
+) -> Vec<u8> {
+    let t = c
+        .tensor(f, name, &candle_core::Device::Cpu)
+        .expect("tensor");
+    t.data().expect("tensor data").into_owned()
+}
+
+/// Little-endian f32 values from hex.
+pub fn f32_hex(s: &str) -> Vec<f32> {
+    hex::decode(s)
+        .expect("hex")
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}

@@ -1,0 +1,82 @@
+//! The 32-value block formats with 8-bit activations (Q4_0, Q4_1, Q5_0, Q5_1,
+//! Q8_0) against llama.cpp's own CPU backend: whole matmuls at 1 to 11
+//! activation rows, bit for bit, on rows of the Gemma 3 270M Q4_K_M file's
+//! Q5_0 and Q8_0 tensors and on random Q4_0, Q4_1 and Q5_1 blocks
+//! (`tests/data/llama-cpp-q0-matmul.json`, one-op ggml graphs run by
+//! `bench/llama_cpp_q0_matmul_fixture.py` through llama-cpp-python 0.3.36's
+//! libggml-cpu). Q4_1 is the default model's format and was already exact:
+//! it checks the harness.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{f32_hex, gemma, root, tensor_bytes};
+use duet_engine::kernels::{BlockFormat, QK};
+use duet_engine::linear::{KernelRows, Linear, QWeight, WeightMode};
+
+fn format(name: &str) -> BlockFormat {
+    match name {
+        "q4_0" => BlockFormat::Q4_0,
+        "q4_1" => BlockFormat::Q4_1,
+        "q5_0" => BlockFormat::Q5_0,
+        "q5_1" => BlockFormat::Q5_1,
+        "q8_0" => BlockFormat::Q8_0,
+        other => panic!("unknown format {other}"),
+    }
+}
+
+#[test]
+fn q0_matmuls_equal_llama_cpp_bit_for_bit() {
+    let p = root().join("tests/data/llama-cpp-q0-matmul.json");
+    let fx: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    let (mut f, c) = gemma();
+    let mut checked = std::collections::BTreeMap::new();
+    for case in fx["cases"].as_array().unwrap() {
+        let fmt = format(case["type"].as_str().unwrap());
+        let (rows, cols, n) = (
+            case["rows"].as_u64().unwrap() as usize,
+            case["cols"].as_u64().unwrap() as usize,
+            case["n"].as_u64().unwrap() as usize,
+        );
+        let rb = cols / QK * fmt.block_bytes();
+        let name = case["weights"].as_str().unwrap();
+        let raw = match name {
+            "random" => hex::decode(case["weights_hex"].as_str().unwrap()).unwrap(),
+            _ => tensor_bytes(&mut f, &c, name)[..rows * rb].to_vec(),
+        };
+        let mut x = f32_hex(
+            fx["activations_f32_hex"][cols.to_string()]
+                .as_str()
+                .unwrap(),
+        );
+        x.truncate(n * cols);
+        let lin = Linear::new(
+            QWeight::new(fmt, raw, rows, cols).unwrap(),
+            WeightMode::Quantized,
+        )
+        .unwrap();
+        let y = lin
+            .forward_with(&x, n, KernelRows::As { n, first: 0 })
+            .unwrap();
+        for r in 0..n {
+            for j in 0..rows {
+                let want = case["out_f32_bits"][r][j].as_u64().unwrap() as u32;
+                let got = y[r * rows + j];
+                assert_eq!(
+                    got.to_bits(),
+                    want,
+                    "{name} {fmt:?} {rows}x{cols}, n {n}, row {r}, output {j}: {got} vs llama.cpp {}",
+                    f32::from_bits(want)
+                );
+            }
+        }
+        *checked.entry(fmt.name()).or_insert(0) += n * rows;
+    }
+    assert_eq!(
+        checked.keys().copied().collect::<Vec<_>>(),
+        ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"],
+        "every format is in the fixture"
+    );
+    assert!(checked.values().all(|&v| v >= 400), "{checked:?}");
+}
