@@ -283,56 +283,34 @@ fn q8k_quantization_and_vec_dot_equal_llama_cpp_bit_for_bit() {
 /// 0.3.36's libggml-cpu).
 #[test]
 fn kquant_matmuls_equal_llama_cpp_bit_for_bit_for_every_kernel() {
-    let p = root().join("tests/data/llama-cpp-kquant-matmul.json");
-    let fx: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    let (mut f, c) = gemma();
+    let cases = common::matmul_cases("llama-cpp-kquant-matmul.json", |f, cols| {
+        cols / QK_K * format(f).block_bytes()
+    });
     let mut checked = 0;
-    for case in fx["cases"].as_array().unwrap() {
-        let fmt = format(case["type"].as_str().unwrap());
-        let (rows, cols, n) = (
-            case["rows"].as_u64().unwrap() as usize,
-            case["cols"].as_u64().unwrap() as usize,
-            case["n"].as_u64().unwrap() as usize,
+    for case in cases {
+        let fmt = format(&case.format);
+        let (rows, cols, n) = (case.rows, case.cols, case.n);
+        assert_eq!(
+            case.repacked,
+            fmt == KFormat::Q4K && rows.is_multiple_of(8),
+            "fixture and rule agree"
         );
-        let rb = cols / QK_K * fmt.block_bytes();
-        let name = case["weights"].as_str().unwrap();
-        let raw = match name {
-            "random" => hex::decode(case["weights_hex"].as_str().unwrap()).unwrap(),
-            _ => tensor_bytes(&mut f, &c, name)[..rows * rb].to_vec(),
-        };
-        let x: Vec<f32> = hex::decode(
-            fx["activations_f32_hex"][cols.to_string()]
-                .as_str()
-                .unwrap(),
-        )
-        .unwrap()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .take(n * cols)
-        .collect();
         let lin = Linear::new(
-            QWeight::new(BlockFormat::K(fmt), raw, rows, cols).unwrap(),
+            QWeight::new(BlockFormat::K(fmt), case.raw, rows, cols).unwrap(),
             WeightMode::Quantized,
         )
         .unwrap();
         let y = lin
-            .forward_with(&x, n, KernelRows::As { n, first: 0 })
+            .forward_with(&case.x, n, KernelRows::As { n, first: 0 })
             .unwrap();
-        let repacked = case["repacked"].as_bool().unwrap();
-        assert_eq!(
-            repacked,
-            fmt == KFormat::Q4K && rows.is_multiple_of(8),
-            "fixture and rule agree"
-        );
-        for r in 0..n {
-            for j in 0..rows {
-                let want = case["out_f32_bits"][r][j].as_u64().unwrap() as u32;
+        for (r, want) in case.want.iter().enumerate() {
+            for (j, &want) in want.iter().enumerate() {
                 let got = y[r * rows + j];
                 assert_eq!(
                     got.to_bits(),
                     want,
-                    "{name} {fmt:?} {rows}x{cols}, n {n}, row {r} ({:?}), output {j}: {got} vs llama.cpp {}",
+                    "{} {fmt:?} {rows}x{cols}, n {n}, row {r} ({:?}), output {j}: {got} vs llama.cpp {}",
+                    case.weights,
                     Kernel::choose(fmt, rows, n, r),
                     f32::from_bits(want)
                 );

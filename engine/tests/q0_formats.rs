@@ -10,7 +10,6 @@
 
 mod common;
 
-use common::{f32_hex, gemma, root, tensor_bytes};
 use duet_engine::kernels::{BlockFormat, QK};
 use duet_engine::linear::{KernelRows, Linear, QWeight, WeightMode};
 
@@ -27,46 +26,29 @@ fn format(name: &str) -> BlockFormat {
 
 #[test]
 fn q0_matmuls_equal_llama_cpp_bit_for_bit() {
-    let p = root().join("tests/data/llama-cpp-q0-matmul.json");
-    let fx: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    let (mut f, c) = gemma();
+    let cases = common::matmul_cases("llama-cpp-q0-matmul.json", |f, cols| {
+        cols / QK * format(f).block_bytes()
+    });
     let mut checked = std::collections::BTreeMap::new();
-    for case in fx["cases"].as_array().unwrap() {
-        let fmt = format(case["type"].as_str().unwrap());
-        let (rows, cols, n) = (
-            case["rows"].as_u64().unwrap() as usize,
-            case["cols"].as_u64().unwrap() as usize,
-            case["n"].as_u64().unwrap() as usize,
-        );
-        let rb = cols / QK * fmt.block_bytes();
-        let name = case["weights"].as_str().unwrap();
-        let raw = match name {
-            "random" => hex::decode(case["weights_hex"].as_str().unwrap()).unwrap(),
-            _ => tensor_bytes(&mut f, &c, name)[..rows * rb].to_vec(),
-        };
-        let mut x = f32_hex(
-            fx["activations_f32_hex"][cols.to_string()]
-                .as_str()
-                .unwrap(),
-        );
-        x.truncate(n * cols);
+    for case in cases {
+        let fmt = format(&case.format);
+        let (rows, cols, n) = (case.rows, case.cols, case.n);
         let lin = Linear::new(
-            QWeight::new(fmt, raw, rows, cols).unwrap(),
+            QWeight::new(fmt, case.raw, rows, cols).unwrap(),
             WeightMode::Quantized,
         )
         .unwrap();
         let y = lin
-            .forward_with(&x, n, KernelRows::As { n, first: 0 })
+            .forward_with(&case.x, n, KernelRows::As { n, first: 0 })
             .unwrap();
-        for r in 0..n {
-            for j in 0..rows {
-                let want = case["out_f32_bits"][r][j].as_u64().unwrap() as u32;
+        for (r, want) in case.want.iter().enumerate() {
+            for (j, &want) in want.iter().enumerate() {
                 let got = y[r * rows + j];
                 assert_eq!(
                     got.to_bits(),
                     want,
-                    "{name} {fmt:?} {rows}x{cols}, n {n}, row {r}, output {j}: {got} vs llama.cpp {}",
+                    "{} {fmt:?} {rows}x{cols}, n {n}, row {r}, output {j}: {got} vs llama.cpp {}",
+                    case.weights,
                     f32::from_bits(want)
                 );
             }

@@ -141,3 +141,69 @@ pub fn f32_hex(s: &str) -> Vec<f32> {
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect()
 }
+
+/// One case of a matmul fixture written by `bench/llama_cpp_*matmul_fixture.py`:
+/// llama.cpp's `y = x W^T` for `n` activation rows.
+pub struct MatmulCase {
+    /// `q4_0`, `q5_k`, ...
+    pub format: String,
+    /// The Gemma tensor the rows come from, or `random`.
+    pub weights: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub n: usize,
+    pub repacked: bool,
+    /// The first `rows` rows of the weight, as stored.
+    pub raw: Vec<u8>,
+    /// `n` activation rows of `cols` values.
+    pub x: Vec<f32>,
+    /// llama.cpp's outputs: `want[r][j]` for activation row `r`, output `j`.
+    pub want: Vec<Vec<u32>>,
+}
+
+/// The cases of `tests/data/<name>`; `row_bytes(format, cols)` sizes a weight row.
+pub fn matmul_cases(name: &str, row_bytes: impl Fn(&str, usize) -> usize) -> Vec<MatmulCase> {
+    let p = root().join("tests/data").join(name);
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    let fx: serde_json::Value = serde_json::from_str(&text).expect("fixture is JSON");
+    let (mut f, c) = gemma();
+    let u = |v: &serde_json::Value| v.as_u64().expect("integer") as usize;
+    fx["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .map(|case| {
+            let format = case["type"].as_str().expect("type").to_string();
+            let (rows, cols, n) = (u(&case["rows"]), u(&case["cols"]), u(&case["n"]));
+            let weights = case["weights"].as_str().expect("weights").to_string();
+            let raw = match weights.as_str() {
+                "random" => hex::decode(case["weights_hex"].as_str().expect("hex")).expect("hex"),
+                name => tensor_bytes(&mut f, &c, name)[..rows * row_bytes(&format, cols)].to_vec(),
+            };
+            let mut x = f32_hex(
+                fx["activations_f32_hex"][cols.to_string()]
+                    .as_str()
+                    .expect("x"),
+            );
+            x.truncate(n * cols);
+            let want = (0..n)
+                .map(|r| {
+                    (0..rows)
+                        .map(|j| u(&case["out_f32_bits"][r][j]) as u32)
+                        .collect()
+                })
+                .collect();
+            MatmulCase {
+                format,
+                weights,
+                rows,
+                cols,
+                n,
+                repacked: case["repacked"].as_bool().unwrap_or(false),
+                raw,
+                x,
+                want,
+            }
+        })
+        .collect()
+}
