@@ -289,34 +289,15 @@ fn kquant_matmuls_equal_llama_cpp_bit_for_bit_for_every_kernel() {
     let mut checked = 0;
     for case in cases {
         let fmt = format(&case.format);
-        let (rows, cols, n) = (case.rows, case.cols, case.n);
+        let (rows, n) = (case.rows, case.n);
         assert_eq!(
             case.repacked,
             fmt == KFormat::Q4K && rows.is_multiple_of(8),
             "fixture and rule agree"
         );
-        let lin = Linear::new(
-            QWeight::new(BlockFormat::K(fmt), case.raw, rows, cols).unwrap(),
-            WeightMode::Quantized,
-        )
-        .unwrap();
-        let y = lin
-            .forward_with(&case.x, n, KernelRows::As { n, first: 0 })
-            .unwrap();
-        for (r, want) in case.want.iter().enumerate() {
-            for (j, &want) in want.iter().enumerate() {
-                let got = y[r * rows + j];
-                assert_eq!(
-                    got.to_bits(),
-                    want,
-                    "{} {fmt:?} {rows}x{cols}, n {n}, row {r} ({:?}), output {j}: {got} vs llama.cpp {}",
-                    case.weights,
-                    Kernel::choose(fmt, rows, n, r),
-                    f32::from_bits(want)
-                );
-                checked += 1;
-            }
-        }
+        checked += common::assert_matmul(&case, BlockFormat::K(fmt), |r| {
+            format!("{:?}", Kernel::choose(fmt, rows, n, r))
+        });
     }
     assert!(checked >= 1000, "only {checked} outputs compared");
 }

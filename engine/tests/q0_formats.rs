@@ -11,7 +11,6 @@
 mod common;
 
 use duet_engine::kernels::{BlockFormat, QK};
-use duet_engine::linear::{KernelRows, Linear, QWeight, WeightMode};
 
 fn format(name: &str) -> BlockFormat {
     match name {
@@ -32,28 +31,8 @@ fn q0_matmuls_equal_llama_cpp_bit_for_bit() {
     let mut checked = std::collections::BTreeMap::new();
     for case in cases {
         let fmt = format(&case.format);
-        let (rows, cols, n) = (case.rows, case.cols, case.n);
-        let lin = Linear::new(
-            QWeight::new(fmt, case.raw, rows, cols).unwrap(),
-            WeightMode::Quantized,
-        )
-        .unwrap();
-        let y = lin
-            .forward_with(&case.x, n, KernelRows::As { n, first: 0 })
-            .unwrap();
-        for (r, want) in case.want.iter().enumerate() {
-            for (j, &want) in want.iter().enumerate() {
-                let got = y[r * rows + j];
-                assert_eq!(
-                    got.to_bits(),
-                    want,
-                    "{} {fmt:?} {rows}x{cols}, n {n}, row {r}, output {j}: {got} vs llama.cpp {}",
-                    case.weights,
-                    f32::from_bits(want)
-                );
-            }
-        }
-        *checked.entry(fmt.name()).or_insert(0) += n * rows;
+        let outputs = common::assert_matmul(&case, fmt, |_| "the vec_dot chain".into());
+        *checked.entry(fmt.name()).or_insert(0) += outputs;
     }
     assert_eq!(
         checked.keys().copied().collect::<Vec<_>>(),

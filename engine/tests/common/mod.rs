@@ -207,3 +207,35 @@ pub fn matmul_cases(name: &str, row_bytes: impl Fn(&str, usize) -> usize) -> Vec
         })
         .collect()
 }
+
+/// Multiplies the case's activations by its weights (format `fmt`, kept
+/// quantized) as a forward over its `n` rows, and asserts every output has
+/// llama.cpp's bits (`label(r)` names row `r`'s kernel in a failure).
+/// Returns the number of outputs compared.
+pub fn assert_matmul(
+    case: &MatmulCase,
+    fmt: duet_engine::kernels::BlockFormat,
+    label: impl Fn(usize) -> String,
+) -> usize {
+    use duet_engine::linear::{KernelRows, Linear, QWeight};
+    let (rows, cols, n) = (case.rows, case.cols, case.n);
+    let w = QWeight::new(fmt, case.raw.clone(), rows, cols).expect("weight");
+    let lin = Linear::new(w, WeightMode::Quantized).expect("linear");
+    let y = lin
+        .forward_with(&case.x, n, KernelRows::As { n, first: 0 })
+        .expect("forward");
+    for (r, want) in case.want.iter().enumerate() {
+        for (j, &want) in want.iter().enumerate() {
+            let got = y[r * rows + j];
+            assert_eq!(
+                got.to_bits(),
+                want,
+                "{} {fmt:?} {rows}x{cols}, n {n}, row {r} ({}), output {j}: {got} vs llama.cpp {}",
+                case.weights,
+                label(r),
+                f32::from_bits(want)
+            );
+        }
+    }
+    n * rows
+}
