@@ -260,26 +260,37 @@ impl Linear {
         }
     }
 
-    /// `x W^T` with the integer kernel. Each task owns a run of output
-    /// features; it meets every activation tile with those features' weight
-    /// rows, so the tile stays in L1 while the run's rows come from L2. A
-    /// task's results are row-major within the task, so the final layout is
-    /// one contiguous copy per (task, row).
+    /// `x W^T` with the integer kernel (see [`Self::by_output_runs`]).
     fn q8_matmul(&self, q: &QWeight, acts: &Q8Batch) -> Vec<f32> {
+        self.by_output_runs(q, acts.rows, |w, rb, chunk, n_out| {
+            for (ti, tile) in acts.tiles.iter().enumerate() {
+                let out = &mut chunk[ti * TILE * n_out..];
+                q8::dot_tile_rows(q.format, w, rb, tile, out, n_out);
+            }
+        })
+    }
+
+    /// `x W^T` for `rows` activation rows, in parallel tasks that each own a
+    /// run of output features: `run(w, row_bytes, out, n_out)` gets the run's
+    /// weight rows and fills `out[r * n_out + j]`, meeting every activation
+    /// row with them, so the activations stay in L1 while the run's weights
+    /// come from L2. A task's results are row-major within the task, so the
+    /// final layout is one contiguous copy per (task, row).
+    fn by_output_runs(
+        &self,
+        q: &QWeight,
+        rows: usize,
+        run: impl Fn(&[u8], usize, &mut [f32], usize) + Sync,
+    ) -> Vec<f32> {
         const OUT_PER_TASK: usize = 64;
-        let rows = acts.rows;
+        let rb = q.row_bytes();
         let mut t = vec![0f32; self.out_dim * rows];
         t.par_chunks_mut(OUT_PER_TASK * rows)
             .enumerate()
             .for_each(|(task, chunk)| {
                 let o0 = task * OUT_PER_TASK;
                 let n_out = chunk.len() / rows;
-                let rb = q.row_bytes();
-                let w = &q.data[o0 * rb..(o0 + n_out) * rb];
-                for (ti, tile) in acts.tiles.iter().enumerate() {
-                    let out = &mut chunk[ti * TILE * n_out..];
-                    q8::dot_tile_rows(q.format, w, rb, tile, out, n_out);
-                }
+                run(&q.data[o0 * rb..(o0 + n_out) * rb], rb, chunk, n_out);
             });
         self.untile(t, rows, OUT_PER_TASK)
     }
@@ -310,7 +321,6 @@ impl Linear {
         rows: usize,
         kernel: KernelRows,
     ) -> Vec<f32> {
-        const OUT_PER_TASK: usize = 64;
         let acts = Q8KRows::quantize(x, self.in_dim);
         let refs: Vec<&[Q8KBlock]> = (0..rows).map(|r| acts.row(r)).collect();
         let out_rows = self.out_dim;
@@ -318,17 +328,9 @@ impl Linear {
             KernelRows::Decode => Kernel::choose(k, out_rows, 1, 0),
             KernelRows::As { n, first } => Kernel::choose(k, out_rows, n.max(rows), first + r),
         };
-        let rb = q.row_bytes();
-        let mut t = vec![0f32; self.out_dim * rows];
-        t.par_chunks_mut(OUT_PER_TASK * rows)
-            .enumerate()
-            .for_each(|(task, chunk)| {
-                let o0 = task * OUT_PER_TASK;
-                let n_out = chunk.len() / rows;
-                let w = &q.data[o0 * rb..(o0 + n_out) * rb];
-                kdot::dot_rows(k, w, rb, &refs, choose, chunk, n_out);
-            });
-        self.untile(t, rows, OUT_PER_TASK)
+        self.by_output_runs(q, rows, |w, rb, chunk, n_out| {
+            kdot::dot_rows(k, w, rb, &refs, choose, chunk, n_out)
+        })
     }
 
     /// Runs `dot(w, out)` for every output feature `w` in parallel, where
