@@ -3,9 +3,10 @@
 //! (`docs/research/ggml-kquants.md` §3 and §5).
 //!
 //! Every kernel first forms exact integers per (weight block, activation
-//! block): [`Terms`], i.e. `part[c][l]`, the sum of the four products
-//! `q*q8` of elements `32c+4l..32c+4l+4` (lane `l` of chunk `c`, the lanes of
-//! ggml's `maddubs`/`madd` steps), and the mins' terms. Integer sums are
+//! block): [`Terms`], i.e. ggml's 8 integer lanes (lane `l` sums the
+//! scaled products `sc*q*q8` of elements `32c+4l..32c+4l+4` of every
+//! 32-value chunk `c`, as its `maddubs`/`madd` steps group them), each
+//! chunk's sum where the GEMM needs it, and the mins' terms. Integer sums are
 //! exact, so only the float operations that follow differ between kernels:
 //! - [`Kernel::VecDot`]: `ggml_vec_dot_q*_K_q8_K` (8 lanes, `hsum_float_8`;
 //!   Q4_K mins in 4 lanes, Q5_K mins in a scalar);
