@@ -63,40 +63,34 @@ pub struct Terms {
     /// values, `sc * q * q8` of elements `32c+4l..32c+4l+4` (each product
     /// times its sub-block's scale), Q6_K's offset taken out.
     pub lanes: [i32; 8],
-    /// Each chunk's scaled sum (a Q4_K/Q5_K sub-block; the GEMM adds them in
-    /// pairs), when asked for.
-    pub chunks: [i32; 8],
+    /// Each chunk's own lanes (the GEMM adds the chunks' sums in pairs):
+    /// written only when asked for.
+    pub parts: [[i32; 8]; 8],
     /// Q4_K/Q5_K: `m_s * (bsums[2s] + bsums[2s+1])` per 32-value sub-block.
     pub mins: [i32; 8],
 }
 
-/// The integer terms of `w` (unpacked) with `a` into `t`; `chunks` only
-/// with `need_chunks` (the GEMM's).
+/// The integer terms of `w` (unpacked) with `a` into `t` (reused across
+/// calls); `t.parts` only with `need_parts` (the GEMM's).
 #[inline(always)]
-pub fn terms(fmt: KFormat, w: &Unpacked, a: &Q8KBlock, need_chunks: bool, t: &mut Terms) {
-    let mut parts = [[0i32; 8]; 8];
+pub fn terms(fmt: KFormat, w: &Unpacked, a: &Q8KBlock, need_parts: bool, t: &mut Terms) {
     #[cfg(target_arch = "x86_64")]
     let vector = super::avx2_kquant::kquant_lanes(
         &w.q,
         &a.qs,
         &w.pair_scales,
         &mut t.lanes,
-        need_chunks.then_some(&mut parts),
+        need_parts.then_some(&mut t.parts),
     );
     #[cfg(not(target_arch = "x86_64"))]
     let vector = false;
     if !vector {
-        parts_scalar(w, &a.qs, &mut parts);
+        parts_scalar(w, &a.qs, &mut t.parts);
         t.lanes = [0; 8];
-        for p in &parts {
+        for p in &t.parts {
             for (s, v) in t.lanes.iter_mut().zip(p) {
                 *s += v;
             }
-        }
-    }
-    if need_chunks {
-        for (c, p) in t.chunks.iter_mut().zip(&parts) {
-            *c = p.iter().sum();
         }
     }
     match fmt {
@@ -134,6 +128,12 @@ impl Terms {
     #[inline(always)]
     fn total(&self) -> i32 {
         self.lanes.iter().sum()
+    }
+
+    /// Chunk `c`'s scaled sum (needs `parts`).
+    #[inline(always)]
+    fn chunk(&self, c: usize) -> i32 {
+        self.parts[c].iter().sum()
     }
 }
 
@@ -184,7 +184,7 @@ impl Acc {
             Kernel::Gemm => {
                 let (ds, dm) = (w.d * a.d, w.dmin * a.d);
                 for sb in 0..4 {
-                    let s = t.chunks[2 * sb] + t.chunks[2 * sb + 1];
+                    let s = t.chunk(2 * sb) + t.chunk(2 * sb + 1);
                     let m = t.mins[2 * sb] + t.mins[2 * sb + 1];
                     self.acc = (s as f32).mul_add(ds, self.acc);
                     self.accm = (m as f32).mul_add(dm, self.accm);
@@ -301,8 +301,6 @@ mod tests {
                 "lane {l}"
             );
         }
-        for (c, p) in parts.iter().enumerate() {
-            assert_eq!(t.chunks[c], p.iter().sum::<i32>(), "chunk {c}");
-        }
+        assert_eq!(t.parts, parts, "each chunk's lanes");
     }
 }

@@ -153,10 +153,10 @@ pub fn unpack(fmt: KFormat, blk: &[u8], out: &mut Unpacked) {
     }
 }
 
-/// ggml's reference dequantization of one block (`dequantize_row_q*_K`).
-pub fn dequant_block(fmt: KFormat, blk: &[u8], out: &mut [f32]) {
-    let mut u = Unpacked::default();
-    unpack(fmt, blk, &mut u);
+/// ggml's reference dequantization of one block (`dequantize_row_q*_K`),
+/// unpacked into `u`.
+fn dequant_block(fmt: KFormat, blk: &[u8], u: &mut Unpacked, out: &mut [f32]) {
+    unpack(fmt, blk, u);
     match fmt {
         KFormat::Q4K | KFormat::Q5K => {
             for (s, o) in out.chunks_exact_mut(32).enumerate().take(8) {
@@ -181,11 +181,12 @@ pub fn dequant_block(fmt: KFormat, blk: &[u8], out: &mut [f32]) {
 
 /// Dequantizes a row (`row.len()` a whole number of blocks) into `out`.
 pub fn dequant_row(fmt: KFormat, row: &[u8], out: &mut [f32]) {
+    let mut u = Unpacked::default();
     for (blk, o) in row
         .chunks_exact(fmt.block_bytes())
         .zip(out.chunks_exact_mut(QK_K))
     {
-        dequant_block(fmt, blk, o);
+        dequant_block(fmt, blk, &mut u, o);
     }
 }
 

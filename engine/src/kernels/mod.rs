@@ -223,20 +223,26 @@ impl Block for BQ4_1 {
     }
 }
 
-/// A Q5_0/Q5_1 block's 5-bit codes: element `j` (and `j + 16`) takes bit
-/// `j` (`j + 16`) of the 32-bit `qh` at byte `at` as its fifth bit.
+/// The 32 nibbles of the 16 bytes `qs` in element order: the low nibbles
+/// (elements 0..16), then the high ones (16..32).
+#[inline(always)]
+fn nibbles(qs: &[u8]) -> [u8; QK] {
+    std::array::from_fn(|j| match j < QK / 2 {
+        true => qs[j] & 0x0f,
+        false => qs[j - QK / 2] >> 4,
+    })
+}
+
+/// A Q5_0/Q5_1 block's 5-bit codes: element `j` takes bit `j` of the
+/// 32-bit `qh` at byte `at` as its fifth bit.
 #[inline(always)]
 fn q5_codes(b: &[u8], at: usize) -> [u8; QK] {
     let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-    let qs = &b[at + 4..at + 4 + QK / 2];
-    std::array::from_fn(|j| {
-        let nib = if j < QK / 2 {
-            qs[j] & 0x0f
-        } else {
-            qs[j - QK / 2] >> 4
-        };
-        nib | (((qh >> j) & 1) as u8) << 4
-    })
+    let mut q = nibbles(&b[at + 4..at + 4 + QK / 2]);
+    for (j, v) in q.iter_mut().enumerate() {
+        *v |= (((qh >> j) & 1) as u8) << 4;
+    }
+    q
 }
 
 impl Block for BQ5_0 {
@@ -266,14 +272,7 @@ impl Block for BQ5_1 {
 /// integer kernels multiply them (`q - 8`, `q - 16`, `q`).
 pub(crate) fn signed_weights(fmt: BlockFormat, b: &[u8]) -> [i8; QK] {
     match fmt {
-        BlockFormat::Q4_0 => std::array::from_fn(|j| {
-            let nib = if j < QK / 2 {
-                b[2 + j] & 0x0f
-            } else {
-                b[2 + j - QK / 2] >> 4
-            };
-            nib as i8 - 8
-        }),
+        BlockFormat::Q4_0 => nibbles(&b[2..2 + QK / 2]).map(|q| q as i8 - 8),
         BlockFormat::Q5_0 => q5_codes(b, 2).map(|q| q as i8 - 16),
         _ => std::array::from_fn(|j| b[2 + j] as i8),
     }
@@ -283,13 +282,7 @@ pub(crate) fn signed_weights(fmt: BlockFormat, b: &[u8]) -> [i8; QK] {
 pub(crate) fn unsigned_codes(fmt: BlockFormat, b: &[u8]) -> [u8; QK] {
     match fmt {
         BlockFormat::Q5_1 => q5_codes(b, 4),
-        _ => std::array::from_fn(|j| {
-            if j < QK / 2 {
-                b[4 + j] & 0x0f
-            } else {
-                b[4 + j - QK / 2] >> 4
-            }
-        }),
+        _ => nibbles(&b[4..4 + QK / 2]),
     }
 }
 
