@@ -11,8 +11,12 @@ Usage (llama-cpp-python 0.3.36 in .venv/llama, as scripts/bench-engine.sh builds
   .venv/llama/bin/python bench/llama_cpp_kquant_fixture.py
 """
 import ctypes, glob, json, os
+import sys
 import numpy as np
 import llama_cpp as L
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_cpp_kquant_matmul_fixture import random_blocks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEMMA = os.path.join(ROOT, 'models/gemma-3-270m-q4_k_m.gguf')
@@ -84,11 +88,7 @@ def main():
             # the fused and the unfused `summs` update of ggml's Q5_K kernel differ.
             rng = np.random.default_rng(5)
             cols, rb = 1024, 4 * BLOCK_BYTES[qtype]
-            raw = rng.integers(0, 256, size=(ROWS * 4, BLOCK_BYTES[qtype]), dtype=np.uint8)
-            for b in raw:
-                for off in (0, 2):
-                    b[off:off + 2] = np.frombuffer(np.float16(rng.uniform(1e-3, 0.05)).tobytes(), dtype=np.uint8)
-            raw = raw.tobytes()
+            raw = random_blocks(rng, ROWS * 4, BLOCK_BYTES[qtype], (0, 2)).tobytes()
             rows = [raw[j * rb:(j + 1) * rb] for j in range(ROWS)]
         x = activations(3, cols, qtype)
         acts = [quantize_q8k(r) for r in x]

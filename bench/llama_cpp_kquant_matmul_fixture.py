@@ -107,15 +107,50 @@ def matmul(qtype, w, rows, cols, x, repack):
     return y
 
 
+def random_blocks(rng, count, nbytes, offsets, negative=()):
+    """`count` blocks of `nbytes` random bytes whose f16 scales at `offsets` have the
+    magnitudes real files have (negated for the offsets' indices in `negative`)."""
+    w = rng.integers(0, 256, size=(count, nbytes), dtype=np.uint8)
+    for b in w:
+        for k, off in enumerate(offsets):
+            v = np.float16(rng.uniform(1e-3, 0.05) * (-1 if k in negative else 1))
+            b[off:off + 2] = np.frombuffer(v.tobytes(), dtype=np.uint8)
+    return w
+
+
+def add_cases(cases, acts, rng, name, type_name, qtype, w, rows, cols, repack=None):
+    """Appends llama.cpp's `y = x W^T` for every row count of N_ROWS; the activations for
+    `cols` columns are drawn once per fixture (a case takes their first n rows).
+    `repack` None: not recorded (never repacked)."""
+    if cols not in acts:
+        x = rng.standard_normal((max(N_ROWS), cols)).astype('<f4')
+        x[rng.random(x.shape) < 0.004] *= 30.0
+        acts[cols] = x
+    for n in N_ROWS:
+        y = matmul(qtype, w, rows, cols, acts[cols][:n], bool(repack))
+        case = {'weights': name, 'type': type_name, 'rows': rows, 'cols': cols}
+        if repack is not None:
+            case['repacked'] = repack
+        case.update({'n': n, 'weights_hex': w.tobytes().hex() if name == 'random' else None,
+                     'out_f32_bits': [[int(v) for v in r.view(np.uint32)] for r in y]})
+        cases.append(case)
+
+
+def write(out, cases, acts):
+    json.dump({'llama_cpp_python': L.__version__, 'ggml_cpu': L.llama_print_system_info().decode().strip(),
+               'threads': 1,
+               # The first n rows of the matrix for `cols` columns are a case's activations.
+               'activations_f32_hex': {str(c): x.tobytes().hex() for c, x in acts.items()},
+               'cases': cases}, open(out, 'w'))
+    print('wrote', out, len(cases), 'cases')
+
+
 def main():
     from gguf import GGUFReader
     tensors = {t.name: t for t in GGUFReader(GEMMA).tensors}
     rng = np.random.default_rng(7)
     cases, acts = [], {}
-    q5 = rng.integers(0, 256, size=(16 * 4, BLOCK_BYTES[Q5_K]), dtype=np.uint8)
-    for b in q5:
-        for off in (0, 2):
-            b[off:off + 2] = np.frombuffer(np.float16(rng.uniform(1e-3, 0.05)).tobytes(), dtype=np.uint8)
+    q5 = random_blocks(rng, 16 * 4, BLOCK_BYTES[Q5_K], (0, 2))
     for name, qtype, rows, repack in [('blk.0.attn_output.weight', Q4_K, 16, True),
                                       ('blk.0.attn_output.weight', Q4_K, 12, False),
                                       ('blk.0.ffn_down.weight', Q6_K, 16, False),
@@ -127,22 +162,8 @@ def main():
             assert int(t.tensor_type) == qtype
             cols = int(t.shape[0])
             w = np.asarray(t.data).reshape(int(t.shape[1]), -1)[:rows]
-        if cols not in acts:
-            x = rng.standard_normal((max(N_ROWS), cols)).astype('<f4')
-            x[rng.random(x.shape) < 0.004] *= 30.0
-            acts[cols] = x
-        for n in N_ROWS:
-            y = matmul(qtype, w, rows, cols, acts[cols][:n], repack)
-            cases.append({'weights': name, 'type': NAMES[qtype], 'rows': rows, 'cols': cols,
-                          'repacked': repack, 'n': n,
-                          'weights_hex': w.tobytes().hex() if name == 'random' else None,
-                          'out_f32_bits': [[int(v) for v in r.view(np.uint32)] for r in y]})
-    json.dump({'llama_cpp_python': L.__version__, 'ggml_cpu': L.llama_print_system_info().decode().strip(),
-               'threads': 1,
-               # The first n rows of the matrix for `cols` columns are a case's activations.
-               'activations_f32_hex': {str(c): x.tobytes().hex() for c, x in acts.items()},
-               'cases': cases}, open(OUT, 'w'))
-    print('wrote', OUT, len(cases), 'cases')
+        add_cases(cases, acts, rng, name, NAMES[qtype], qtype, w, rows, cols, repack)
+    write(OUT, cases, acts)
 
 
 if __name__ == '__main__':

@@ -8,13 +8,12 @@ and Q8_0 tensors (scripts/fetch-gemma.sh), random Q4_0 and Q5_1 blocks.
 
 Usage: .venv/llama/bin/python bench/llama_cpp_q0_matmul_fixture.py
 """
-import json, os, sys
+import os, sys
 import numpy as np
 from gguf import GGUFReader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_cpp_kquant_matmul_fixture as fx  # noqa: E402
-import llama_cpp as L  # noqa: E402
 
 ROOT = fx.ROOT
 OUT = os.path.join(ROOT, 'tests/data/llama-cpp-q0-matmul.json')
@@ -33,31 +32,14 @@ def main():
         if name == 'random':
             nbytes, offs = BLOCK[qtype]
             cols = COLS_RANDOM
-            w = rng.integers(0, 256, size=(ROWS * cols // 32, nbytes), dtype=np.uint8)
-            for b in w:
-                for k, off in enumerate(offs):
-                    v = np.float16(rng.uniform(1e-3, 0.05) * (-1 if k == 1 else 1))
-                    b[off:off + 2] = np.frombuffer(v.tobytes(), dtype=np.uint8)
-            w = w.reshape(ROWS, -1)
+            w = fx.random_blocks(rng, ROWS * cols // 32, nbytes, offs, negative=(1,)).reshape(ROWS, -1)
         else:
             t = tensors[name]
             assert int(t.tensor_type) == qtype, (name, t.tensor_type)
             cols = int(t.shape[0])
             w = np.asarray(t.data).reshape(int(t.shape[1]), -1)[:ROWS]
-        if cols not in acts:
-            x = rng.standard_normal((max(fx.N_ROWS), cols)).astype('<f4')
-            x[rng.random(x.shape) < 0.004] *= 30.0
-            acts[cols] = x
-        for n in fx.N_ROWS:
-            y = fx.matmul(qtype, w, ROWS, cols, acts[cols][:n], False)
-            cases.append({'weights': name, 'type': NAMES[qtype], 'rows': ROWS, 'cols': cols, 'n': n,
-                          'weights_hex': w.tobytes().hex() if name == 'random' else None,
-                          'out_f32_bits': [[int(v) for v in r.view(np.uint32)] for r in y]})
-    json.dump({'llama_cpp_python': L.__version__, 'ggml_cpu': L.llama_print_system_info().decode().strip(),
-               'threads': 1,
-               'activations_f32_hex': {str(c): x.tobytes().hex() for c, x in acts.items()},
-               'cases': cases}, open(OUT, 'w'))
-    print('wrote', OUT, len(cases), 'cases')
+        fx.add_cases(cases, acts, rng, name, NAMES[qtype], qtype, w, ROWS, cols)
+    fx.write(OUT, cases, acts)
 
 
 if __name__ == '__main__':
