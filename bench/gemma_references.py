@@ -3,7 +3,8 @@
 - tests/data/gemma3-270m-q4_k_m-greedy.jsonl: per prompt of
   tests/data/smollm2-q4_1-greedy.jsonl (same ids and texts; `chat` prompts rendered with
   the GGUF's own chat template and its generation prompt, left out when the GGUF has none,
-  as this base model's has not), llama.cpp's prompt ids (BOS as
+  as this base model's has not), plus one raw prompt of ~800 tokens from the bench corpus
+  (past the 512-token window of the local layers), llama.cpp's prompt ids (BOS as
   the GGUF asks), up to 48 greedy ids (stopping at an end-of-generation token), the top-2
   logit margin of every step and the first step's top 5;
 - tests/data/gemma3-tokenizer.jsonl: the texts of tests/data/smollm2-tokenizer.jsonl
@@ -38,9 +39,15 @@ def render(text):
                       bos_token=llm.detokenize([llm.token_bos()]).decode(), eos_token='')
 
 
+# Past the 512-token window of Gemma 3's local layers: the opening of the bench corpus, to
+# a paragraph end after ~3,500 characters (about 800 tokens).
+corpus = open(os.path.join(ROOT, 'bench/data/persuasion-vol1.txt'), encoding='utf-8').read()
+LONG = corpus[:corpus.index('\n\n', 3500)]
+refs = [json.loads(line) for line in open(os.path.join(ROOT, 'tests/data/smollm2-q4_1-greedy.jsonl'))]
+refs.append({'id': 'long-persuasion', 'kind': 'raw', 'prompt': LONG})
+
 out = []
-for line in open(os.path.join(ROOT, 'tests/data/smollm2-q4_1-greedy.jsonl')):
-    ref = json.loads(line)
+for ref in refs:
     chat = ref['kind'] == 'chat'
     if chat and not template:
         continue  # the GGUF carries no chat template: raw prompts only

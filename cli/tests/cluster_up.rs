@@ -132,3 +132,45 @@ fn up_follows_the_reference_rule() {
         cases.len()
     );
 }
+
+/// The second architecture through the cluster (issue 27): Gemma 3's reference prompts,
+/// every one prefilled on the prefill worker (`--local-prefill-max-tokens 0`), its KV
+/// moved layer by layer (18 layers x K and V x 1 KV head x 256 dims x 2 bytes per token)
+/// and decoded on the decode worker, keep llama.cpp's rule as `duet run` does.
+#[test]
+fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
+    let cases = support::reference::gemma_cases();
+    let gemma = support::gemma_model();
+    let (_p, url) = up(&[
+        "--model",
+        gemma.to_str().unwrap(),
+        "--local-prefill-max-tokens",
+        "0",
+        "--kv-pool",
+        "256MiB",
+    ]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = client(&url).await;
+        for case in &cases {
+            let want = &case.greedy_ids;
+            let got = generate(
+                &mut c,
+                greedy(support::tokens(&case.prompt_ids), want.len() as u32),
+            )
+            .await
+            .expect("generate");
+            assert!(
+                case.keeps_rule(&got.ids),
+                "{}: got {:?}, llama.cpp {want:?}",
+                case.id,
+                got.ids
+            );
+            let t = got.timings();
+            assert_eq!(placement(&got), pb::PrefillPlacement::Remote, "{t:?}");
+            let blocks = (case.prompt_ids.len() as u64).div_ceil(16);
+            let held = u64::from(t.kv_reused_tokens) / 16;
+            assert_eq!(t.kv_bytes, (blocks - held) * 16 * 18 * 2 * 256 * 2, "{t:?}");
+        }
+    });
+}

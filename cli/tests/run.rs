@@ -194,6 +194,52 @@ fn candle_engine_on_the_cpu_device_gives_llama_cpp_tokens() {
     }
 }
 
+/// `duet run` on the second architecture (Gemma 3 270M Q4_K_M): every reference prompt
+/// keeps llama.cpp's rule, the text is the tokens' text, and `--engine candle` refuses the
+/// architecture by name (its graph is llama's).
+#[test]
+fn duet_run_serves_gemma3_by_the_reference_rule() {
+    let gemma =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/gemma-3-270m-q4_k_m.gguf");
+    assert!(
+        gemma.exists(),
+        "{} is missing: run make model",
+        gemma.display()
+    );
+    for case in reference::gemma_cases() {
+        let n = case.greedy_ids.len().to_string();
+        let o = duet(&[
+            "run",
+            "--model",
+            gemma.to_str().unwrap(),
+            "--prompt",
+            &case.prompt,
+            "--max-tokens",
+            &n,
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}: {}", case.id, stderr(&o));
+        let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let ids: Vec<u32> = serde_json::from_value(out["ids"].clone()).unwrap();
+        assert!(
+            case.keeps_rule(&ids),
+            "{}: got {ids:?}, llama.cpp {:?}",
+            case.id,
+            case.greedy_ids
+        );
+    }
+    let o = duet(&[
+        "run",
+        "--model",
+        gemma.to_str().unwrap(),
+        "--engine",
+        "candle",
+        "--prompt",
+        "Hi",
+    ]);
+    assert_clean_failure(&o, "gemma3");
+}
+
 /// A device that is not there is refused at start, exit code 2, naming what is missing.
 #[test]
 fn a_device_that_is_not_there_is_refused_with_exit_code_2() {

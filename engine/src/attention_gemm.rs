@@ -41,6 +41,8 @@ pub struct Dims {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Multiplies `q . k` (`Architecture::attn_scale`).
+    pub scale: f32,
 }
 
 /// Gather one KV head's keys or values for positions `0..n`, row-major.
@@ -78,7 +80,7 @@ pub fn chunk_attention(
     let group = nh / d.n_kv_heads;
     let t_rows = chunk.rows;
     let n = chunk.start_pos + t_rows;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = d.scale;
     for g in 0..d.n_kv_heads {
         let k = gather(cache, data, layer, KvKind::K, g, chunk.table, n);
         let v = gather(cache, data, layer, KvKind::V, g, chunk.table, n);

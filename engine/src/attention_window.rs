@@ -5,7 +5,7 @@
 
 use half::f16;
 
-use crate::forward::{accumulate, KvElem};
+use crate::attention::{accumulate, KvElem};
 use crate::kernels;
 use crate::kernels::ggml::DotOrder;
 use crate::kv::{KvKind, Window};

@@ -1,8 +1,10 @@
-//! Hyper-parameters of a llama-architecture model, read from GGUF metadata.
+//! Hyper-parameters of a model, read from GGUF metadata under its family's key prefix
+//! (`llama.*`, `gemma3.*`), and the description of its forward pass (`architecture`).
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use serde::Serialize;
 
+use crate::architecture::{Architecture, Dims, Family};
 use crate::error::{EngineError, Result};
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -19,6 +21,8 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     pub rms_eps: f32,
     pub context_length: usize,
+    /// What the forward pass does, layer by layer.
+    pub arch: Architecture,
 }
 
 fn get<'a>(c: &'a Content, key: &str) -> Result<&'a Value> {
@@ -61,29 +65,40 @@ impl ModelConfig {
             .to_string()
             .map_err(|_| EngineError::Format("general.architecture is not a string".into()))?
             .clone();
-        if architecture != "llama" {
-            return Err(EngineError::Unsupported(format!(
-                "architecture `{architecture}` (duet runs llama-architecture models)"
-            )));
-        }
-        let a = |k: &str| format!("llama.{k}");
+        let family = Family::from_name(&architecture)?;
+        let a = |k: &str| format!("{}.{k}", family.name());
         let hidden = get_usize(c, &a("embedding_length"))?;
         let n_heads = get_usize(c, &a("attention.head_count"))?;
         let n_kv_heads = match c.metadata.contains_key(&a("attention.head_count_kv")) {
             true => get_usize(c, &a("attention.head_count_kv"))?,
             false => n_heads,
         };
-        if n_heads == 0
-            || n_kv_heads == 0
-            || !hidden.is_multiple_of(n_heads)
-            || !n_heads.is_multiple_of(n_kv_heads)
-        {
+        if n_heads == 0 || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
             return Err(EngineError::Format(format!(
                 "inconsistent heads: hidden {hidden}, heads {n_heads}, kv heads {n_kv_heads}"
             )));
         }
-        let head_dim = hidden / n_heads;
-        if !head_dim.is_multiple_of(2) {
+        // The head size is `hidden / heads` unless the file says otherwise (Gemma 3's
+        // `key_length`); keys and values of one size share the cache's head layout.
+        let head_dim = match c.metadata.contains_key(&a("attention.key_length")) {
+            true => get_usize(c, &a("attention.key_length"))?,
+            false if hidden.is_multiple_of(n_heads) => hidden / n_heads,
+            false => {
+                return Err(EngineError::Format(format!(
+                    "hidden {hidden} is not a multiple of {n_heads} heads"
+                )))
+            }
+        };
+        if c.metadata.contains_key(&a("attention.value_length"))
+            && get_usize(c, &a("attention.value_length"))? != head_dim
+        {
+            return Err(EngineError::Unsupported(format!(
+                "{} unlike {}",
+                a("attention.value_length"),
+                a("attention.key_length")
+            )));
+        }
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(EngineError::Format(format!("odd head dim {head_dim}")));
         }
         let vocab_size = match c.metadata.get("tokenizer.ggml.tokens") {
@@ -99,10 +114,19 @@ impl ModelConfig {
             true => get_f32(c, &a("rope.freq_base"))?,
             false => 10_000.0,
         };
+        let n_layers = get_usize(c, &a("block_count"))?;
+        let dims = Dims {
+            n_layers,
+            hidden,
+            n_heads,
+            head_dim,
+            rope_theta,
+        };
+        let arch = Architecture::describe(family, c, &dims)?;
         Ok(Self {
             architecture,
             name,
-            n_layers: get_usize(c, &a("block_count"))?,
+            n_layers,
             n_heads,
             n_kv_heads,
             head_dim,
@@ -112,11 +136,22 @@ impl ModelConfig {
             rope_theta,
             rms_eps: get_f32(c, &a("attention.layer_norm_rms_epsilon"))?,
             context_length: get_usize(c, &a("context_length"))?,
+            arch,
         })
     }
 
     /// Query heads that share one KV head.
     pub fn group_size(&self) -> usize {
         self.n_heads / self.n_kv_heads
+    }
+
+    /// Width of the query projection (`heads * head_dim`; not always `hidden`).
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// Width of the key (and of the value) projection.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
     }
 }

@@ -8,18 +8,14 @@
 
 use std::ops::ControlFlow;
 
-use half::f16;
-use rayon::prelude::*;
-
-use crate::attention_gemm;
-use crate::attention_window::{windowed_row, Queries};
+use crate::architecture::Activation;
+use crate::attention_window::Queries;
 pub(crate) use crate::checks::check_chunk_fits;
 pub use crate::checks::{check_prompt, check_token_ids};
 use crate::error::{EngineError, Result};
 use crate::kernels;
-use crate::kernels::ggml::DotOrder;
-use crate::kv::cache::Storage;
-use crate::kv::{BlockId, KvCache, KvKind, SeqId, Window};
+use crate::kv::{BlockId, KvCache, SeqId, Window};
+use crate::layer_ops::{rms_norm, rms_norm_in_place, rope, rope_angles};
 use crate::linear::KernelRows;
 use crate::model::Model;
 
@@ -63,103 +59,16 @@ impl<'a> SeqChunk<'a> {
     }
 }
 
-struct Row {
-    chunk: usize,
-    prompt: bool,
-    pos: usize,
+pub(crate) struct Row {
+    pub(crate) chunk: usize,
+    pub(crate) prompt: bool,
+    pub(crate) pos: usize,
     block: BlockId,
     slot: usize,
     /// The sequence's local window when this row's view is masked by it (`kv::window`):
     /// the row attends to the sinks with its query rotated at the cache position, and to
     /// its window with its own.
-    masked: Option<Window>,
-}
-
-/// A KV storage element, and how llama.cpp's attention treats that storage.
-pub(crate) trait KvElem: kernels::KvLanes + Send + Sync {
-    /// f16 storage follows llama.cpp's f16 KV path: the query and the softmax
-    /// weights are rounded to f16 too before their products, and a
-    /// multi-token batch's `QK^T` goes through tinyBLAS. (With f32 storage
-    /// the permuted query keeps ggml on its per-row dot product.)
-    const F16_PATH: bool;
-    /// `src` as f32: itself, or widened into `buf`.
-    fn as_f32<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32];
-}
-
-impl KvElem for f32 {
-    const F16_PATH: bool = false;
-    #[inline]
-    fn as_f32<'a>(src: &'a [Self], _: &'a mut [f32]) -> &'a [f32] {
-        src
-    }
-}
-
-impl KvElem for f16 {
-    const F16_PATH: bool = true;
-    #[inline]
-    fn as_f32<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32] {
-        for (d, s) in buf.iter_mut().zip(src) {
-            *d = s.to_f32();
-        }
-        buf
-    }
-}
-
-/// `row += p * V[base..]` for each `(base, p)`, in order.
-#[inline(always)]
-pub(crate) fn accumulate<T: KvElem>(
-    row: &mut [f32],
-    terms: impl Iterator<Item = (usize, f32)>,
-    data: &[T],
-    buf: &mut [f32],
-) {
-    let hd = row.len();
-    for (base, p) in terms {
-        let v = T::as_f32(&data[base..base + hd], buf);
-        for (a, &x) in row.iter_mut().zip(v) {
-            *a = p.mul_add(x, *a);
-        }
-    }
-}
-
-/// RMSNorm as ggml computes it: squares summed in f64 in order, the mean
-/// and the scale in f32. The result is quantized to 8 bits next, where one
-/// ulp of difference can move a value to the neighbouring grid point, so
-/// matching ggml bit for bit here keeps duet on llama.cpp's trajectory.
-fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    for (xr, or) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
-        let ss = xr.iter().fold(0f64, |s, &v| s + f64::from(v * v));
-        let mean = (ss / w.len() as f64) as f32;
-        let scale = 1.0 / (mean + eps).sqrt();
-        for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
-            *o = v * scale * g;
-        }
-    }
-}
-
-/// Rotate adjacent pairs (GGUF llama's layout) of every head in `x`, with
-/// the fused multiply-adds GCC makes of ggml's `x0*cos - x1*sin` and
-/// `x0*sin + x1*cos` (bit-identical to llama.cpp's CPU build).
-fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
-    for head in x.chunks_exact_mut(head_dim) {
-        for (i, pair) in head.chunks_exact_mut(2).enumerate() {
-            let (a, b) = (pair[0], pair[1]);
-            pair[0] = a.mul_add(cos[i], -(b * sin[i]));
-            pair[1] = a.mul_add(sin[i], b * cos[i]);
-        }
-    }
-}
-
-/// ggml's RoPE angles: `theta_scale = base^(-2/dims)` in f32, and each
-/// pair's angle the previous one times it, in f32.
-fn rope_angles(pos: usize, theta_base: f32, head_dim: usize, cos: &mut [f32], sin: &mut [f32]) {
-    let scale = theta_base.powf(-2.0 / head_dim as f32);
-    let mut theta = pos as f32;
-    for (c, s) in cos.iter_mut().zip(sin.iter_mut()) {
-        *c = theta.cos();
-        *s = theta.sin();
-        theta *= scale;
-    }
+    pub(crate) masked: Option<Window>,
 }
 
 /// The per-layer hook of a forward, on either engine: called with `(l, cache)` once layer
@@ -294,8 +203,14 @@ impl Model {
         let len = cache.sequence_len(ch.seq)?;
         // A windowed sequence's queries never look further back than its window and sinks,
         // which fit in the context: it may grow past the context.
-        let bounded = cache.window(ch.seq)?.is_none();
-        check_chunk_fits(&self.config, len, ch.tokens, bounded)
+        let window = cache.window(ch.seq)?;
+        if window.is_some() && self.config.arch.has_local_layers() {
+            return Err(EngineError::Unsupported(format!(
+                "a local attention window on {}, whose own layers attend locally",
+                self.config.architecture
+            )));
+        }
+        check_chunk_fits(&self.config, len, ch.tokens, window.is_none())
     }
 
     /// [`Self::forward_with`] without a per-layer hook.
@@ -315,63 +230,76 @@ impl Model {
         on_layer: &mut LayerHook<'_>,
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
+        let arch = &c.arch;
         let (d, hd, n) = (c.hidden, c.head_dim, rows.len());
-        let (q_dim, kv_dim) = (c.n_heads * hd, c.n_kv_heads * hd);
+        let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
         let mut x = vec![0f32; n * d];
         for (xr, &t) in x.chunks_exact_mut(d).zip(tokens) {
             self.embed.dequant_row(t as usize, xr);
-        }
-        // RoPE tables per row.
-        let half = hd / 2;
-        let mut cos = vec![0f32; n * half];
-        let mut sin = vec![0f32; n * half];
-        for (r, row) in rows.iter().enumerate() {
-            let span = r * half..(r + 1) * half;
-            rope_angles(
-                row.pos,
-                c.rope_theta,
-                hd,
-                &mut cos[span.clone()],
-                &mut sin[span],
-            );
-        }
-        // Masked rows' queries for the sinks, rotated at their cache position.
-        let masked = rows.iter().any(|r| r.masked.is_some());
-        let (mut sink_cos, mut sink_sin) = (Vec::new(), Vec::new());
-        if masked {
-            (sink_cos, sink_sin) = (vec![0f32; n * half], vec![0f32; n * half]);
-            for (r, row) in rows.iter().enumerate() {
-                if let Some(w) = row.masked {
-                    let span = r * half..(r + 1) * half;
-                    let (cs, sn) = (&mut sink_cos[span.clone()], &mut sink_sin[span]);
-                    rope_angles(w.sink_query_pos(row.pos), c.rope_theta, hd, cs, sn);
-                }
+            if let Some(s) = arch.embed_scale {
+                xr.iter_mut().for_each(|v| *v *= s);
             }
         }
+        // RoPE tables per row, one set per distinct base of the layers.
+        let bases = arch.rope_bases();
+        let half = hd / 2;
+        let tables_at = |pos: &dyn Fn(&Row) -> Option<usize>| {
+            bases
+                .iter()
+                .map(|&base| {
+                    let (mut cos, mut sin) = (vec![0f32; n * half], vec![0f32; n * half]);
+                    for (r, row) in rows.iter().enumerate() {
+                        if let Some(p) = pos(row) {
+                            let span = r * half..(r + 1) * half;
+                            rope_angles(p, base, hd, &mut cos[span.clone()], &mut sin[span]);
+                        }
+                    }
+                    (cos, sin)
+                })
+                .collect::<Vec<_>>()
+        };
+        let angles = tables_at(&|row| Some(row.pos));
+        // Masked rows' queries for the sinks, rotated at their cache position.
+        let masked = rows.iter().any(|r| r.masked.is_some());
+        let sink_angles = match masked {
+            true => tables_at(&|row| row.masked.map(|w| w.sink_query_pos(row.pos))),
+            false => Vec::new(),
+        };
         let mut sink_q = vec![0f32; if masked { n * q_dim } else { 0 }];
         let mut xn = vec![0f32; n * d];
         for (l, layer) in self.layers.iter().enumerate() {
+            let spec = arch.layers[l];
+            let base = bases.iter().position(|&b| b == spec.rope_base).unwrap_or(0);
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut xn);
             let mut qkv = layer.wqkv.forward_with(&xn, n, kernel_rows)?;
             let stride = q_dim + 2 * kv_dim;
+            if let Some((qn, kn)) = &layer.qk_norm {
+                for row in qkv.chunks_exact_mut(stride) {
+                    let (q, kv) = row.split_at_mut(q_dim);
+                    rms_norm_in_place(q, qn, c.rms_eps);
+                    rms_norm_in_place(&mut kv[..kv_dim], kn, c.rms_eps);
+                }
+            }
             if masked {
+                let (sink_cos, sink_sin) = &sink_angles[base];
                 for (r, row) in rows.iter().enumerate() {
                     if row.masked.is_some() {
                         let q = &mut sink_q[r * q_dim..(r + 1) * q_dim];
                         q.copy_from_slice(&qkv[r * stride..r * stride + q_dim]);
                         let span = r * half..(r + 1) * half;
-                        rope(q, hd, &sink_cos[span.clone()], &sink_sin[span]);
+                        rope(q, hd, arch.rope, &sink_cos[span.clone()], &sink_sin[span]);
                     }
                 }
             }
+            let (cos, sin) = &angles[base];
             for (r, row) in qkv.chunks_exact_mut(stride).enumerate() {
                 let (cs, sn) = (
                     &cos[r * half..(r + 1) * half],
                     &sin[r * half..(r + 1) * half],
                 );
                 let (q, kv) = row.split_at_mut(q_dim);
-                rope(q, hd, cs, sn);
-                rope(&mut kv[..kv_dim], hd, cs, sn);
+                rope(q, hd, arch.rope, cs, sn);
+                rope(&mut kv[..kv_dim], hd, arch.rope, cs, sn);
             }
             for (row, r) in qkv.chunks_exact(stride).zip(rows) {
                 let (k, v) = (&row[q_dim..q_dim + kv_dim], &row[q_dim + kv_dim..]);
@@ -383,7 +311,10 @@ impl Model {
                 sink_q: &sink_q,
             };
             let attn = self.attention(cache, l, &queries, rows, tables, batch)?;
-            let o = layer.wo.forward_with(&attn, n, kernel_rows)?;
+            let mut o = layer.wo.forward_with(&attn, n, kernel_rows)?;
+            if let Some((post_attn, _)) = &layer.post_norms {
+                rms_norm_in_place(&mut o, post_attn, c.rms_eps);
+            }
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
@@ -396,11 +327,18 @@ impl Model {
             let mut h = vec![0f32; n * f];
             for (hr, gur) in h.chunks_exact_mut(f).zip(gu.chunks_exact(2 * f)) {
                 let (g, u) = gur.split_at(f);
+                let act = match arch.activation {
+                    Activation::Silu => kernels::ggml::silu,
+                    Activation::Gelu => kernels::ggml::gelu,
+                };
                 for ((o, &gv), &uv) in hr.iter_mut().zip(g).zip(u) {
-                    *o = kernels::ggml::silu(gv) * uv;
+                    *o = act(gv) * uv;
                 }
             }
-            let down = layer.w_down.forward_with(&h, n, kernel_rows)?;
+            let mut down = layer.w_down.forward_with(&h, n, kernel_rows)?;
+            if let Some((_, post_ffw)) = &layer.post_norms {
+                rms_norm_in_place(&mut down, post_ffw, c.rms_eps);
+            }
             for (a, b) in x.iter_mut().zip(&down) {
                 *a += b;
             }
@@ -439,158 +377,5 @@ impl Model {
             out[i] = lg.to_vec();
         }
         Ok(out)
-    }
-
-    fn attention(
-        &self,
-        cache: &KvCache,
-        layer: usize,
-        q: &Queries<'_>,
-        rows: &[Row],
-        tables: &[Vec<BlockId>],
-        batch: &[SeqChunk<'_>],
-    ) -> Result<Vec<f32>> {
-        let data = match cache.storage() {
-            Storage::F16(data) => {
-                return Ok(self.attention_t(cache, data, layer, q, rows, tables, &[]))
-            }
-            Storage::F32(data) => data,
-        };
-        // Prompt rows that see many keys go through matrix products; the rest per row. Rows
-        // a window masks go per row whatever their chunk.
-        let mut gemm = vec![(usize::MAX, 0); batch.len()];
-        let mut chunks = Vec::new();
-        let mut first = 0;
-        for (i, ch) in batch.iter().enumerate() {
-            let start = rows[first].pos;
-            let mut end = start + ch.tokens.len();
-            // The chunk's last row is its furthest: masked whenever any row is.
-            if let Some(w) = rows[first + ch.tokens.len() - 1].masked {
-                end = end.min(w.sinks + w.window);
-            }
-            if let Some(from) = attention_gemm::gemm_from(start, end.saturating_sub(start)) {
-                gemm[i] = (from, end);
-                chunks.push(attention_gemm::ChunkRows {
-                    first_row: first + (from - start),
-                    rows: end - from,
-                    start_pos: from,
-                    table: &tables[i],
-                });
-            }
-            first += ch.tokens.len();
-        }
-        let mut out = self.attention_t(cache, data, layer, q, rows, tables, &gemm);
-        let c = &self.config;
-        let dims = attention_gemm::Dims {
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim,
-        };
-        for ch in &chunks {
-            attention_gemm::chunk_attention(
-                cache, data, layer, q.qkv, q.stride, ch, &dims, &mut out,
-            )?;
-        }
-        Ok(out)
-    }
-
-    /// Every row's attention output but the rows `gemm` (per chunk, a range of positions)
-    /// leaves to matrix products.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_t<T: KvElem>(
-        &self,
-        cache: &KvCache,
-        data: &[T],
-        layer: usize,
-        queries: &Queries<'_>,
-        rows: &[Row],
-        tables: &[Vec<BlockId>],
-        gemm: &[(usize, usize)],
-    ) -> Vec<f32> {
-        let (qkv, stride) = (queries.qkv, queries.stride);
-        let c = &self.config;
-        let (hd, nh, group) = (c.head_dim, c.n_heads, c.group_size());
-        let bs = cache.block_size();
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut out = vec![0f32; rows.len() * nh * hd];
-        out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
-            let (r, h) = (idx / nh, idx % nh);
-            let row = &rows[r];
-            if gemm
-                .get(row.chunk)
-                .is_some_and(|&(from, to)| (from..to).contains(&row.pos))
-            {
-                return;
-            }
-            let g = h / group;
-            let mut q = qkv[r * stride + h * hd..r * stride + (h + 1) * hd].to_vec();
-            if T::F16_PATH {
-                q.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32());
-            }
-            if let Some(w) = row.masked {
-                let q_dim = nh * hd;
-                let mut qs = queries.sink_q[r * q_dim + h * hd..r * q_dim + (h + 1) * hd].to_vec();
-                if T::F16_PATH {
-                    qs.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32());
-                }
-                let table = &tables[row.chunk];
-                let at = |t: usize, kind| {
-                    cache.region_offset(table[t / bs], layer, kind) + (g * bs + t % bs) * hd
-                };
-                windowed_row::<T>(data, &q, &qs, w, row.pos, scale, bs, &at, o);
-                return;
-            }
-            // llama.cpp's reduction orders: a multi-token batch's `softmax(QK^T)V`
-            // goes through tinyBLAS, a single token's through ggml's dot products.
-            let pv = match row.prompt {
-                true => DotOrder::Lanes16,
-                false => DotOrder::Lanes64,
-            };
-            let qk = match T::F16_PATH {
-                true => pv,
-                false => DotOrder::Lanes64,
-            };
-            let table = &tables[row.chunk];
-            let n = row.pos + 1;
-            let mut scores = Vec::with_capacity(n);
-            let mut kbuf = vec![0f32; hd];
-            // Block by block: one offset computation per block, not per token.
-            for (bi, &b) in table.iter().enumerate().take(n.div_ceil(bs)) {
-                let base = cache.region_offset(b, layer, KvKind::K) + g * bs * hd;
-                let count = bs.min(n - bi * bs);
-                let k = &data[base..base + count * hd];
-                if !kernels::attention_scores(qk, &q, k, scale, &mut scores) {
-                    for k in k.chunks_exact(hd) {
-                        scores.push(qk.dot(&q, T::as_f32(k, &mut kbuf)) * scale);
-                    }
-                }
-            }
-            kernels::ggml::softmax(&mut scores);
-            if T::F16_PATH {
-                scores
-                    .iter_mut()
-                    .for_each(|p| *p = f16::from_f32(*p).to_f32());
-            }
-            // Output element `d` is a dot product over positions: position `t`
-            // accumulates into lane `t % lanes`, as in ggml.
-            let lanes = pv.lanes();
-            let mut acc = vec![0f32; lanes * hd];
-            let v_bases: Vec<usize> = table[..n.div_ceil(bs)]
-                .iter()
-                .map(|&b| cache.region_offset(b, layer, KvKind::V) + g * bs * hd)
-                .collect();
-            if !kernels::attention_pv(lanes, &scores, data, &v_bases, bs, &mut acc) {
-                // Lane by lane: each lane's row accumulates its positions (`lane`,
-                // `lane + lanes`, ...) in ggml's order.
-                for (lane, row) in acc.chunks_exact_mut(hd).enumerate().take(n) {
-                    let terms = (lane..n)
-                        .step_by(lanes)
-                        .map(|t| (v_bases[t / bs] + (t % bs) * hd, scores[t]));
-                    accumulate(row, terms, data, &mut kbuf);
-                }
-            }
-            pv.reduce_rows(&acc, o);
-        });
-        out
     }
 }

@@ -1,7 +1,8 @@
 //! duet's model engine, shared by the prefill and decode workers.
 //!
-//! - [`Model`]: a llama-architecture GGUF loaded into duet's own weight
-//!   structures, with its tokenizer and chat template;
+//! - [`Model`]: a GGUF (llama or gemma3, its forward pass described as data by
+//!   [`Architecture`]) loaded into duet's own weight structures, with its tokenizer and
+//!   chat template;
 //! - [`KvCache`]: a paged KV cache whose blocks can be exported to and
 //!   imported from another process (what disaggregation moves);
 //! - [`Model::forward`]: one forward over any mix of prefill chunks and decode
@@ -25,6 +26,8 @@
 
 #![deny(unsafe_code)]
 
+pub mod architecture;
+mod attention;
 mod attention_gemm;
 mod attention_window;
 mod bpe;
@@ -41,13 +44,17 @@ pub mod generate;
 mod gguf_check;
 pub mod kernels;
 pub mod kv;
+mod layer_ops;
 pub mod linear;
 pub mod model;
 pub mod perplexity;
+mod projection;
 pub mod sampling;
 pub mod session;
+mod spm;
 pub mod tokenizer;
 
+pub use architecture::{Activation, Architecture, Family, LayerAttention, LayerSpec, RopeStyle};
 pub use candle_engine::{CandleModel, DeviceKv};
 pub use chat::{ChatMessage, ChatTemplate, CHAT_ROLES};
 pub use config::ModelConfig;

@@ -1,4 +1,5 @@
-//! Loading a llama-architecture GGUF into duet's own weight structures.
+//! Loading a GGUF into duet's own weight structures, the tensors its architecture's
+//! description (`architecture`) asks for: a missing tensor is refused by name.
 
 use std::fs::File;
 use std::io::Read;
@@ -17,6 +18,7 @@ use crate::kernels::kquant::KFormat;
 use crate::kernels::BlockFormat;
 use crate::kv::{KvDtype, KvLayout};
 use crate::linear::{Linear, QWeight, WeightMode};
+use crate::projection::Projection;
 use crate::tokenizer::Tokenizer;
 
 /// How to load a model.
@@ -38,12 +40,16 @@ impl Default for LoadOptions {
 
 pub(crate) struct Layer {
     pub attn_norm: Vec<f32>,
-    /// Q, K and V stacked: one matmul.
-    pub wqkv: Linear,
+    /// Q, K and V: one matmul when they share a format.
+    pub wqkv: Projection,
+    /// Per-head RMS norms of queries and keys (`Architecture::qk_norm`), `[head_dim]` each.
+    pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     pub wo: Linear,
+    /// RMS norms of the attention and feed-forward outputs (`Architecture::post_norms`).
+    pub post_norms: Option<(Vec<f32>, Vec<f32>)>,
     pub ffn_norm: Vec<f32>,
-    /// Gate and up stacked: one matmul.
-    pub w_gate_up: Linear,
+    /// Gate and up: one matmul when they share a format.
+    pub w_gate_up: Projection,
     pub w_down: Linear,
 }
 
@@ -258,7 +264,7 @@ impl Model {
             fp: Fingerprinter::default(),
         };
         let mode = options.weight_mode;
-        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
         let (layers, embed, out_norm, output) = pool.install(|| -> Result<_> {
             let mut layers = Vec::with_capacity(c.n_layers);
             for i in 0..c.n_layers {
@@ -266,15 +272,30 @@ impl Model {
                 let wq = ld.matrix(&p("attn_q"), q_dim, c.hidden)?;
                 let wk = ld.matrix(&p("attn_k"), kv_dim, c.hidden)?;
                 let wv = ld.matrix(&p("attn_v"), kv_dim, c.hidden)?;
-                let wqkv = Linear::new(stack(vec![wq, wk, wv])?, mode)?;
                 let gate = ld.matrix(&p("ffn_gate"), c.ffn_hidden, c.hidden)?;
                 let up = ld.matrix(&p("ffn_up"), c.ffn_hidden, c.hidden)?;
+                let qk_norm = match c.arch.qk_norm {
+                    true => Some((
+                        ld.vector(&p("attn_q_norm"), c.head_dim)?,
+                        ld.vector(&p("attn_k_norm"), c.head_dim)?,
+                    )),
+                    false => None,
+                };
+                let post_norms = match c.arch.post_norms {
+                    true => Some((
+                        ld.vector(&p("post_attention_norm"), c.hidden)?,
+                        ld.vector(&p("post_ffw_norm"), c.hidden)?,
+                    )),
+                    false => None,
+                };
                 layers.push(Layer {
                     attn_norm: ld.vector(&p("attn_norm"), c.hidden)?,
-                    wqkv,
+                    wqkv: Projection::new(vec![wq, wk, wv], mode)?,
+                    qk_norm,
                     wo: Linear::new(ld.matrix(&p("attn_output"), c.hidden, q_dim)?, mode)?,
+                    post_norms,
                     ffn_norm: ld.vector(&p("ffn_norm"), c.hidden)?,
-                    w_gate_up: Linear::new(stack(vec![gate, up])?, mode)?,
+                    w_gate_up: Projection::new(vec![gate, up], mode)?,
                     w_down: Linear::new(ld.matrix(&p("ffn_down"), c.hidden, c.ffn_hidden)?, mode)?,
                 });
             }
@@ -359,17 +380,4 @@ impl Model {
             .sum();
         layers + self.output.bytes_per_step()
     }
-}
-
-fn stack(parts: Vec<QWeight>) -> Result<QWeight> {
-    // Unlike formats cannot share a matmul: expand them all to f32.
-    let same = parts.windows(2).all(|w| w[0].format == w[1].format);
-    if same {
-        return QWeight::concat(parts);
-    }
-    let expanded = parts
-        .iter()
-        .map(QWeight::expanded)
-        .collect::<Result<Vec<_>>>()?;
-    QWeight::concat(expanded)
 }

@@ -1,5 +1,8 @@
 //! Tokenizer built from GGUF metadata alone, matching llama.cpp.
 //!
+//! Two kinds, as the GGUF's `tokenizer.ggml.model` says: `llama` is SentencePiece-style
+//! (Gemma; `spm`), `gpt2` byte-level BPE (SmolLM2), below.
+//!
 //! candle builds a byte-level BPE from the GGUF vocab and merges; for
 //! `tokenizer.ggml.pre = "smollm"` it picks GPT-2's pre-tokenizer with
 //! `add_prefix_space = true`, which puts a space before every segment. We
@@ -19,19 +22,28 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 
 use crate::bpe::ByteLevelBpe;
 use crate::error::{EngineError, Result};
+use crate::spm::{self, Spm};
+
+enum Encoder {
+    ByteLevel {
+        /// Parses special-token text (`<|im_start|>`) into special ids.
+        with_special: Box<tokenizers::Tokenizer>,
+        /// Treats special-token text as ordinary text.
+        plain: Box<tokenizers::Tokenizer>,
+        /// The same pipeline encoded directly, when the vocabulary allows it (see `bpe`).
+        fast: Option<ByteLevelBpe>,
+    },
+    SentencePiece(Spm),
+}
 
 pub struct Tokenizer {
-    /// Parses special-token text (`<|im_start|>`) into special ids.
-    with_special: tokenizers::Tokenizer,
-    /// Treats special-token text as ordinary text.
-    plain: tokenizers::Tokenizer,
-    /// The same pipeline encoded directly, when the vocabulary allows it (see `bpe`).
-    fast: Option<ByteLevelBpe>,
+    encoder: Encoder,
     token_bytes: Vec<Vec<u8>>,
     /// The longest token's bytes: a text of `n` bytes is at least `n / max_token_bytes`
     /// tokens (decoding is lossless), which bounds a prompt before it is tokenized.
     max_token_bytes: usize,
-    /// Control tokens (`<|im_start|>`...): not part of the visible text.
+    /// Control tokens (`<|im_start|>`...; SentencePiece's unknown token too): not part of
+    /// the visible text.
     control: Vec<bool>,
     eos: Option<u32>,
     bos: Option<u32>,
@@ -60,27 +72,6 @@ fn meta_u32(c: &Content, key: &str) -> Option<u32> {
 
 impl Tokenizer {
     pub fn from_gguf(c: &Content) -> Result<Self> {
-        let mut tk = tokenizers::Tokenizer::from_gguf(c)
-            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
-        let pre = c
-            .metadata
-            .get("tokenizer.ggml.pre")
-            .and_then(|v| v.to_string().ok().cloned())
-            .unwrap_or_default();
-        if pre == "smollm" {
-            let seq = Sequence::new(vec![
-                PreTokenizerWrapper::Digits(Digits::new(true)),
-                PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
-            ]);
-            tk.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(seq)));
-        }
-        let mut plain = tk.clone();
-        plain.set_encode_special_tokens(true);
-        let flag = |key: &str| matches!(c.metadata.get(key), Some(Value::Bool(true)));
-        let exact_pipeline = pre == "smollm"
-            && !flag("tokenizer.ggml.byte_fallback")
-            && !flag("tokenizer.ggml.ignore_merges");
-
         let tokens: Vec<String> = match c.metadata.get("tokenizer.ggml.tokens") {
             Some(Value::Array(a)) => a
                 .iter()
@@ -99,6 +90,115 @@ impl Tokenizer {
                 .collect(),
             _ => vec![1; tokens.len()],
         };
+        let model = c
+            .metadata
+            .get("tokenizer.ggml.model")
+            .and_then(|v| v.to_string().ok().cloned())
+            .unwrap_or_default();
+        let flag = |key: &str| matches!(c.metadata.get(key), Some(Value::Bool(true)));
+        let (encoder, token_bytes) = match model.as_str() {
+            "llama" => {
+                let scores: Vec<f32> = match c.metadata.get("tokenizer.ggml.scores") {
+                    Some(Value::Array(a)) => a
+                        .iter()
+                        .map(|v| match v {
+                            Value::F32(x) => *x,
+                            _ => 0.0,
+                        })
+                        .collect(),
+                    _ => return Err(EngineError::Tokenizer("no tokenizer.ggml.scores".into())),
+                };
+                // SentencePiece files put a space in front unless they say otherwise.
+                let prefix = !matches!(
+                    c.metadata.get("tokenizer.ggml.add_space_prefix"),
+                    Some(Value::Bool(false))
+                );
+                let bytes = tokens
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| spm::token_bytes(t, types.get(i).copied().unwrap_or(1)))
+                    .collect();
+                let spm = Spm::build(&tokens, &scores, &types, prefix);
+                (Encoder::SentencePiece(spm), bytes)
+            }
+            "gpt2" => Self::byte_level(c, &tokens, &types, flag)?,
+            other => {
+                return Err(EngineError::Unsupported(format!(
+                    "tokenizer `{other}` (tokenizer.ggml.model; duet reads llama and gpt2)"
+                )))
+            }
+        };
+        let control = (0..tokens.len())
+            .map(|i| {
+                matches!(
+                    types.get(i),
+                    Some(&spm::TYPE_CONTROL) | Some(&spm::TYPE_UNKNOWN)
+                )
+            })
+            .collect();
+        let eos = meta_u32(c, "tokenizer.ggml.eos_token_id");
+        let bos = meta_u32(c, "tokenizer.ggml.bos_token_id");
+        let add_bos = matches!(
+            c.metadata.get("tokenizer.ggml.add_bos_token"),
+            Some(Value::Bool(true))
+        );
+        // End-of-generation tokens as llama.cpp counts them: EOS, EOT and the
+        // usual end-of-turn markers when the vocabulary has them.
+        let mut stop_ids: Vec<u32> = eos.into_iter().collect();
+        stop_ids.extend(meta_u32(c, "tokenizer.ggml.eot_token_id"));
+        for name in [
+            "<|im_end|>",
+            "<|endoftext|>",
+            "<|eot_id|>",
+            "<|end|>",
+            "<end_of_turn>",
+        ] {
+            if let Some(i) = tokens.iter().position(|t| t == name) {
+                if matches!(types.get(i), Some(3) | Some(4)) {
+                    stop_ids.push(i as u32);
+                }
+            }
+        }
+        stop_ids.sort_unstable();
+        stop_ids.dedup();
+        Ok(Self {
+            encoder,
+            max_token_bytes: token_bytes.iter().map(Vec::len).max().unwrap_or(1).max(1),
+            token_bytes,
+            control,
+            eos,
+            bos,
+            add_bos,
+            stop_ids,
+        })
+    }
+
+    /// The byte-level BPE pipeline (`tokenizer.ggml.model = "gpt2"`) and its tokens' bytes.
+    fn byte_level(
+        c: &Content,
+        tokens: &[String],
+        types: &[u32],
+        flag: impl Fn(&str) -> bool,
+    ) -> Result<(Encoder, Vec<Vec<u8>>)> {
+        let mut tk = tokenizers::Tokenizer::from_gguf(c)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let pre = c
+            .metadata
+            .get("tokenizer.ggml.pre")
+            .and_then(|v| v.to_string().ok().cloned())
+            .unwrap_or_default();
+        if pre == "smollm" {
+            let seq = Sequence::new(vec![
+                PreTokenizerWrapper::Digits(Digits::new(true)),
+                PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
+            ]);
+            tk.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(seq)));
+        }
+        let mut plain = tk.clone();
+        plain.set_encode_special_tokens(true);
+        let exact_pipeline = pre == "smollm"
+            && !flag("tokenizer.ggml.byte_fallback")
+            && !flag("tokenizer.ggml.ignore_merges");
         let map = unicode_to_byte();
         let token_bytes: Vec<Vec<u8>> = tokens
             .iter()
@@ -116,46 +216,16 @@ impl Tokenizer {
                     .collect()
             })
             .collect();
-
-        let fast = if exact_pipeline {
-            Self::fast_encoder(c, &tokens, &types)
-        } else {
-            None
+        let fast = match exact_pipeline {
+            true => Self::fast_encoder(c, tokens, types),
+            false => None,
         };
-        let control = (0..tokens.len())
-            .map(|i| types.get(i) == Some(&3))
-            .collect();
-        let eos = meta_u32(c, "tokenizer.ggml.eos_token_id");
-        let bos = meta_u32(c, "tokenizer.ggml.bos_token_id");
-        let add_bos = matches!(
-            c.metadata.get("tokenizer.ggml.add_bos_token"),
-            Some(Value::Bool(true))
-        );
-        // End-of-generation tokens as llama.cpp counts them: EOS, EOT and the
-        // usual end-of-turn markers when the vocabulary has them.
-        let mut stop_ids: Vec<u32> = eos.into_iter().collect();
-        stop_ids.extend(meta_u32(c, "tokenizer.ggml.eot_token_id"));
-        for name in ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>"] {
-            if let Some(i) = tokens.iter().position(|t| t == name) {
-                if matches!(types.get(i), Some(3) | Some(4)) {
-                    stop_ids.push(i as u32);
-                }
-            }
-        }
-        stop_ids.sort_unstable();
-        stop_ids.dedup();
-        Ok(Self {
-            with_special: tk,
-            plain,
+        let encoder = Encoder::ByteLevel {
+            with_special: Box::new(tk),
+            plain: Box::new(plain),
             fast,
-            max_token_bytes: token_bytes.iter().map(Vec::len).max().unwrap_or(1).max(1),
-            token_bytes,
-            control,
-            eos,
-            bos,
-            add_bos,
-            stop_ids,
-        })
+        };
+        Ok((encoder, token_bytes))
     }
 
     /// The direct encoder for this vocabulary, with the special tokens the library splits
@@ -200,13 +270,20 @@ impl Tokenizer {
     /// Token ids of `text`. With `parse_special`, special-token text becomes
     /// the special token (chat prompts); without, it is ordinary text.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
-        let Some(fast) = &self.fast else {
-            return self.encode_with_library(text, parse_special);
-        };
         let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if self.add_bos {
             ids.extend(self.bos);
         }
+        let fast = match &self.encoder {
+            Encoder::SentencePiece(spm) => {
+                spm.encode(text, parse_special, &mut ids);
+                return Ok(ids);
+            }
+            Encoder::ByteLevel { fast: None, .. } => {
+                return self.encode_with_library(text, parse_special)
+            }
+            Encoder::ByteLevel { fast: Some(f), .. } => f,
+        };
         match fast.encode(text, parse_special, &mut ids) {
             Ok(()) => Ok(ids),
             // The regex gave up (backtracking limit): the library decides, as before.
@@ -216,17 +293,22 @@ impl Tokenizer {
 
     /// Whether `encode` runs the direct encoder (else the `tokenizers` pipeline).
     pub fn has_direct_encoder(&self) -> bool {
-        self.fast.is_some()
+        matches!(self.encoder, Encoder::ByteLevel { fast: Some(_), .. })
     }
 
     /// Token ids of `text` through the `tokenizers` crate's pipeline: what `encode` returns
-    /// for every input (its reference in tests, and its fallback).
+    /// for every input (its reference in tests, and its fallback). A SentencePiece
+    /// vocabulary has no library pipeline: its own encoder answers.
     pub fn encode_with_library(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
-        let tk = if parse_special {
-            &self.with_special
-        } else {
-            &self.plain
+        let (with_special, plain) = match &self.encoder {
+            Encoder::ByteLevel {
+                with_special,
+                plain,
+                ..
+            } => (with_special, plain),
+            Encoder::SentencePiece(_) => return self.encode(text, parse_special),
         };
+        let tk = if parse_special { with_special } else { plain };
         let enc = tk
             .encode(text, false)
             .map_err(|e| EngineError::Tokenizer(e.to_string()))?;

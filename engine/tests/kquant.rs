@@ -206,18 +206,6 @@ fn kquant_linear_is_batch_invariant_for_decode_and_chunk_invariant_for_prompts()
     );
 }
 
-/// The Gemma 3 file's architecture has no forward pass yet: loading it is
-/// refused with the architecture's name, not a missing-key error.
-#[test]
-fn the_gemma3_architecture_is_refused_by_name() {
-    let p = root().join("models/gemma-3-270m-q4_k_m.gguf");
-    let err = match duet_engine::Model::load(&p, duet_engine::LoadOptions::default()) {
-        Ok(_) => panic!("gemma3 loaded without a gemma3 forward pass"),
-        Err(e) => e.to_string(),
-    };
-    assert!(err.contains("architecture `gemma3`"), "{err}");
-}
-
 fn q8k_bytes(b: &duet_engine::kernels::q8k::Q8KBlock) -> Vec<u8> {
     let mut v = b.d.to_le_bytes().to_vec();
     v.extend(b.qs.iter().map(|&q| q as u8));

@@ -13,7 +13,7 @@ pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// GGUF model file (llama architecture).
+    /// GGUF model file (architecture llama or gemma3).
     #[arg(long, env = "DUET_MODEL", default_value = DEFAULT_MODEL)]
     pub model: PathBuf,
     /// Compute threads.

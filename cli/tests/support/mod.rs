@@ -87,6 +87,13 @@ pub fn model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
+/// The second test model, Gemma 3 270M Q4_K_M (`make model` fetches it).
+pub fn gemma_model() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/gemma-3-270m-q4_k_m.gguf");
+    assert!(p.exists(), "{} is missing: run make model", p.display());
+    p
+}
+
 /// A running `duet` process; killed (SIGKILL) on drop.
 pub struct Proc {
     pub child: Child,

@@ -24,8 +24,20 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 
 /// Every reference case, in file order.
 pub fn cases() -> Vec<ReferenceCase> {
-    include_str!("../../../tests/data/smollm2-q4_1-greedy.jsonl")
-        .lines()
+    parse(include_str!(
+        "../../../tests/data/smollm2-q4_1-greedy.jsonl"
+    ))
+}
+
+/// The second test model's reference cases (Gemma 3 270M Q4_K_M, raw prompts with BOS).
+pub fn gemma_cases() -> Vec<ReferenceCase> {
+    parse(include_str!(
+        "../../../tests/data/gemma3-270m-q4_k_m-greedy.jsonl"
+    ))
+}
+
+fn parse(file: &str) -> Vec<ReferenceCase> {
+    file.lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).expect("json");

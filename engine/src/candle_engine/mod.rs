@@ -27,6 +27,7 @@ use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Tensor};
 
+use crate::architecture::Family;
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::device::DeviceSpec;
@@ -123,6 +124,13 @@ impl CandleModel {
             chat_template,
         } = TextFrontend::from_content(&content)?;
         let c = &config;
+        // This engine's graph is llama's: any other description is refused by name.
+        if c.arch.family != Family::Llama {
+            return Err(EngineError::Unsupported(format!(
+                "architecture `{}` on --engine candle (it runs llama; use --engine native)",
+                c.architecture
+            )));
+        }
         let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         let mut ld = Loader {
             content: &content,

@@ -68,6 +68,33 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + expf(0.0 - x))
 }
 
+/// GELU's tanh approximation as ggml writes it (`ggml_gelu_f32`).
+fn gelu_f32(x: f32) -> f32 {
+    const GELU_COEF_A: f32 = 0.044_715;
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (GELU_COEF_A * x).mul_add(x, 1.0)).tanh())
+}
+
+/// ggml's CPU GELU (`ggml_vec_gelu_f32`, `ggml_vec_geglu_f32`): 0 at or below -10, the
+/// identity at or above 10, and between them the value of its f16 table, `gelu` of `x`
+/// rounded to f16, itself rounded to f16.
+pub fn gelu(x: f32) -> f32 {
+    static TABLE: std::sync::OnceLock<Vec<half::f16>> = std::sync::OnceLock::new();
+    if x <= -10.0 {
+        return 0.0;
+    }
+    if x >= 10.0 {
+        return x;
+    }
+    let table = TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|b| half::f16::from_f32(gelu_f32(half::f16::from_bits(b).to_f32())))
+            .collect()
+    });
+    let i = half::f16::from_f32(x).to_bits() as usize;
+    table.get(i).map_or(0.0, |g| g.to_f32())
+}
+
 /// Horizontal sum of 8 lanes in the order of ggml's and tinyBLAS's `hsum`.
 /// Generic so that [`DotOrder::reduce_rows`] sums 8 columns at once ([`F8`]).
 #[inline]

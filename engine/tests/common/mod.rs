@@ -79,11 +79,18 @@ pub struct Case {
     pub prompt: Vec<u32>,
     pub want: Vec<u32>,
     pub checked: usize,
+    /// llama.cpp's top-1 minus top-2 logit at each step.
+    pub margins: Vec<f64>,
 }
 
 /// The 10 reference prompts of `smollm2-q4_1-greedy.jsonl`, in file order.
 pub fn greedy_cases() -> Vec<Case> {
-    reference("smollm2-q4_1-greedy.jsonl")
+    greedy_cases_of("smollm2-q4_1-greedy.jsonl")
+}
+
+/// The reference prompts of one of llama.cpp's greedy files in `tests/data`, in file order.
+pub fn greedy_cases_of(file: &str) -> Vec<Case> {
+    reference(file)
         .into_iter()
         .map(|l| {
             let margins: Vec<f64> = l["top2_margin"]
@@ -102,9 +109,30 @@ pub fn greedy_cases() -> Vec<Case> {
                 prompt: ids(&l["prompt_ids"]),
                 want,
                 checked,
+                margins,
             }
         })
         .collect()
+}
+
+pub fn gemma_path() -> PathBuf {
+    root().join("models/gemma-3-270m-q4_k_m.gguf")
+}
+
+/// The second test model loaded with quantized weights (llama.cpp's arithmetic) on 1 or 2
+/// threads, once per test binary; fails loudly when it is missing.
+pub fn gemma_model(threads: usize) -> &'static Model {
+    static MODELS: [OnceLock<Model>; 2] = [const { OnceLock::new() }; 2];
+    let t = usize::from(threads > 1);
+    MODELS[t].get_or_init(|| {
+        let p = gemma_path();
+        assert!(p.exists(), "{} is missing: run make model", p.display());
+        let options = LoadOptions {
+            threads: t + 1,
+            weight_mode: WeightMode::Quantized,
+        };
+        Model::load(&p, options).unwrap_or_else(|e| panic!("loading {}: {e}", p.display()))
+    })
 }
 
 /// The second test model (Gemma 3 270M Q4_K_M, `scripts/fetch-gemma.sh`), opened
