@@ -31,7 +31,7 @@ enum Encoder {
         /// Treats special-token text as ordinary text.
         plain: Box<tokenizers::Tokenizer>,
         /// The same pipeline encoded directly, when the vocabulary allows it (see `bpe`).
-        fast: Option<ByteLevelBpe>,
+        fast: Option<Box<ByteLevelBpe>>,
     },
     SentencePiece(Spm),
 }
@@ -217,7 +217,7 @@ impl Tokenizer {
             })
             .collect();
         let fast = match exact_pipeline {
-            true => Self::fast_encoder(c, tokens, types),
+            true => Self::fast_encoder(c, tokens, types).map(Box::new),
             false => None,
         };
         let encoder = Encoder::ByteLevel {
