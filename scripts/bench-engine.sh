@@ -12,6 +12,8 @@
 # (also written to bench/results/engine-<date>.md).
 #
 # Environment:
+#   MODEL      the GGUF to run (default the SmolLM2 model; e.g.
+#              models/gemma-3-270m-q4_k_m.gguf, fetched by make model)
 #   THREADS    thread counts to run (default "1 2")
 #   STEPS      timed decode steps per batch size, both engines (default 32)
 #   BATCH      decode batch sizes, both engines (default 1,4,16,64)
@@ -32,7 +34,7 @@ PREFILL="${PREFILL:-128,512,1024}"
 DUET_ARGS="${DUET_ARGS:-}"
 CARGO="${CARGO:-cargo}"
 LLAMA_CPP_PYTHON_VERSION="0.3.36"
-model="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+model="${MODEL:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 results="${RESULTS:-$root/bench/results}"
 venv="$root/.venv/llama"
 
@@ -57,6 +59,7 @@ warn_if_busy() {
 
 # 1. Model and duet.
 ./scripts/fetch-model.sh
+./scripts/fetch-gemma.sh
 "$CARGO" build --release -p duet
 duet="${CARGO_TARGET_DIR:-$root/target}/release/duet"
 [ -x "$duet" ] || die "$duet not found after cargo build"
