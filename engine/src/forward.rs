@@ -235,7 +235,7 @@ impl Model {
         let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
         let mut x = vec![0f32; n * d];
         for (xr, &t) in x.chunks_exact_mut(d).zip(tokens) {
-            self.embed.dequant_row(t as usize, xr);
+            self.embedding_row(t as usize, xr)?;
             if let Some(s) = arch.embed_scale {
                 xr.iter_mut().for_each(|v| *v *= s);
             }

@@ -180,6 +180,11 @@ impl Linear {
         })
     }
 
+    /// The quantized blocks this layer keeps (`None` in the dense form).
+    pub fn quantized(&self) -> Option<&QWeight> {
+        self.quantized.as_ref()
+    }
+
     /// Bytes this layer keeps resident.
     pub fn resident_bytes(&self) -> usize {
         self.quantized.as_ref().map_or(0, |q| q.data.len())

@@ -59,7 +59,9 @@ pub struct Model {
     pub config: ModelConfig,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
-    pub(crate) embed: QWeight,
+    /// The embedding matrix; `None` when the output projection is tied to it and keeps its
+    /// quantized blocks (Gemma's 262k-row table is then held once, not twice).
+    pub(crate) embed: Option<QWeight>,
     pub(crate) layers: Vec<Layer>,
     pub(crate) out_norm: Vec<f32>,
     pub(crate) output: Linear,
@@ -301,13 +303,22 @@ impl Model {
             }
             let embed = ld.matrix("token_embd.weight", c.vocab_size, c.hidden)?;
             let out_norm = ld.vector("output_norm.weight", c.hidden)?;
-            // Tied embeddings: without `output.weight` the embedding matrix
-            // doubles as the output projection.
-            let output = match content.tensor_infos.contains_key("output.weight") {
-                true => ld.matrix("output.weight", c.vocab_size, c.hidden)?,
-                false => QWeight::new(embed.format, embed.data.clone(), embed.rows, embed.cols)?,
+            // Tied embeddings: without `output.weight` the embedding matrix doubles as the
+            // output projection, whose quantized blocks then serve the embedding rows too
+            // (the dense form alone keeps no blocks: it keeps its own copy).
+            let (embed, output) = match content.tensor_infos.contains_key("output.weight") {
+                true => {
+                    let output = ld.matrix("output.weight", c.vocab_size, c.hidden)?;
+                    (Some(embed), Linear::new(output, mode)?)
+                }
+                false if mode == WeightMode::Dense => {
+                    let copy =
+                        QWeight::new(embed.format, embed.data.clone(), embed.rows, embed.cols)?;
+                    (Some(embed), Linear::new(copy, mode)?)
+                }
+                false => (None, Linear::new(embed, mode)?),
             };
-            Ok((layers, embed, out_norm, Linear::new(output, mode)?))
+            Ok((layers, embed, out_norm, output))
         })?;
 
         let fingerprint = ld.fp.finish(&config, &tokenizer);
@@ -363,7 +374,7 @@ impl Model {
                     + l.w_down.resident_bytes()
             })
             .sum();
-        layers + self.embed.data.len() + self.output.resident_bytes()
+        layers + self.embed.as_ref().map_or(0, |e| e.data.len()) + self.output.resident_bytes()
     }
 
     /// Weight bytes one decode step reads (the bandwidth model's numerator).
@@ -379,5 +390,19 @@ impl Model {
             })
             .sum();
         layers + self.output.bytes_per_step()
+    }
+}
+
+impl Model {
+    /// Row `token` of the embedding matrix, dequantized into `out`.
+    pub(crate) fn embedding_row(&self, token: usize, out: &mut [f32]) -> Result<()> {
+        let table = match &self.embed {
+            Some(e) => e,
+            None => self.output.quantized().ok_or_else(|| {
+                EngineError::Format("tied embedding without quantized blocks".into())
+            })?,
+        };
+        table.dequant_row(token, out);
+        Ok(())
     }
 }
