@@ -12,9 +12,7 @@
 
 mod common;
 
-use duet_engine::{
-    generate, Detokenizer, GenerationParams, KvCache, KvDtype, LayerAttention, SeqChunk,
-};
+use duet_engine::{generate, GenerationParams, KvCache, KvDtype, LayerAttention, SeqChunk};
 
 const GREEDY: &str = "gemma3-270m-q4_k_m-greedy.jsonl";
 /// Largest difference allowed between a first-step top-5 logit and llama.cpp's. Gemma's
@@ -51,44 +49,12 @@ fn the_description_is_gemma3s_five_local_layers_to_one_global() {
     assert_eq!(c.arch.attn_scale, 1.0 / 16.0);
 }
 
+/// The SentencePiece tokenizer: ids (after the BOS it adds), decoding and incremental
+/// decoding of all 80 reference strings.
 #[test]
 fn every_reference_string_tokenizes_like_llama_cpp_and_round_trips() {
     let tk = &common::gemma_model(1).tokenizer;
-    let lines = common::reference("gemma3-tokenizer.jsonl");
-    assert!(lines.len() >= 80, "reference file is incomplete");
-    let mut failures = Vec::new();
-    for line in &lines {
-        let text = line["text"].as_str().expect("text");
-        let special = line["parse_special"].as_bool().expect("parse_special");
-        let want = common::ids(&line["ids"]);
-        // The references carry no BOS; the tokenizer adds it as the file asks.
-        let got = tk.encode(text, special).expect("encode");
-        let got = got.strip_prefix(&[2]).expect("BOS first").to_vec();
-        if got != want {
-            failures.push(format!(
-                "{text:?} special={special}: got {got:?}, want {want:?}"
-            ));
-            continue;
-        }
-        let roundtrip = line["roundtrip"].as_str().expect("roundtrip");
-        let decoded = tk.decode(&got);
-        if decoded != roundtrip {
-            failures.push(format!("{text:?}: decoded {decoded:?}, want {roundtrip:?}"));
-        }
-        let mut d = Detokenizer::new();
-        let mut inc: String = got.iter().map(|&id| d.push(tk, id)).collect();
-        inc.push_str(&d.flush());
-        if inc != decoded {
-            failures.push(format!("{text:?}: incremental {inc:?} != {decoded:?}"));
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of {} mismatch:\n{}",
-        failures.len(),
-        lines.len(),
-        failures.join("\n")
-    );
+    common::assert_tokenizer_references(tk, "gemma3-tokenizer.jsonl", 80);
 }
 
 #[test]

@@ -8,43 +8,7 @@ use proptest::prelude::*;
 
 #[test]
 fn every_reference_string_tokenizes_like_llama_cpp_and_round_trips() {
-    let tk = &common::model(1).tokenizer;
-    let mut failures = Vec::new();
-    let lines = common::reference("smollm2-tokenizer.jsonl");
-    assert!(lines.len() >= 40, "reference file is incomplete");
-    for line in &lines {
-        let text = line["text"].as_str().expect("text");
-        let special = line["parse_special"].as_bool().expect("parse_special");
-        let want = common::ids(&line["ids"]);
-        let got = tk.encode(text, special).expect("encode");
-        if got != want {
-            failures.push(format!(
-                "{text:?} special={special}: got {got:?}, want {want:?}"
-            ));
-            continue;
-        }
-        let roundtrip = line["roundtrip"].as_str().expect("roundtrip");
-        let decoded = tk.decode(&got);
-        if decoded != roundtrip {
-            failures.push(format!("{text:?}: decoded {decoded:?}, want {roundtrip:?}"));
-        }
-        // Incremental decoding yields the same text, in whole characters.
-        let mut d = Detokenizer::new();
-        let mut inc = String::new();
-        for &id in &got {
-            inc.push_str(&d.push(tk, id));
-        }
-        inc.push_str(&d.flush());
-        if inc != decoded {
-            failures.push(format!("{text:?}: incremental {inc:?} != {decoded:?}"));
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} mismatches:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    common::assert_tokenizer_references(&common::model(1).tokenizer, "smollm2-tokenizer.jsonl", 40);
 }
 
 #[test]

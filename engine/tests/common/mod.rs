@@ -267,3 +267,52 @@ pub fn assert_matmul(
     }
     n * rows
 }
+
+/// Checks `tk` against one of llama.cpp's tokenizer reference files (at least `min` lines):
+/// the ids of every string (after the BOS the tokenizer adds, when it adds one: the
+/// references carry none), its decoding to llama.cpp's round trip, and incremental decoding
+/// to the same text in whole characters. Panics listing every mismatch.
+pub fn assert_tokenizer_references(tk: &duet_engine::Tokenizer, file: &str, min: usize) {
+    let lines = reference(file);
+    assert!(lines.len() >= min, "{file} is incomplete");
+    let bos: Vec<u32> = tk
+        .bos_token_id()
+        .filter(|_| tk.adds_bos())
+        .into_iter()
+        .collect();
+    let mut failures = Vec::new();
+    for line in &lines {
+        let text = line["text"].as_str().expect("text");
+        let special = line["parse_special"].as_bool().expect("parse_special");
+        let want = ids(&line["ids"]);
+        let got = tk.encode(text, special).expect("encode");
+        let got = got
+            .strip_prefix(bos.as_slice())
+            .expect("BOS first")
+            .to_vec();
+        if got != want {
+            failures.push(format!(
+                "{text:?} special={special}: got {got:?}, want {want:?}"
+            ));
+            continue;
+        }
+        let roundtrip = line["roundtrip"].as_str().expect("roundtrip");
+        let decoded = tk.decode(&got);
+        if decoded != roundtrip {
+            failures.push(format!("{text:?}: decoded {decoded:?}, want {roundtrip:?}"));
+        }
+        let mut d = duet_engine::Detokenizer::new();
+        let mut inc: String = got.iter().map(|&id| d.push(tk, id)).collect();
+        inc.push_str(&d.flush());
+        if inc != decoded {
+            failures.push(format!("{text:?}: incremental {inc:?} != {decoded:?}"));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} mismatch:\n{}",
+        failures.len(),
+        lines.len(),
+        failures.join("\n")
+    );
+}
