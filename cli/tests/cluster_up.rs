@@ -141,7 +141,7 @@ fn up_follows_the_reference_rule() {
 fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
     let cases = support::reference::gemma_cases();
     let gemma = support::gemma_model();
-    let (_p, url) = up(&[
+    let (p, url) = up(&[
         "--model",
         gemma.to_str().unwrap(),
         "--local-prefill-max-tokens",
@@ -173,4 +173,28 @@ fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
             assert_eq!(t.kv_bytes, (blocks - held) * 16 * 18 * 2 * 256 * 2, "{t:?}");
         }
     });
+    // The OpenAI door reports the model it serves.
+    let http = p.wait_for("http listening on", support::START);
+    let models = http_get(&http, "/v1/models");
+    assert!(
+        models.contains(r#""id":"gemma-3-270m-q4_k_m""#)
+            && models.contains(r#""max_model_len":32768"#),
+        "{models}"
+    );
+}
+
+/// The body of `GET path` on `base` (`http://host:port`), over a plain socket.
+fn http_get(base: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let host = base.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(host).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read");
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out
 }
