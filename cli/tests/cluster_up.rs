@@ -101,6 +101,17 @@ fn up_equals_duet_run_in_every_placement() {
     );
 }
 
+/// `case`'s prompt ids through the router, greedy for as many tokens as llama.cpp's run.
+async fn reference_run(
+    c: &mut support::GenClient,
+    case: &support::reference::ReferenceCase,
+) -> support::Completion {
+    let n = case.greedy_ids.len() as u32;
+    generate(c, greedy(support::tokens(&case.prompt_ids), n))
+        .await
+        .expect("generate")
+}
+
 /// The reference prompts of llama.cpp: the cluster keeps the comparison rule (greedy ids
 /// equal llama.cpp's before the first near-tie) on every prompt, as the engine alone does
 /// with its default form (quantized weights, f16 KV: llama.cpp's arithmetic).
@@ -114,12 +125,7 @@ fn up_follows_the_reference_rule() {
         let mut kept = 0;
         for case in &cases {
             let want = &case.greedy_ids;
-            let got = generate(
-                &mut c,
-                greedy(support::tokens(&case.prompt_ids), want.len() as u32),
-            )
-            .await
-            .expect("generate");
+            let got = reference_run(&mut c, case).await;
             assert_eq!(got.ids.first(), want.first(), "{}: first token", case.id);
             kept += usize::from(case.keeps_rule(&got.ids));
         }
@@ -154,12 +160,7 @@ fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
         let mut c = client(&url).await;
         for case in &cases {
             let want = &case.greedy_ids;
-            let got = generate(
-                &mut c,
-                greedy(support::tokens(&case.prompt_ids), want.len() as u32),
-            )
-            .await
-            .expect("generate");
+            let got = reference_run(&mut c, case).await;
             assert!(
                 case.keeps_rule(&got.ids),
                 "{}: got {:?}, llama.cpp {want:?}",
