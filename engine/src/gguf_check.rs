@@ -4,7 +4,9 @@
 //! front, so a corrupt or truncated file can make it request exabytes and
 //! abort the process. This walk checks every count and length against the
 //! bytes that remain in the file, so that candle only ever sees a header
-//! whose allocations are bounded by the file size.
+//! whose allocations are bounded by the file size. It also refuses a tensor
+//! type candle cannot read, naming the tensor and the type (candle's own
+//! message names neither).
 
 use crate::error::{EngineError, Result};
 
@@ -47,11 +49,10 @@ impl<'a> Cursor<'a> {
         Ok(u64::from_le_bytes(a))
     }
 
-    fn string(&mut self, what: &str) -> Result<()> {
+    fn string(&mut self, what: &str) -> Result<&'a str> {
         let len = self.u64(what)?;
         let bytes = self.take(len, what)?;
-        std::str::from_utf8(bytes).map_err(|_| corrupt(format!("{what} is not UTF-8")))?;
-        Ok(())
+        std::str::from_utf8(bytes).map_err(|_| corrupt(format!("{what} is not UTF-8")))
     }
 
     fn value(&mut self, ty: u32, depth: u32) -> Result<()> {
@@ -68,7 +69,9 @@ impl<'a> Cursor<'a> {
             10..=12 => {
                 self.take(8, "scalar value")?;
             }
-            8 => self.string("string value")?,
+            8 => {
+                self.string("string value")?;
+            }
             9 => {
                 if depth >= MAX_ARRAY_NESTING {
                     return Err(corrupt("arrays nested too deeply"));
@@ -122,7 +125,7 @@ pub fn check_header(buf: &[u8], file_len: u64) -> Result<()> {
         c.value(ty, 0)?;
     }
     for _ in 0..n_tensors {
-        c.string("tensor name")?;
+        let name = c.string("tensor name")?;
         let n_dims = c.u32("tensor rank")?;
         if n_dims > 4 {
             return Err(corrupt(format!("tensor of rank {n_dims}")));
@@ -139,11 +142,45 @@ pub fn check_header(buf: &[u8], file_len: u64) -> Result<()> {
                 "tensor of {elems} elements exceeds the file"
             )));
         }
-        c.u32("tensor type")?;
+        let ty = c.u32("tensor type")?;
+        if !READABLE_TYPES.contains(&ty) {
+            let kind = GGML_TYPE_NAMES
+                .iter()
+                .find(|(id, _)| *id == ty)
+                .map_or("an unknown type", |(_, n)| n);
+            return Err(EngineError::Unsupported(format!(
+                "tensor `{name}` of ggml type {ty} ({kind}): duet reads F32, F16, BF16, \
+                 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 and Q2_K to Q8_K"
+            )));
+        }
         c.u64("tensor offset")?;
     }
     Ok(())
 }
+
+/// The ggml tensor types candle reads (`GgmlDType::from_u32`).
+const READABLE_TYPES: [u32; 15] = [0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 30];
+
+/// ggml's names of the types it does not read (`enum ggml_type`).
+const GGML_TYPE_NAMES: [(u32, &str); 17] = [
+    (16, "IQ2_XXS"),
+    (17, "IQ2_XS"),
+    (18, "IQ3_XXS"),
+    (19, "IQ1_S"),
+    (20, "IQ4_NL"),
+    (21, "IQ3_S"),
+    (22, "IQ2_S"),
+    (23, "IQ4_XS"),
+    (24, "I8"),
+    (25, "I16"),
+    (26, "I32"),
+    (27, "I64"),
+    (28, "F64"),
+    (29, "IQ1_M"),
+    (34, "TQ1_0"),
+    (35, "TQ2_0"),
+    (39, "MXFP4"),
+];
 
 #[cfg(test)]
 mod tests {
@@ -160,5 +197,34 @@ mod tests {
         b.extend_from_slice(&u64::MAX.to_le_bytes()); // key length
         let err = check_header(&b, b.len() as u64).unwrap_err().to_string();
         assert!(err.contains("truncated"), "{err}");
+    }
+
+    #[test]
+    fn a_tensor_type_candle_cannot_read_is_refused_by_name() {
+        let header = |ty: u32| {
+            let mut b = Vec::new();
+            b.extend_from_slice(&MAGIC.to_le_bytes());
+            b.extend_from_slice(&3u32.to_le_bytes());
+            b.extend_from_slice(&1u64.to_le_bytes()); // one tensor
+            b.extend_from_slice(&0u64.to_le_bytes()); // no metadata
+            let name = b"blk.0.attn_q.weight";
+            b.extend_from_slice(&(name.len() as u64).to_le_bytes());
+            b.extend_from_slice(name);
+            b.extend_from_slice(&1u32.to_le_bytes()); // rank 1
+            b.extend_from_slice(&256u64.to_le_bytes());
+            b.extend_from_slice(&ty.to_le_bytes());
+            b.extend_from_slice(&0u64.to_le_bytes()); // offset
+            b
+        };
+        let b = header(23);
+        let err = check_header(&b, b.len() as u64).unwrap_err();
+        assert!(matches!(err, EngineError::Unsupported(_)), "{err}");
+        let err = err.to_string();
+        assert!(
+            err.contains("blk.0.attn_q.weight") && err.contains("IQ4_XS"),
+            "{err}"
+        );
+        let b = header(12); // Q4_K
+        assert!(check_header(&b, b.len() as u64).is_ok());
     }
 }
