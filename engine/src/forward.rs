@@ -325,12 +325,12 @@ impl Model {
             let gu = layer.w_gate_up.forward_with(&xn, n, kernel_rows)?;
             let f = c.ffn_hidden;
             let mut h = vec![0f32; n * f];
+            let act = match arch.activation {
+                Activation::Silu => kernels::ggml::silu,
+                Activation::Gelu => kernels::ggml::gelu,
+            };
             for (hr, gur) in h.chunks_exact_mut(f).zip(gu.chunks_exact(2 * f)) {
                 let (g, u) = gur.split_at(f);
-                let act = match arch.activation {
-                    Activation::Silu => kernels::ggml::silu,
-                    Activation::Gelu => kernels::ggml::gelu,
-                };
                 for ((o, &gv), &uv) in hr.iter_mut().zip(g).zip(u) {
                     *o = act(gv) * uv;
                 }

@@ -8,9 +8,7 @@ use crate::architecture::RopeStyle;
 /// matching ggml bit for bit here keeps duet on llama.cpp's trajectory.
 pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for (xr, or) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
-        let ss = xr.iter().fold(0f64, |s, &v| s + f64::from(v * v));
-        let mean = (ss / w.len() as f64) as f32;
-        let scale = 1.0 / (mean + eps).sqrt();
+        let scale = rms_scale(xr, eps);
         for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
             *o = v * scale * g;
         }
@@ -19,8 +17,19 @@ pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 /// [`rms_norm`] of `x` in place (every `w.len()` elements: a row, or one head).
 pub(crate) fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
-    let src = x.to_vec();
-    rms_norm(&src, w, eps, x);
+    for xr in x.chunks_exact_mut(w.len()) {
+        let scale = rms_scale(xr, eps);
+        for (v, &g) in xr.iter_mut().zip(w) {
+            *v = *v * scale * g;
+        }
+    }
+}
+
+/// `1 / sqrt(mean(x^2) + eps)`: the squares summed in f64 in order, the rest in f32.
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let ss = x.iter().fold(0f64, |s, &v| s + f64::from(v * v));
+    let mean = (ss / x.len() as f64) as f32;
+    1.0 / (mean + eps).sqrt()
 }
 
 /// Rotate the pairs of every head in `x` (adjacent pairs, GGUF llama's layout; or the two

@@ -362,6 +362,18 @@ impl Model {
         }
     }
 
+    /// Row `token` of the embedding matrix, dequantized into `out`.
+    pub(crate) fn embedding_row(&self, token: usize, out: &mut [f32]) -> Result<()> {
+        let table = match &self.embed {
+            Some(e) => e,
+            None => self.output.quantized().ok_or_else(|| {
+                EngineError::Format("tied embedding without quantized blocks".into())
+            })?,
+        };
+        table.dequant_row(token, out);
+        Ok(())
+    }
+
     /// Bytes the weights occupy in memory.
     pub fn weight_bytes(&self) -> usize {
         let layers: usize = self
@@ -390,19 +402,5 @@ impl Model {
             })
             .sum();
         layers + self.output.bytes_per_step()
-    }
-}
-
-impl Model {
-    /// Row `token` of the embedding matrix, dequantized into `out`.
-    pub(crate) fn embedding_row(&self, token: usize, out: &mut [f32]) -> Result<()> {
-        let table = match &self.embed {
-            Some(e) => e,
-            None => self.output.quantized().ok_or_else(|| {
-                EngineError::Format("tied embedding without quantized blocks".into())
-            })?,
-        };
-        table.dequant_row(token, out);
-        Ok(())
     }
 }

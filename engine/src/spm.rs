@@ -7,8 +7,10 @@
 //!    file asks, `tokenizer.ggml.add_space_prefix`);
 //! 3. the fragment's characters are merged pairwise, the pair whose merged text is the
 //!    token with the highest score first (leftmost on a tie), while a pair's text is a token;
-//! 4. a final piece that is not a token is split back along the merges that built it, and
-//!    a character that is not a token is emitted as its UTF-8 bytes' `<0xXX>` tokens.
+//! 4. a piece left that is not a token (a single character: merged pieces always are
+//!    tokens) is emitted as its UTF-8 bytes' `<0xXX>` tokens. (llama.cpp also records the
+//!    merges to split such a piece back along them; as merges only make tokens, that path
+//!    never runs there either.)
 //!
 //! Invariant: the ids equal llama.cpp's for the same text and flags
 //! (`engine/tests/gemma3.rs` checks the reference strings `bench/gemma_references.py`
@@ -188,7 +190,6 @@ impl Spm {
             last.next = None;
         }
         let mut queue = BinaryHeap::new();
-        let mut rev_merge: HashMap<&str, (usize, usize, usize, usize)> = HashMap::new();
         let try_add = |queue: &mut BinaryHeap<Bigram>, syms: &[Symbol], l: usize, r: usize| {
             let (a, b) = (syms[l], syms[r]);
             let piece = &text[a.start..a.start + a.len + b.len];
@@ -210,8 +211,6 @@ impl Spm {
             if l.len == 0 || r.len == 0 || l.len + r.len != bg.size {
                 continue;
             }
-            let merged = &text[l.start..l.start + bg.size];
-            rev_merge.insert(merged, (l.start, l.len, r.start, r.len));
             symbols[bg.left].len += r.len;
             symbols[bg.right].len = 0;
             symbols[bg.left].next = r.next;
@@ -228,27 +227,15 @@ impl Spm {
         let mut at = (!symbols.is_empty()).then_some(0);
         while let Some(i) = at {
             let s = symbols[i];
-            self.resegment(text, s.start, s.len, &rev_merge, out);
+            self.emit(&text[s.start..s.start + s.len], out);
             at = s.next;
         }
     }
 
-    fn resegment(
-        &self,
-        text: &str,
-        start: usize,
-        len: usize,
-        rev_merge: &HashMap<&str, (usize, usize, usize, usize)>,
-        out: &mut Vec<u32>,
-    ) {
-        let piece = &text[start..start + len];
+    /// A final piece: its token, or the byte tokens of its UTF-8 bytes.
+    fn emit(&self, piece: &str, out: &mut Vec<u32>) {
         if let Some(&id) = self.ids.get(piece) {
             out.push(id);
-            return;
-        }
-        if let Some(&(ls, ll, rs, rl)) = rev_merge.get(piece) {
-            self.resegment(text, ls, ll, rev_merge, out);
-            self.resegment(text, rs, rl, rev_merge, out);
             return;
         }
         for &b in piece.as_bytes() {

@@ -22,7 +22,7 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 
 use crate::bpe::ByteLevelBpe;
 use crate::error::{EngineError, Result};
-use crate::spm::{self, Spm};
+use crate::spm::{self, Spm, TYPE_CONTROL, TYPE_UNKNOWN, TYPE_USER_DEFINED};
 
 enum Encoder {
     ByteLevel {
@@ -95,7 +95,6 @@ impl Tokenizer {
             .get("tokenizer.ggml.model")
             .and_then(|v| v.to_string().ok().cloned())
             .unwrap_or_default();
-        let flag = |key: &str| matches!(c.metadata.get(key), Some(Value::Bool(true)));
         let (encoder, token_bytes) = match model.as_str() {
             "llama" => {
                 let scores: Vec<f32> = match c.metadata.get("tokenizer.ggml.scores") {
@@ -121,7 +120,7 @@ impl Tokenizer {
                 let spm = Spm::build(&tokens, &scores, &types, prefix);
                 (Encoder::SentencePiece(spm), bytes)
             }
-            "gpt2" => Self::byte_level(c, &tokens, &types, flag)?,
+            "gpt2" => Self::byte_level(c, &tokens, &types)?,
             other => {
                 return Err(EngineError::Unsupported(format!(
                     "tokenizer `{other}` (tokenizer.ggml.model; duet reads llama and gpt2)"
@@ -129,12 +128,7 @@ impl Tokenizer {
             }
         };
         let control = (0..tokens.len())
-            .map(|i| {
-                matches!(
-                    types.get(i),
-                    Some(&spm::TYPE_CONTROL) | Some(&spm::TYPE_UNKNOWN)
-                )
-            })
+            .map(|i| matches!(types.get(i), Some(&TYPE_CONTROL) | Some(&TYPE_UNKNOWN)))
             .collect();
         let eos = meta_u32(c, "tokenizer.ggml.eos_token_id");
         let bos = meta_u32(c, "tokenizer.ggml.bos_token_id");
@@ -154,7 +148,7 @@ impl Tokenizer {
             "<end_of_turn>",
         ] {
             if let Some(i) = tokens.iter().position(|t| t == name) {
-                if matches!(types.get(i), Some(3) | Some(4)) {
+                if matches!(types.get(i), Some(&TYPE_CONTROL) | Some(&TYPE_USER_DEFINED)) {
                     stop_ids.push(i as u32);
                 }
             }
@@ -178,8 +172,8 @@ impl Tokenizer {
         c: &Content,
         tokens: &[String],
         types: &[u32],
-        flag: impl Fn(&str) -> bool,
     ) -> Result<(Encoder, Vec<Vec<u8>>)> {
+        let flag = |key: &str| matches!(c.metadata.get(key), Some(Value::Bool(true)));
         let mut tk = tokenizers::Tokenizer::from_gguf(c)
             .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
         let pre = c
@@ -204,8 +198,8 @@ impl Tokenizer {
             .iter()
             .enumerate()
             .map(|(i, t)| {
-                // 3 = control, 4 = user-defined: literal text, not byte-mapped.
-                if matches!(types.get(i), Some(3) | Some(4)) {
+                // Control and user-defined tokens: literal text, not byte-mapped.
+                if matches!(types.get(i), Some(&TYPE_CONTROL) | Some(&TYPE_USER_DEFINED)) {
                     return t.as_bytes().to_vec();
                 }
                 t.chars()
