@@ -3,13 +3,18 @@
 # (`duet eval perplexity`, llama.cpp's windows) under full attention (f32 and f16 KV) and
 # local windows with sinks (StreamingLLM), with each policy's peak KV bytes per sequence.
 # Then decode step time against context (`duet bench engine`, batch 1, one thread): full
-# attention up to the model's context, a window of 512 with 4 sinks well past it. Prints
-# markdown tables; the raw JSON goes to OUT (default bench/results/long-context).
+# attention up to the model's context, a window of 512 with 4 sinks well past it. Then the
+# same served workload through `duet up` (every prompt prefilled on the prefill worker, its
+# KV moved to the decode worker) with full attention and with a window per request
+# (`attention` in the OpenAI body), alternating, RUNS times: TTFT, TPOT, KV bytes moved and
+# the decode pool's peak per request. Prints markdown tables; the raw JSON goes to OUT
+# (default bench/results/long-context).
 #
 #   ./scripts/bench-long-context.sh
 #   CTX=8192 CHUNKS=1 PARTS=ppl ./scripts/bench-long-context.sh
 #   POLICIES="window=512,sinks=4" PARTS=ppl ./scripts/bench-long-context.sh
 #   PARTS=decode FULL_CONTEXTS=1024,4096 WINDOW_CONTEXTS=1024,32768 ./scripts/bench-long-context.sh
+#   PARTS=serve SERVE_INPUT=2000 SERVE_OUTPUT=64 RUNS=3 ./scripts/bench-long-context.sh
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -24,6 +29,10 @@ FULL_CONTEXTS="${FULL_CONTEXTS:-1024,2048,4096,8000}"
 WINDOW_CONTEXTS="${WINDOW_CONTEXTS:-1024,4096,8000,16384,32768}"
 WINDOW="${WINDOW:-window=512,sinks=4}"
 STEPS="${STEPS:-64}"
+SERVE_INPUT="${SERVE_INPUT:-2000}"
+SERVE_OUTPUT="${SERVE_OUTPUT:-64}"
+SERVE_PROMPTS="${SERVE_PROMPTS:-8}"
+RUNS="${RUNS:-3}"
 model="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 [ -f "$model" ] || ./scripts/fetch-model.sh
 if [ -z "${DUET:-}" ]; then
@@ -64,6 +73,56 @@ decode() {
       --kv-pool-bytes 1048576 --json "$json" 2>/dev/null
   done
   python3 "$root/scripts/long_context_table.py" decode "$full" "$win"
+}
+
+# The first address `duet up` logs after `$2` in log file $1.
+logged_url() {
+  local i
+  for i in $(seq 1 600); do
+    if grep -q "$2" "$1"; then
+      grep -o "$2 [^ ]*" "$1" | head -1 | awk '{print $NF}'
+      return
+    fi
+    sleep 0.2
+  done
+  echo "no '$2' in $1" >&2
+  exit 1
+}
+
+# Sum of metric $2's samples on the exposition at $1.
+scrape() {
+  curl -s "$1" | awk -v m="$2" '$1 ~ "^"m"({|$)" {s += $NF} END {printf "%.0f\n", s}'
+}
+
+serve() {
+  local log="$OUT/serve-up.log" url
+  "$DUET" up --model "$model" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
+    --local-prefill-max-tokens 0 --kv-pool 256MiB --prefix-cache off >"$log" 2>&1 &
+  local up_pid=$!
+  trap 'kill $up_pid 2>/dev/null || true' EXIT
+  url=$(logged_url "$log" "http listening on")
+  local jsonl="$OUT/serve.jsonl"
+  : >"$jsonl"
+  for run in $(seq 1 "$RUNS"); do
+    for policy in full "$WINDOW"; do
+      local json="$OUT/serve-$policy-$run.json" before after
+      before=$(scrape "$url/metrics" duet_kv_transfer_bytes_total)
+      "$DUET" bench serve --model "$model" --url "$url" --backend openai --prompt-format tokens \
+        --ignore-eos-param ignore-eos --dataset uniform --range-ratio 0 \
+        --input-len "$SERVE_INPUT" --output-len "$SERVE_OUTPUT" --num-prompts "$SERVE_PROMPTS" \
+        --max-concurrency 2 --seed "$run" --label "$policy" \
+        --extra-body "{\"attention\": \"$policy\"}" --output-json "$json" >/dev/null
+      after=$(scrape "$url/metrics" duet_kv_transfer_bytes_total)
+      python3 -c '
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(json.dumps({"policy": sys.argv[2], "run": int(sys.argv[3]), "report": sys.argv[1],
+                  "kv_bytes_per_request": (int(sys.argv[5]) - int(sys.argv[4])) / int(sys.argv[6])}))
+' "$json" "$policy" "$run" "$before" "$after" "$SERVE_PROMPTS" >>"$jsonl"
+    done
+  done
+  kill "$up_pid" 2>/dev/null || true
+  python3 "$root/scripts/long_context_table.py" serve "$jsonl"
 }
 
 for part in $PARTS; do "$part"; done

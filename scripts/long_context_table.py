@@ -3,8 +3,10 @@
 
     long_context_table.py ppl PPL.jsonl          # one `duet eval perplexity` line per policy
     long_context_table.py decode FULL.json WIN.json   # `duet bench engine` reports
+    long_context_table.py serve SERVE.jsonl      # `duet bench serve` runs through `duet up`
 """
 import json
+import statistics
 import sys
 
 
@@ -34,10 +36,42 @@ def decode(paths):
             print(f"| {d['context']} | {r['attention']} | {ms:.1f} |")
 
 
+def serve(path):
+    """Per policy, the median over runs of each run's p50 TTFT and TPOT, output tokens/s and
+    KV bytes moved per request; the window's ratio to full attention's beside it."""
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    by = {}
+    for r in rows:
+        s = json.load(open(r["report"]))["runs"][0]["summary"]
+        by.setdefault(r["policy"], []).append({
+            "ttft": s["ttft_ms"]["p50"],
+            "tpot": s["tpot_ms"]["p50"],
+            "tput": s["output_throughput"],
+            "kv": r["kv_bytes_per_request"],
+            "failed": s["failed"],
+        })
+    full = {k: statistics.median(x[k] for x in by["full"]) for k in ("ttft", "tpot", "tput", "kv")}
+    print("| attention | runs | failed | TTFT p50 ms | TPOT p50 ms | output tok/s | KV moved per request | vs full |")
+    print("|---|---|---|---|---|---|---|---|")
+    for policy, xs in by.items():
+        m = {k: statistics.median(x[k] for x in xs) for k in ("ttft", "tpot", "tput", "kv")}
+        ratio = "" if policy == "full" else (
+            f"TTFT {m['ttft'] / full['ttft']:.2f}x, TPOT {m['tpot'] / full['tpot']:.2f}x, "
+            f"KV {m['kv'] / full['kv']:.3f}x"
+        )
+        failed = sum(x["failed"] for x in xs)
+        print(
+            f"| {policy} | {len(xs)} | {failed} | {m['ttft']:.0f} | {m['tpot']:.1f} | {m['tput']:.1f} "
+            f"| {m['kv'] / 2**20:.2f} MiB | {ratio} |"
+        )
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("ppl", "decode"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("ppl", "decode", "serve"):
         sys.exit(__doc__)
     if sys.argv[1] == "ppl":
         ppl(sys.argv[2])
+    elif sys.argv[1] == "serve":
+        serve(sys.argv[2])
     else:
         decode(sys.argv[2:])

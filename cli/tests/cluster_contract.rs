@@ -274,6 +274,24 @@ bad_requests! {
     } => InvalidArgument, "stop";
     unknown_priority: pb::GenerateRequest { priority: 99, ..greedy(text("Hello"), 4) }
         => InvalidArgument, "priority";
+    attention_window_of_zero: pb::GenerateRequest {
+        attention: Some(window(0, 4)),
+        ..greedy(text("Hello"), 4)
+    } => InvalidArgument, "attention.window";
+    attention_window_wider_than_context: pb::GenerateRequest {
+        attention: Some(window(CONTEXT, 4)),
+        ..greedy(text("Hello"), 4)
+    } => InvalidArgument, "attention.window";
+}
+
+/// A local attention window of `window` tokens with `sinks` sinks.
+fn window(window: u32, sinks: u32) -> pb::AttentionPolicy {
+    pb::AttentionPolicy {
+        policy: Some(pb::attention_policy::Policy::Window(pb::LocalWindow {
+            window,
+            sinks,
+        })),
+    }
 }
 
 #[test]

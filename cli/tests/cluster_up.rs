@@ -173,6 +173,17 @@ fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
             let held = u64::from(t.kv_reused_tokens) / 16;
             assert_eq!(t.kv_bytes, (blocks - held) * 16 * 18 * 2 * 256 * 2, "{t:?}");
         }
+        // A local window on a model whose own layers attend locally: refused as a failed
+        // precondition (issue 26), never served as full attention.
+        let mut req = greedy(support::tokens(&cases[0].prompt_ids), 4);
+        req.attention = Some(duet_serving::convert::attention_to_proto(
+            duet_engine::AttentionPolicy::Window(duet_engine::Window {
+                window: 64,
+                sinks: 4,
+            }),
+        ));
+        let e = generate(&mut c, req).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
     });
     // The OpenAI door reports the model it serves.
     let http = p.wait_for("http listening on", support::START);

@@ -4,7 +4,7 @@
 //! a batch that other requests share. The router checks the same things for its clients;
 //! this door does not rely on it (a worker port may be reached by other callers).
 
-use duet_engine::{check_prompt, EngineError, GenerationParams};
+use duet_engine::{check_prompt, AttentionPolicy, EngineError, GenerationParams};
 use duet_proto::v1 as pb;
 
 /// What requests are checked against: this worker's model and pool.
@@ -27,14 +27,19 @@ fn check_hashes(hashes: usize, prompt_tokens: usize, l: &DoorLimits) -> Result<(
     Ok(())
 }
 
-/// A `Decode.Generate`, with the generation parameters it was converted to.
+/// A `Decode.Generate`, with the generation parameters and attention policy it was
+/// converted to (a windowed sequence may run past the context; its sizes are checked
+/// against the model by [`AttentionPolicy::validate`]).
 pub fn check_generate(
     r: &pb::DecodeRequest,
     params: &GenerationParams,
+    attention: AttentionPolicy,
     l: &DoorLimits,
 ) -> Result<(), EngineError> {
-    check_prompt(&r.prompt, l.vocab_size, l.context_length)?;
-    params.validate(l.context_length)?;
+    attention.validate(l.context_length)?;
+    let limit = attention.max_sequence_tokens(l.context_length);
+    check_prompt(&r.prompt, l.vocab_size, limit)?;
+    params.validate(limit)?;
     match &r.prefill {
         Some(pb::decode_request::Prefill::Local(p)) => {
             // At least one token is the prompt proper: a replay is what was generated after it.
@@ -54,6 +59,12 @@ pub fn check_generate(
             if v.prefill_address.is_empty() {
                 return Err(EngineError::invalid("prefill_address", "empty"));
             }
+            if attention.window().is_some() && !v.block_hashes.is_empty() {
+                return Err(EngineError::invalid(
+                    "block_hashes",
+                    "a windowed prompt does not use the prefix cache",
+                ));
+            }
             check_hashes(v.block_hashes.len(), r.prompt.len(), l)
         }
         None => Err(EngineError::invalid("prefill", "missing (local or via)")),
@@ -63,6 +74,8 @@ pub fn check_generate(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const FULL: AttentionPolicy = AttentionPolicy::Full;
 
     const L: DoorLimits = DoorLimits {
         vocab_size: 100,
@@ -95,13 +108,13 @@ mod tests {
 
     #[test]
     fn a_well_formed_request_passes() {
-        assert!(check_generate(&req(vec![1, 2, 3], local(1)), &params(8), &L).is_ok());
+        assert!(check_generate(&req(vec![1, 2, 3], local(1)), &params(8), FULL, &L).is_ok());
         let via = pb::decode_request::Prefill::Via(pb::ViaPrefill {
             prefill_address: "http://127.0.0.1:1".into(),
             block_hashes: vec![7],
             ..Default::default()
         });
-        assert!(check_generate(&req(vec![5; 16], via), &params(8), &L).is_ok());
+        assert!(check_generate(&req(vec![5; 16], via), &params(8), FULL, &L).is_ok());
     }
 
     #[test]
@@ -143,7 +156,7 @@ mod tests {
             ),
         ];
         for (r, p, want) in cases {
-            let e = check_generate(&r, &p, &L).expect_err(want);
+            let e = check_generate(&r, &p, FULL, &L).expect_err(want);
             assert!(e.to_string().contains(want), "{want}: {e}");
             assert_eq!(
                 e.class(),
@@ -153,6 +166,29 @@ mod tests {
         }
         let mut p = params(8);
         p.sampling.temperature = f32::NAN;
-        assert!(check_generate(&req(vec![1], local(0)), &p, &L).is_err());
+        assert!(check_generate(&req(vec![1], local(0)), &p, FULL, &L).is_err());
+    }
+
+    #[test]
+    fn a_windowed_sequence_may_run_past_the_context_but_not_with_cached_blocks() {
+        let w = AttentionPolicy::Window(duet_engine::Window {
+            window: 16,
+            sinks: 4,
+        });
+        // 64 prompt tokens and 100 to generate: past the 64-token context, within the window.
+        assert!(check_generate(&req(vec![1; 64], local(0)), &params(100), w, &L).is_ok());
+        let via = pb::decode_request::Prefill::Via(pb::ViaPrefill {
+            prefill_address: "http://127.0.0.1:1".into(),
+            block_hashes: vec![7],
+            ..Default::default()
+        });
+        let e = check_generate(&req(vec![5; 16], via), &params(8), w, &L).unwrap_err();
+        assert!(e.to_string().contains("block_hashes"), "{e}");
+        let too_wide = AttentionPolicy::Window(duet_engine::Window {
+            window: 64,
+            sinks: 4,
+        });
+        let e = check_generate(&req(vec![1; 8], local(0)), &params(8), too_wide, &L).unwrap_err();
+        assert!(e.to_string().contains("attention.window"), "{e}");
     }
 }

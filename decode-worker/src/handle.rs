@@ -7,7 +7,9 @@ use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use duet_engine::{BlockHash, EngineModel, FinishReason, GenerationParams, KvKind};
+use duet_engine::{
+    AttentionPolicy, BlockHash, EngineModel, FinishReason, GenerationParams, KvKind,
+};
 use duet_worker_common::kv_events::KvEventHub;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -40,6 +42,8 @@ pub struct GenerateJob {
     pub params: GenerationParams,
     pub priority: Priority,
     pub prefill: PrefillSource,
+    /// Checked against the model at the door ([`DecodeHandle::check_attention`]).
+    pub attention: AttentionPolicy,
     pub span: tracing::Span,
 }
 
@@ -89,6 +93,7 @@ pub(crate) enum Cmd {
         prompt_tokens: usize,
         ttl: Duration,
         block_hashes: Vec<BlockHash>,
+        attention: AttentionPolicy,
         reply: oneshot::Sender<Result<Reserved, DecodeError>>,
     },
     Generate {
@@ -144,6 +149,7 @@ pub struct DecodeHandle {
     layout: duet_engine::KvLayout,
     context_length: usize,
     vocab_size: usize,
+    model: Arc<EngineModel>,
     stopped: Arc<AtomicBool>,
     kv_events: KvEventHub,
     watchers: TransferWatchers,
@@ -168,7 +174,7 @@ impl DecodeHandle {
         let stopped = Arc::new(AtomicBool::new(false));
         let kv_events = KvEventHub::new(cfg.id.clone(), kv.block_size);
         let sched = Scheduler::new(
-            model,
+            model.clone(),
             kv,
             cfg.clone(),
             status.clone(),
@@ -205,6 +211,7 @@ impl DecodeHandle {
             layout,
             context_length,
             vocab_size,
+            model,
             stopped,
             kv_events,
             watchers: Arc::default(),
@@ -216,13 +223,15 @@ impl DecodeHandle {
     }
 
     /// Reserves blocks for a prompt whose KV will arrive by kv-transfer, after the leading
-    /// blocks of `block_hashes` that the prefix cache holds.
+    /// blocks of `block_hashes` that the prefix cache holds; under a local window, for the
+    /// blocks the prompt keeps (no prefix cache).
     pub async fn reserve(
         &self,
         request_id: u64,
         prompt_tokens: usize,
         ttl: Duration,
         block_hashes: Vec<BlockHash>,
+        attention: AttentionPolicy,
     ) -> Result<Reserved, DecodeError> {
         let (reply, rx) = oneshot::channel();
         self.send(Cmd::Reserve {
@@ -230,6 +239,7 @@ impl DecodeHandle {
             prompt_tokens,
             ttl,
             block_hashes,
+            attention,
             reply,
         })?;
         rx.await.map_err(|_| DecodeError::ShuttingDown)?
@@ -299,6 +309,12 @@ impl DecodeHandle {
     /// The model's context length.
     pub fn context_length(&self) -> usize {
         self.context_length
+    }
+
+    /// Whether this worker's engine and model run `policy` (`PolicyUnsupported`, a failed
+    /// precondition, when they cannot: never served as full attention instead).
+    pub fn check_attention(&self, policy: AttentionPolicy) -> Result<(), DecodeError> {
+        Ok(self.model.check_attention(policy)?)
     }
 
     /// Whether the engine thread has ended.

@@ -21,7 +21,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use duet_engine::{reusable_tokens, BlockHash, EngineError, KvCache, KvKind, PrefixHit};
+use duet_engine::{
+    reusable_tokens, AttentionPolicy, BlockHash, EngineError, KvCache, KvKind, PrefixHit,
+};
 
 use crate::error::DecodeError;
 use crate::handle::{Reserved, ReservedBlocks};
@@ -127,7 +129,9 @@ impl<C> Reservations<C> {
 
     /// Reserves room in `cache` for a prompt of `tokens` tokens after the cached prefix of
     /// `hashes` (`None`: the prefix cache is off); returns the reply and the prefix hit.
-    /// On error nothing is held.
+    /// Under a local window (`attention`) the room is for the blocks the prompt keeps, in
+    /// the order they arrive, and the prefix cache is not used. On error nothing is held.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn reserve(
         &mut self,
         cache: &mut KvCache,
@@ -135,6 +139,7 @@ impl<C> Reservations<C> {
         tokens: usize,
         ttl: Duration,
         hashes: Option<&[BlockHash]>,
+        attention: AttentionPolicy,
         now: Instant,
     ) -> Result<(Reserved, PrefixHit), DecodeError> {
         if self.contains(id) || cache.contains(id) {
@@ -142,8 +147,18 @@ impl<C> Reservations<C> {
         }
         cache.add_sequence(id)?;
         let bs = cache.block_size();
+        let windowed = attention.window().is_some();
+        if windowed {
+            if let Err(e) = cache
+                .set_attention(id, attention)
+                .and_then(|_| cache.expect_windowed_prompt(id, tokens))
+            {
+                cache.free_sequence(id);
+                return Err(e.into());
+            }
+        }
         let hit = match hashes {
-            Some(h) if !h.is_empty() => {
+            Some(h) if !h.is_empty() && !windowed => {
                 match cache.attach_prefix(id, h, reusable_tokens(tokens, bs)) {
                     Ok(hit) => hit,
                     Err(e) => {

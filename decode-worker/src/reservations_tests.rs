@@ -13,6 +13,7 @@ const BS: usize = 16;
 const TOTAL: usize = 32;
 const TTL: Duration = Duration::from_secs(10);
 const KV_WAIT: Duration = Duration::from_secs(30);
+const FULL: AttentionPolicy = AttentionPolicy::Full;
 
 /// A claimant that can go away.
 #[derive(Debug, PartialEq)]
@@ -67,10 +68,43 @@ fn claim(seq: Client, at: Instant) -> Claim<Client> {
 }
 
 #[test]
+fn a_windowed_reservation_holds_only_the_blocks_its_prompt_keeps() {
+    let (mut c, (mut t, reserved)) = (cache(), table());
+    let t0 = Instant::now();
+    let w = AttentionPolicy::Window(duet_engine::Window {
+        window: 20,
+        sinks: 4,
+    });
+    // 2000 tokens are 125 blocks, four times the pool; the prompt keeps its sink block and
+    // the two blocks of the next query's window (tokens 1981..2000).
+    let (r, hit) = t.reserve(&mut c, 1, 2000, TTL, None, w, t0).unwrap();
+    assert_eq!((r.cached_tokens, r.blocks.len(), hit.blocks()), (0, 3, 0));
+    check(&c, &t, &reserved, &[]);
+    for layer in 0..2 {
+        let regions: Vec<(u32, KvKind, Vec<u8>)> = r
+            .blocks
+            .iter()
+            .map(|&b| (b, KvKind::K, vec![1u8; c.layout().region_bytes()]))
+            .collect();
+        t.import(&mut c, 1, layer, &regions, t0);
+    }
+    t.received(1, 2000, t0);
+    assert_eq!(t.check_claim(1, 2000, |h| h.is_empty()), ClaimCheck::Free);
+    assert!(t.claim(1, claim(Client { gone: false }, t0)).is_ok());
+    let ready = t.take_ready(&mut c);
+    assert!(matches!(ready.as_slice(), [Ok(r)] if r.prompt_tokens == 2000));
+    assert_eq!(c.sequence_len(1).unwrap(), 2000);
+    assert_eq!(c.sequence_blocks(1).unwrap(), r.blocks.as_slice());
+    check(&c, &t, &reserved, &[1]);
+    c.free_sequence(1);
+    assert_eq!(c.free_blocks(), TOTAL);
+}
+
+#[test]
 fn a_reservation_holds_the_blocks_of_its_prompt_and_lists_them_for_the_receivers() {
     let (mut c, now) = (cache(), Instant::now());
     let (mut t, reserved) = table();
-    let (r, _) = t.reserve(&mut c, 1, 40, TTL, None, now).unwrap();
+    let (r, _) = t.reserve(&mut c, 1, 40, TTL, None, FULL, now).unwrap();
     assert_eq!(r.cached_tokens, 0);
     assert_eq!(r.blocks.len(), 3);
     assert_eq!(c.used_blocks(), 3);
@@ -79,7 +113,7 @@ fn a_reservation_holds_the_blocks_of_its_prompt_and_lists_them_for_the_receivers
     }
     check(&c, &t, &reserved, &[]);
     assert!(matches!(
-        t.reserve(&mut c, 1, 40, TTL, None, now),
+        t.reserve(&mut c, 1, 40, TTL, None, FULL, now),
         Err(DecodeError::Duplicate(1))
     ));
 }
@@ -89,7 +123,7 @@ fn a_reservation_larger_than_the_free_pool_holds_nothing() {
     let (mut c, now) = (cache(), Instant::now());
     let (mut t, reserved) = table();
     assert!(t
-        .reserve(&mut c, 1, TOTAL * BS + 1, TTL, None, now)
+        .reserve(&mut c, 1, TOTAL * BS + 1, TTL, None, FULL, now)
         .is_err());
     assert_eq!(c.free_blocks(), TOTAL);
     assert!(t.is_empty());
@@ -100,8 +134,8 @@ fn a_reservation_larger_than_the_free_pool_holds_nothing() {
 fn an_unclaimed_reservation_expires_after_its_ttl_and_arriving_kv_extends_it() {
     let (mut c, t0) = (cache(), Instant::now());
     let (mut t, reserved) = table();
-    t.reserve(&mut c, 1, 40, TTL, None, t0).unwrap();
-    t.reserve(&mut c, 2, 40, TTL, None, t0).unwrap();
+    t.reserve(&mut c, 1, 40, TTL, None, FULL, t0).unwrap();
+    t.reserve(&mut c, 2, 40, TTL, None, FULL, t0).unwrap();
     // KV for 2 arrives at half its lifetime.
     t.received(2, 16, t0 + TTL / 2);
     let ended = t.expire(&mut c, t0 + TTL - Duration::from_millis(1), KV_WAIT, |s| {
@@ -121,7 +155,7 @@ fn an_unclaimed_reservation_expires_after_its_ttl_and_arriving_kv_extends_it() {
 fn a_requested_ttl_is_capped_by_the_workers_maximum() {
     let (mut c, t0) = (cache(), Instant::now());
     let (mut t, _) = table();
-    t.reserve(&mut c, 1, 40, TTL * 100, None, t0).unwrap();
+    t.reserve(&mut c, 1, 40, TTL * 100, None, FULL, t0).unwrap();
     let ended = t.expire(&mut c, t0 + TTL * 2, KV_WAIT, |s| s.gone);
     assert_eq!(ended, vec![(1, None, Ending::Expired)]);
 }
@@ -130,7 +164,7 @@ fn a_requested_ttl_is_capped_by_the_workers_maximum() {
 fn a_claimed_reservation_outlives_its_ttl_until_the_kv_wait_timeout() {
     let (mut c, t0) = (cache(), Instant::now());
     let (mut t, reserved) = table();
-    t.reserve(&mut c, 1, 40, TTL, None, t0).unwrap();
+    t.reserve(&mut c, 1, 40, TTL, None, FULL, t0).unwrap();
     assert!(t.claim(1, claim(Client { gone: false }, t0)).is_ok());
     assert!(t
         .expire(&mut c, t0 + TTL * 2, KV_WAIT, |s| s.gone)
@@ -151,8 +185,8 @@ fn a_claimed_reservation_outlives_its_ttl_until_the_kv_wait_timeout() {
 fn a_failed_transfer_or_a_gone_client_ends_a_claimed_reservation_at_once() {
     let (mut c, t0) = (cache(), Instant::now());
     let (mut t, reserved) = table();
-    t.reserve(&mut c, 1, 40, TTL, None, t0).unwrap();
-    t.reserve(&mut c, 2, 40, TTL, None, t0).unwrap();
+    t.reserve(&mut c, 1, 40, TTL, None, FULL, t0).unwrap();
+    t.reserve(&mut c, 2, 40, TTL, None, FULL, t0).unwrap();
     t.claim(1, claim(Client { gone: false }, t0)).unwrap();
     t.claim(2, claim(Client { gone: true }, t0)).unwrap();
     t.failed(1, "peer reset".into());
@@ -169,7 +203,7 @@ fn a_failed_transfer_or_a_gone_client_ends_a_claimed_reservation_at_once() {
 fn only_a_claimed_complete_reservation_becomes_a_running_sequence_holding_its_blocks() {
     let (mut c, t0) = (cache(), Instant::now());
     let (mut t, reserved) = table();
-    t.reserve(&mut c, 1, 40, TTL, None, t0).unwrap();
+    t.reserve(&mut c, 1, 40, TTL, None, FULL, t0).unwrap();
     t.received(1, 40, t0);
     // Complete but unclaimed: stays.
     assert!(t.take_ready(&mut c).is_empty());
@@ -196,8 +230,8 @@ fn only_a_claimed_complete_reservation_becomes_a_running_sequence_holding_its_bl
 fn incomplete_or_failed_claimed_reservations_do_not_start() {
     let (mut c, t0) = (cache(), Instant::now());
     let (mut t, _) = table();
-    t.reserve(&mut c, 1, 40, TTL, None, t0).unwrap();
-    t.reserve(&mut c, 2, 40, TTL, None, t0).unwrap();
+    t.reserve(&mut c, 1, 40, TTL, None, FULL, t0).unwrap();
+    t.reserve(&mut c, 2, 40, TTL, None, FULL, t0).unwrap();
     t.claim(1, claim(Client { gone: false }, t0)).unwrap();
     t.claim(2, claim(Client { gone: false }, t0)).unwrap();
     t.received(1, 32, t0);
@@ -211,7 +245,7 @@ fn incomplete_or_failed_claimed_reservations_do_not_start() {
 fn claims_are_checked_against_the_prompt() {
     let (mut c, t0) = (cache(), Instant::now());
     let (mut t, _) = table();
-    t.reserve(&mut c, 1, 40, TTL, None, t0).unwrap();
+    t.reserve(&mut c, 1, 40, TTL, None, FULL, t0).unwrap();
     assert_eq!(t.check_claim(9, 40, |_| true), ClaimCheck::Missing);
     assert_eq!(t.check_claim(1, 41, |_| true), ClaimCheck::Conflict);
     assert_eq!(t.check_claim(1, 40, |_| false), ClaimCheck::ForeignPrefix);
@@ -226,7 +260,7 @@ fn claims_are_checked_against_the_prompt() {
 fn import_writes_only_the_reservations_own_blocks() {
     let (mut c, t0) = (cache(), Instant::now());
     let (mut t, _) = table();
-    let (r, _) = t.reserve(&mut c, 1, 20, TTL, None, t0).unwrap();
+    let (r, _) = t.reserve(&mut c, 1, 20, TTL, None, FULL, t0).unwrap();
     let mine = r.blocks[0];
     let other = (0..TOTAL as u32).find(|b| !r.blocks.contains(b)).unwrap();
     let n = c.layout().region_bytes();
@@ -261,7 +295,9 @@ fn a_cached_prefix_is_not_reserved_again_and_stays_cached_after_the_reservation_
     c.free_sequence(100);
     let hashes = c.prefix_hasher().hashes(&tokens[..32]);
     let (mut t, reserved) = table();
-    let (r, hit) = t.reserve(&mut c, 1, 40, TTL, Some(&hashes), t0).unwrap();
+    let (r, hit) = t
+        .reserve(&mut c, 1, 40, TTL, Some(&hashes), FULL, t0)
+        .unwrap();
     assert_eq!((r.cached_tokens, r.blocks.len(), hit.blocks()), (32, 1, 2));
     assert_eq!(reserved.lock().unwrap().len(), 1);
     t.drop(&mut c, 1);
@@ -308,7 +344,7 @@ proptest! {
             match o {
                 Op::Reserve(id, n) => {
                     if !running.contains(&id) {
-                        let _ = t.reserve(&mut c, id, n, TTL, None, now);
+                        let _ = t.reserve(&mut c, id, n, TTL, None, FULL, now);
                     }
                 }
                 Op::Receive(id, n) => t.received(id, n, now),

@@ -10,7 +10,7 @@ use duet_engine::{EngineError, GenerationParams};
 use duet_proto::v1 as pb;
 use duet_proto::v1::prefill_client::PrefillClient;
 use duet_serving::channels::Channels;
-use duet_serving::convert::{finish_to_proto, sampling_from_proto};
+use duet_serving::convert::{attention_from_proto, finish_to_proto, sampling_from_proto};
 use duet_serving::deadline::grpc_timeout;
 use duet_serving::status::{engine_status, mark_prefill_failed};
 use duet_serving::trace_context::TraceContext;
@@ -97,8 +97,15 @@ impl pb::decode_server::Decode for DecodeService {
             stop_token_ids: Vec::new(),
             ignore_eos: r.ignore_eos,
         };
+        let attention = attention_from_proto(r.attention.as_ref())
+            .map_err(|e| engine_status(&e))?
+            .unwrap_or_default();
         // Everything checked before the request can reach a batch others share.
-        door::check_generate(&r, &params, &self.limits()).map_err(|e| engine_status(&e))?;
+        door::check_generate(&r, &params, attention, &self.limits())
+            .map_err(|e| engine_status(&e))?;
+        self.handle
+            .check_attention(attention)
+            .map_err(|e| e.status())?;
         let span = tracing::info_span!(
             "decode",
             request_id = r.request_id,
@@ -141,7 +148,7 @@ impl pb::decode_server::Decode for DecodeService {
                 let pending = Pending::new(self.handle.clone(), client.clone(), r.request_id);
                 let reserved = self
                     .handle
-                    .reserve(r.request_id, r.prompt.len(), ttl, v.block_hashes)
+                    .reserve(r.request_id, r.prompt.len(), ttl, v.block_hashes, attention)
                     .await
                     .map_err(|e| e.status())?;
                 let call = ViaCall {
@@ -154,6 +161,7 @@ impl pb::decode_server::Decode for DecodeService {
                         dst_blocks: reserved.blocks,
                         priority: r.priority,
                         dst_start_tokens: reserved.cached_tokens as u32,
+                        attention: r.attention,
                     },
                     trace,
                     deadline,
@@ -176,6 +184,7 @@ impl pb::decode_server::Decode for DecodeService {
             params,
             priority: priority(r.priority),
             prefill,
+            attention,
             span,
         };
         let handle = self.handle.clone();

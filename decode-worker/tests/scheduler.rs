@@ -10,7 +10,8 @@ use duet_decode_worker::{
     handle::Done, DecodeConfig, DecodeHandle, Event, GenerateJob, PrefillSource, Priority,
 };
 use duet_engine::{
-    EngineModel, GenerationParams, KvCacheConfig, KvDtype, LoadOptions, Model, WeightMode,
+    generate_in, AttentionPolicy, EngineModel, GenerationParams, KvCache, KvCacheConfig, KvDtype,
+    LoadOptions, Model, NativeSession, WeightMode, Window,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -104,6 +105,7 @@ fn job(
         },
         priority,
         prefill: PrefillSource::Local { replay: 0 },
+        attention: AttentionPolicy::Full,
         span: tracing::Span::none(),
     }
 }
@@ -119,6 +121,7 @@ fn job_ids(id: u64, prompt: Vec<u32>, max_tokens: usize, replay: usize) -> Gener
         },
         priority: Priority::Interactive,
         prefill: PrefillSource::Local { replay },
+        attention: AttentionPolicy::Full,
         span: tracing::Span::none(),
     }
 }
@@ -222,6 +225,83 @@ fn preemption_recomputes_and_keeps_tokens_and_frees_every_block() {
     });
 }
 
+/// A windowed sequence in the continuous batch: admitted for its window's blocks, it runs
+/// beside a full-attention one in a pool too small for both at full length, is preempted
+/// and recomputed under the same window, and gives the tokens `generate_in` gives it alone;
+/// every block is free at the end.
+#[test]
+fn a_windowed_sequence_is_batched_preempted_and_recomputed_under_its_window() {
+    let m = model();
+    let w = Window {
+        window: 32,
+        sinks: 4,
+    };
+    let EngineModel::Native(native) = m.as_ref() else {
+        panic!("native engine");
+    };
+    let prompt = m
+        .tokenizer()
+        .encode("The history of the lighthouse", false)
+        .expect("encode");
+    let params = GenerationParams {
+        max_tokens: 90,
+        ignore_eos: true,
+        ..GenerationParams::default()
+    };
+    let mut cache = KvCache::new(native.kv_layout(16, KvDtype::F32), 64);
+    let mut session = NativeSession {
+        model: native,
+        cache: &mut cache,
+    };
+    let alone = generate_in(
+        &mut session,
+        1,
+        &prompt,
+        params.clone(),
+        0,
+        AttentionPolicy::Window(w),
+        &mut |_| {},
+    )
+    .expect("alone")
+    .ids;
+    assert_eq!(alone.len(), 90);
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // 7 blocks: the full-attention sequence grows to 5 (~7 + 60 tokens), the windowed
+        // one holds up to 4 (sinks, window, the block being written): both cannot stay.
+        let (h, stop) = start(&m, 7, 0);
+        let mut full = job(
+            &m,
+            20,
+            "The capital of France is",
+            60,
+            Priority::Interactive,
+        );
+        full.params.ignore_eos = true;
+        let windowed = GenerateJob {
+            request_id: 21,
+            prompt: prompt.clone(),
+            params,
+            priority: Priority::Batch,
+            prefill: PrefillSource::Local { replay: 0 },
+            attention: AttentionPolicy::Window(w),
+            span: tracing::Span::none(),
+        };
+        let (a, b) = (h.generate(full), h.generate(windowed));
+        let ((ids_a, _), (ids_b, done_b)) = tokio::join!(collect(a), collect(b));
+        assert_eq!(ids_a.len(), 60);
+        assert!(done_b.preemptions >= 1, "preempted: {done_b:?}");
+        assert_eq!(ids_b, alone, "the window's tokens, batched and recomputed");
+        let end = std::time::Instant::now() + Duration::from_secs(1);
+        while h.status().kv_blocks_free != 7 {
+            assert!(std::time::Instant::now() < end, "{:?}", h.status());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        stop.cancel();
+    });
+}
+
 #[test]
 fn dropped_receiver_and_expired_reservation_free_their_blocks() {
     let m = model();
@@ -230,7 +310,13 @@ fn dropped_receiver_and_expired_reservation_free_their_blocks() {
         let (h, stop) = start(&m, 32, 4);
         // A reservation nobody claims expires on its own.
         let blocks = h
-            .reserve(7, 40, Duration::from_millis(100), Vec::new())
+            .reserve(
+                7,
+                40,
+                Duration::from_millis(100),
+                Vec::new(),
+                AttentionPolicy::Full,
+            )
             .await
             .expect("reserve")
             .blocks;
@@ -283,7 +369,7 @@ fn a_repeated_prompt_reuses_the_cached_prefix_locally_and_in_reservations() {
 
         let hashes = duet_engine::PrefixHasher::new(m.fingerprint(), 16).hashes(&prompt_ids);
         let r = h
-            .reserve(3, len, Duration::from_secs(5), hashes)
+            .reserve(3, len, Duration::from_secs(5), hashes, AttentionPolicy::Full)
             .await
             .expect("reserve");
         assert_eq!(r.cached_tokens, (len - 2) / 16 * 16);

@@ -16,7 +16,7 @@ use crate::config::ModelConfig;
 use crate::device::{DeviceSpec, EngineChoice, EngineKind};
 use crate::error::{EngineError, Result};
 use crate::forward::{LayerHook, SeqChunk};
-use crate::kv::{KvCache, KvDtype, KvLayout};
+use crate::kv::{AttentionPolicy, KvCache, KvDtype, KvLayout};
 use crate::model::{LoadOptions, Model};
 use crate::tokenizer::Tokenizer;
 
@@ -120,6 +120,15 @@ impl EngineModel {
         match self {
             EngineModel::Native(m) => m.weight_bytes_per_step(),
             EngineModel::Candle(m) => m.weight_bytes(),
+        }
+    }
+
+    /// Whether this engine and model run `policy`: `InvalidArgument` for a size no model
+    /// could run, `PolicyUnsupported` (failed precondition) for one this one cannot.
+    pub fn check_attention(&self, policy: AttentionPolicy) -> Result<()> {
+        match self {
+            EngineModel::Native(m) => m.check_attention(policy),
+            EngineModel::Candle(m) => m.check_attention(policy),
         }
     }
 

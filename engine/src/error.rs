@@ -20,6 +20,9 @@ pub enum EngineError {
     Candle(#[source] candle_core::Error),
     #[error("unsupported model: {0}")]
     Unsupported(String),
+    /// A request's attention policy this model or engine cannot run (never run as another).
+    #[error("attention policy not supported here: {0}")]
+    PolicyUnsupported(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("chat template: {0}")]
@@ -58,6 +61,7 @@ impl EngineError {
             | EngineError::LayoutMismatch(_)
             | EngineError::Device(_) => ErrorClass::InvalidArgument,
             EngineError::KvExhausted { .. } => ErrorClass::ResourceExhausted,
+            EngineError::PolicyUnsupported(_) => ErrorClass::FailedPrecondition,
             EngineError::UnknownSequence(_) => ErrorClass::NotFound,
             EngineError::Stopped { .. } => ErrorClass::Cancelled,
             EngineError::Io { .. }

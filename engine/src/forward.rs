@@ -14,7 +14,7 @@ pub(crate) use crate::checks::check_chunk_fits;
 pub use crate::checks::{check_prompt, check_token_ids};
 use crate::error::{EngineError, Result};
 use crate::kernels;
-use crate::kv::{BlockId, KvCache, SeqId, Window};
+use crate::kv::{AttentionPolicy, BlockId, KvCache, SeqId, Window};
 use crate::layer_ops::{rms_norm, rms_norm_in_place, rope, rope_angles};
 use crate::linear::KernelRows;
 use crate::model::Model;
@@ -204,13 +204,23 @@ impl Model {
         // A windowed sequence's queries never look further back than its window and sinks,
         // which fit in the context: it may grow past the context.
         let window = cache.window(ch.seq)?;
-        if window.is_some() && self.config.arch.has_local_layers() {
-            return Err(EngineError::Unsupported(format!(
-                "a local attention window on {}, whose own layers attend locally",
+        if let Some(w) = window {
+            self.check_attention(AttentionPolicy::Window(w))?;
+        }
+        check_chunk_fits(&self.config, len, ch.tokens, window.is_none())
+    }
+
+    /// Whether this model runs `policy` (a window of valid size on a model whose own layers
+    /// all attend globally): `InvalidArgument` for a bad size, `PolicyUnsupported` otherwise.
+    pub fn check_attention(&self, policy: AttentionPolicy) -> Result<()> {
+        policy.validate(self.config.context_length)?;
+        if policy.window().is_some() && self.config.arch.has_local_layers() {
+            return Err(EngineError::PolicyUnsupported(format!(
+                "{policy} on {}, whose own layers attend locally",
                 self.config.architecture
             )));
         }
-        check_chunk_fits(&self.config, len, ch.tokens, window.is_none())
+        Ok(())
     }
 
     /// [`Self::forward_with`] without a per-layer hook.

@@ -18,9 +18,6 @@ use crate::sampling::{Sampler, SamplingParams, MAX_STOP_STRINGS, MAX_STOP_STRING
 use crate::session::{ForwardSession, NativeSession};
 use crate::tokenizer::{Detokenizer, Tokenizer};
 
-/// What a windowed sequence's length is bounded by: nothing the model imposes.
-const UNBOUNDED: usize = u32::MAX as usize;
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct GenerationParams {
@@ -328,10 +325,7 @@ pub fn generate_in(
     }
     attention.validate(session.context_length())?;
     // The most tokens the sequence may hold.
-    let limit = match attention.window() {
-        Some(_) => UNBOUNDED,
-        None => session.context_length(),
-    };
+    let limit = attention.max_sequence_tokens(session.context_length());
     params.validate(limit)?;
     let mut gen = Generation::new(session.tokenizer(), prompt, params)?;
     session.add_sequence(seq)?;

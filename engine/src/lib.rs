@@ -68,7 +68,7 @@ pub use generate::{
 pub use kv::{
     reusable_tokens, AttentionPolicy, BlockHash, KvCache, KvCacheConfig, KvDtype, KvEvent,
     KvExport, KvKind, KvLayout, KvTier, PrefixCacheConfig, PrefixHasher, PrefixHit, SeqId,
-    TierCounts, Window,
+    TierCounts, Window, WINDOWED_MAX_TOKENS,
 };
 pub use linear::WeightMode;
 pub use model::{LoadOptions, Model, TextFrontend};

@@ -4,7 +4,7 @@
 //! `duet run` drives both engines through the same sampling, stop and timing code.
 
 use crate::candle_engine::CandleModel;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::forward::SeqChunk;
 use crate::kv::{AttentionPolicy, KvCache, SeqId};
 use crate::model::Model;
@@ -46,6 +46,7 @@ impl ForwardSession for NativeSession<'_> {
         self.cache.sequence_len(seq)
     }
     fn set_attention(&mut self, seq: SeqId, policy: AttentionPolicy) -> Result<()> {
+        self.model.check_attention(policy)?;
         self.cache.set_attention(seq, policy)
     }
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
@@ -76,14 +77,7 @@ impl ForwardSession for CandleSession<'_> {
         self.cache.sequence_len(seq)
     }
     fn set_attention(&mut self, seq: SeqId, policy: AttentionPolicy) -> Result<()> {
-        if policy != AttentionPolicy::Full {
-            return Err(EngineError::invalid(
-                "attention",
-                format!(
-                    "the candle engine runs full attention only ({policy} needs --engine native)"
-                ),
-            ));
-        }
+        self.model.check_attention(policy)?;
         self.cache.set_attention(seq, policy)
     }
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {

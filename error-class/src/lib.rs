@@ -26,6 +26,9 @@ pub enum ErrorClass {
     InvalidArgument,
     /// A named object (a model, a reservation, a block) does not exist.
     NotFound,
+    /// A well-formed request this model or worker cannot run as asked (a local attention
+    /// window on an engine or model without it): refused, never served some other way.
+    FailedPrecondition,
     /// An id already in flight.
     AlreadyExists,
     /// A queue, a pool or a size limit is full.
@@ -42,10 +45,11 @@ pub enum ErrorClass {
 
 impl ErrorClass {
     /// Every class, in declaration order.
-    pub const ALL: [ErrorClass; 9] = [
+    pub const ALL: [ErrorClass; 10] = [
         ErrorClass::Cancelled,
         ErrorClass::InvalidArgument,
         ErrorClass::NotFound,
+        ErrorClass::FailedPrecondition,
         ErrorClass::AlreadyExists,
         ErrorClass::ResourceExhausted,
         ErrorClass::Unauthenticated,
@@ -60,6 +64,7 @@ impl ErrorClass {
             ErrorClass::Cancelled => "cancelled",
             ErrorClass::InvalidArgument => "invalid_argument",
             ErrorClass::NotFound => "not_found",
+            ErrorClass::FailedPrecondition => "failed_precondition",
             ErrorClass::AlreadyExists => "already_exists",
             ErrorClass::ResourceExhausted => "resource_exhausted",
             ErrorClass::Unauthenticated => "unauthenticated",
@@ -76,6 +81,7 @@ impl ErrorClass {
             ErrorClass::InvalidArgument => 3,
             ErrorClass::DeadlineExceeded => 4,
             ErrorClass::NotFound => 5,
+            ErrorClass::FailedPrecondition => 9,
             ErrorClass::AlreadyExists => 6,
             ErrorClass::ResourceExhausted => 8,
             ErrorClass::Internal => 13,
@@ -86,12 +92,13 @@ impl ErrorClass {
 
     /// The class of a gRPC code a peer answered with, as the caller should treat it. A
     /// peer's CANCELLED or ABORTED (it was shutting down, its stream was cut) is a reason
-    /// to try another peer: unavailable. OUT_OF_RANGE and FAILED_PRECONDITION are the
-    /// request's fault: invalid argument. Codes outside the set (UNKNOWN, UNIMPLEMENTED,
+    /// to try another peer: unavailable. OUT_OF_RANGE is the request's fault: invalid
+    /// argument. Codes outside the set (UNKNOWN, UNIMPLEMENTED,
     /// DATA_LOSS, PERMISSION_DENIED, unassigned numbers) are internal.
     pub fn from_grpc_code(code: i32) -> ErrorClass {
         match code {
-            3 | 9 | 11 => ErrorClass::InvalidArgument,
+            3 | 11 => ErrorClass::InvalidArgument,
+            9 => ErrorClass::FailedPrecondition,
             4 => ErrorClass::DeadlineExceeded,
             5 => ErrorClass::NotFound,
             6 => ErrorClass::AlreadyExists,
@@ -109,6 +116,7 @@ impl ErrorClass {
             ErrorClass::Cancelled => 499,
             ErrorClass::InvalidArgument => 400,
             ErrorClass::NotFound => 404,
+            ErrorClass::FailedPrecondition => 400,
             ErrorClass::AlreadyExists => 409,
             ErrorClass::ResourceExhausted => 429,
             ErrorClass::Unauthenticated => 401,
@@ -163,5 +171,12 @@ mod tests {
         assert!(ErrorClass::Unavailable.is_retryable());
         assert!(!ErrorClass::InvalidArgument.is_retryable());
         assert_eq!(ErrorClass::ResourceExhausted.http_status(), 429);
+        // A request the model cannot run as asked is the caller's to change, not to retry.
+        assert_eq!(
+            ErrorClass::from_grpc_code(9),
+            ErrorClass::FailedPrecondition
+        );
+        assert!(!ErrorClass::FailedPrecondition.is_retryable());
+        assert_eq!(ErrorClass::FailedPrecondition.http_status(), 400);
     }
 }

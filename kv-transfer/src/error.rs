@@ -18,7 +18,8 @@ pub use duet_error_class::ErrorClass;
 
 /// An [`ErrorClass`] on the wire: the code of a receiver verdict or an abort (never 0; 0
 /// means success). The numbers are part of the protocol and never change; classes that
-/// cannot occur in a transfer (cancelled, already exists) travel as internal.
+/// cannot occur in a transfer (cancelled, already exists, failed precondition) travel as
+/// internal.
 pub(crate) fn wire_code(class: ErrorClass) -> u8 {
     match class {
         ErrorClass::InvalidArgument => 1,
@@ -27,7 +28,10 @@ pub(crate) fn wire_code(class: ErrorClass) -> u8 {
         ErrorClass::Unavailable => 4,
         ErrorClass::DeadlineExceeded => 5,
         ErrorClass::Unauthenticated => 7,
-        ErrorClass::Internal | ErrorClass::Cancelled | ErrorClass::AlreadyExists => 6,
+        ErrorClass::Internal
+        | ErrorClass::Cancelled
+        | ErrorClass::AlreadyExists
+        | ErrorClass::FailedPrecondition => 6,
     }
 }
 

@@ -13,12 +13,18 @@
 //! (only the rest is computed); KV the decode worker already holds (`dst_start`) is not
 //! sent; cached blocks the decode worker lacks are sent from the cache before the first
 //! forward. A finished prompt's blocks are registered and stay cached for the next request.
+//!
+//! Local windows (StreamingLLM): a windowed prompt holds at most its window's blocks here
+//! (each chunk's commit drops what no later query sees) and never touches the prefix cache;
+//! its chunks send nothing, and once it is computed only its kept blocks travel (its sink
+//! blocks, then the next query's window), into destinations the decode worker reserved for
+//! exactly those.
 
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use duet_engine::{EngineModel, KvCache, KvCacheConfig, KvKind, PrefixHasher};
+use duet_engine::{AttentionPolicy, EngineModel, KvCache, KvCacheConfig, KvKind, PrefixHasher};
 use duet_kv_transfer::backend::shm::SendArena;
 use duet_kv_transfer::{Connector, TransferDesc};
 use duet_worker_common::engine_thread::{EngineLoop, Wait};
@@ -230,10 +236,14 @@ impl Engine {
     fn handle(&mut self, c: Cmd) {
         match c {
             Cmd::Prefill(job, reply) => {
+                let job = *job;
                 self.pending.taken(&job);
                 let c = self.model.config();
-                if let Err(e) =
-                    duet_engine::check_prompt(&job.prompt, c.vocab_size, c.context_length)
+                let limit = job.attention.max_sequence_tokens(c.context_length);
+                if let Err(e) = self
+                    .model
+                    .check_attention(job.attention)
+                    .and_then(|_| duet_engine::check_prompt(&job.prompt, c.vocab_size, limit))
                 {
                     let _ = reply.send(Err(e.into()));
                 } else if let Err(e) = policy::check_job(
@@ -242,6 +252,7 @@ impl Engine {
                     job.dst_blocks.len(),
                     self.cache.block_size(),
                     self.cache.total_blocks(),
+                    self.job_blocks(job.prompt.len(), job.attention),
                 ) {
                     let _ = reply.send(Err(e));
                 } else {
@@ -293,6 +304,19 @@ impl Engine {
         }
     }
 
+    /// The blocks `job` holds here at most and sends: every block of its prompt, or under a
+    /// local window what its window bounds (its chunks drop blocks as they go).
+    fn job_blocks(&self, tokens: usize, attention: AttentionPolicy) -> policy::JobBlocks {
+        let bs = self.cache.block_size();
+        match attention.window() {
+            None => policy::JobBlocks::full(tokens, bs),
+            Some(w) => policy::JobBlocks {
+                peak: w.peak_blocks(tokens, self.cfg.max_batch_tokens, bs),
+                sent: w.kept_blocks(tokens, bs).iter().map(|r| r.len()).sum(),
+            },
+        }
+    }
+
     /// Blocks still to be allocated by running requests other than `id`.
     fn pending_blocks_except(&self, id: u64) -> usize {
         self.running
@@ -303,8 +327,8 @@ impl Engine {
                     .cache
                     .sequence_blocks(r.job.request_id)
                     .map_or(0, |b| b.len());
-                self.cache
-                    .blocks_for(r.job.prompt.len())
+                self.job_blocks(r.job.prompt.len(), r.job.attention)
+                    .peak
                     .saturating_sub(have)
             })
             .sum()
@@ -313,10 +337,23 @@ impl Engine {
     /// Starts the request at the queue's front after its cached prefix: the tokens attached
     /// from the prefix cache, or `None` when the pool has no room for the rest yet (the
     /// request stays queued and holds nothing).
-    fn attach(&mut self, id: u64, prompt: &[u32]) -> Result<Option<usize>, PrefillError> {
+    fn attach(
+        &mut self,
+        id: u64,
+        prompt: &[u32],
+        attention: AttentionPolicy,
+    ) -> Result<Option<usize>, PrefillError> {
         self.cache.add_sequence(id)?;
+        if attention.window().is_some() {
+            // A windowed prompt neither reads nor feeds the prefix cache.
+            if let Err(e) = self.cache.set_attention(id, attention) {
+                self.cache.free_sequence(id);
+                return Err(e.into());
+            }
+            return self.room_for(id, prompt.len(), attention, 0);
+        }
         if self.book.is_none() {
-            return self.room_for(id, prompt, 0);
+            return self.room_for(id, prompt.len(), attention, 0);
         }
         let bs = self.cache.block_size();
         let limit = duet_engine::reusable_tokens(prompt.len(), bs);
@@ -328,7 +365,7 @@ impl Engine {
                 return Err(e.into());
             }
         };
-        let room = self.room_for(id, prompt, hit.blocks() * bs)?;
+        let room = self.room_for(id, prompt.len(), attention, hit.blocks() * bs)?;
         if let (Some(book), Some(_)) = (&self.book, room) {
             book.lookup(prompt.len(), hit, bs);
         }
@@ -340,10 +377,14 @@ impl Engine {
     fn room_for(
         &mut self,
         id: u64,
-        prompt: &[u32],
+        tokens: usize,
+        attention: AttentionPolicy,
         cached: usize,
     ) -> Result<Option<usize>, PrefillError> {
-        let need = self.cache.blocks_for(prompt.len()) - cached / self.cache.block_size();
+        let need = self
+            .job_blocks(tokens, attention)
+            .peak
+            .saturating_sub(cached / self.cache.block_size());
         if !policy::has_room(
             need,
             self.pending_blocks_except(id),
@@ -364,16 +405,61 @@ impl Engine {
         };
         let (first, last) = (from / bs, to / bs);
         let dst0 = r.job.dst_start / bs;
+        let dst = &r.job.dst_blocks[first - dst0..last - dst0];
+        self.send_blocks(r, &blocks[first..last], from..to, dst);
+    }
+
+    /// Sends a windowed prompt's kept blocks ([`duet_engine::Window::kept_blocks`]), once it
+    /// is computed and its dropped blocks are gone: its sink blocks, then the blocks of the
+    /// next query's window, each run as one transfer into the destinations listed in that
+    /// order. Returns false when the sequence does not hold exactly those blocks.
+    fn send_kept(&self, r: &Running) -> bool {
+        let (bs, len) = (self.cache.block_size(), r.job.prompt.len());
+        let (Some(w), Ok(blocks)) = (
+            r.job.attention.window(),
+            self.cache.sequence_blocks(r.job.request_id),
+        ) else {
+            return false;
+        };
+        let runs = w.kept_blocks(len, bs);
+        if runs.iter().map(|x| x.len()).sum::<usize>() != blocks.len()
+            || blocks.len() != r.job.dst_blocks.len()
+        {
+            return false;
+        }
+        let mut at = 0;
+        for run in runs.into_iter().filter(|x| !x.is_empty()) {
+            let n = run.len();
+            let tokens = run.start * bs..(run.end * bs).min(len);
+            self.send_blocks(
+                r,
+                &blocks[at..at + n],
+                tokens,
+                &r.job.dst_blocks[at..at + n],
+            );
+            at += n;
+        }
+        true
+    }
+
+    /// One transfer of every layer of `blocks` (holding `tokens`) into `dst`.
+    fn send_blocks(
+        &self,
+        r: &Running,
+        blocks: &[u32],
+        tokens: std::ops::Range<usize>,
+        dst: &[u32],
+    ) {
         let desc = TransferDesc {
             request_id: r.job.request_id,
-            token_start: from as u32,
-            token_count: (to - from) as u32,
-            dst_blocks: r.job.dst_blocks[first - dst0..last - dst0].to_vec(),
+            token_start: tokens.start as u32,
+            token_count: tokens.len() as u32,
+            dst_blocks: dst.to_vec(),
         };
         let _ = r.tx.send(Msg::Begin(desc));
         for layer in 0..self.cache.layout().n_layers {
             let regions = |kind| -> Vec<&[u8]> {
-                blocks[first..last]
+                blocks
                     .iter()
                     .map(|&b| self.cache.region_bytes(b, layer, kind))
                     .collect()
@@ -390,8 +476,8 @@ impl Engine {
 
     fn start_queued(&mut self) {
         while let Some(q) = self.queue.front() {
-            let (id, prompt) = (q.id, q.item.job.prompt.clone());
-            let cached = match self.attach(id, &prompt) {
+            let (id, prompt, attention) = (q.id, q.item.job.prompt.clone(), q.item.job.attention);
+            let cached = match self.attach(id, &prompt, attention) {
                 Ok(Some(c)) => c,
                 Ok(None) => break,
                 Err(e) => {

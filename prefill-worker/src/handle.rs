@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 
-use duet_engine::{BlockHash, EngineModel, KvCacheConfig, PrefixCacheConfig, SamplingParams};
+use duet_engine::{
+    AttentionPolicy, BlockHash, EngineModel, KvCacheConfig, PrefixCacheConfig, SamplingParams,
+};
 use duet_kv_transfer::{Connector, Route};
 use duet_worker_common::kv_events::KvEventHub;
 use tokio::sync::oneshot;
@@ -56,6 +58,8 @@ pub struct PrefillJob {
     pub dst_start: usize,
     /// Batch requests queue behind interactive ones.
     pub batch: bool,
+    /// Under a local window only the prompt's kept blocks are sent, once it is computed.
+    pub attention: AttentionPolicy,
     pub span: tracing::Span,
 }
 
@@ -112,7 +116,7 @@ impl Pending {
 }
 
 pub(crate) enum Cmd {
-    Prefill(PrefillJob, Reply),
+    Prefill(Box<PrefillJob>, Reply),
     Cancel(u64),
     Prefetch(Vec<BlockHash>),
     /// Wakes the engine thread (its cancellation fired).
@@ -175,7 +179,7 @@ impl PrefillHandle {
         let (reply, rx) = oneshot::channel();
         self.pending.sent(&job);
         if let Err(std_mpsc::SendError(Cmd::Prefill(job, _))) =
-            self.tx.send(Cmd::Prefill(job, reply))
+            self.tx.send(Cmd::Prefill(Box::new(job), reply))
         {
             self.pending.taken(&job);
             return Err(PrefillError::ShuttingDown);

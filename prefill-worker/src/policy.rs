@@ -10,7 +10,8 @@
 //!   stops at the first prompt that gets nothing.
 //! - **Jobs the pool can take**: a prompt needing more blocks than the whole scratch pool
 //!   is refused (it could never run); its destination must start at a block boundary below
-//!   its end and list exactly one block per remaining block of the prompt.
+//!   its end and list exactly one block per block it sends: every remaining block of the
+//!   prompt, or under a local window the blocks the prompt keeps (sinks, then the window).
 //! - **Stopping**: a forward stops between layers only when nobody waits for any of its
 //!   chunks (every caller gone or transfer failed): its work would be thrown away.
 //! - **Room**: a queued prompt starts only if its blocks fit next to the blocks the running
@@ -55,6 +56,22 @@ pub fn plan_chunks(
     plan
 }
 
+/// The blocks a job takes: at most `peak` of this worker's pool at once, and `sent`
+/// blocks of the prompt on the decode worker (from its first token on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JobBlocks {
+    pub peak: usize,
+    pub sent: usize,
+}
+
+impl JobBlocks {
+    /// Under full attention: every block of the prompt, held and sent.
+    pub fn full(tokens: usize, block_size: usize) -> Self {
+        let n = tokens.div_ceil(block_size.max(1));
+        JobBlocks { peak: n, sent: n }
+    }
+}
+
 /// Whether a job of `tokens` prompt tokens whose decode worker holds the first `dst_start`
 /// and lists `dst_blocks` blocks for the rest can run on a pool of `total_blocks` blocks.
 pub fn check_job(
@@ -63,13 +80,13 @@ pub fn check_job(
     dst_blocks: usize,
     block_size: usize,
     total_blocks: usize,
+    need: JobBlocks,
 ) -> Result<(), PrefillError> {
     let bs = block_size.max(1);
-    let blocks = tokens.div_ceil(bs);
-    if blocks > total_blocks {
+    if need.peak > total_blocks {
         return Err(PrefillError::TooLong {
             tokens,
-            blocks,
+            blocks: need.peak,
             total: total_blocks,
         });
     }
@@ -80,7 +97,7 @@ pub fn check_job(
         )
         .into());
     }
-    let need = blocks - dst_start / bs;
+    let need = need.sent.saturating_sub(dst_start / bs);
     if dst_blocks != need {
         return Err(EngineError::invalid(
             "dst_blocks",
@@ -120,10 +137,11 @@ mod tests {
 
     #[test]
     fn a_job_must_fit_the_pool_and_name_one_destination_block_per_block_it_sends() {
-        assert!(check_job(40, 0, 3, 16, 8).is_ok());
-        assert!(check_job(40, 16, 2, 16, 8).is_ok());
+        let full = |t| JobBlocks::full(t, 16);
+        assert!(check_job(40, 0, 3, 16, 8, full(40)).is_ok());
+        assert!(check_job(40, 16, 2, 16, 8, full(40)).is_ok());
         assert!(matches!(
-            check_job(200, 0, 13, 16, 8),
+            check_job(200, 0, 13, 16, 8, full(200)),
             Err(PrefillError::TooLong {
                 tokens: 200,
                 blocks: 13,
@@ -131,13 +149,17 @@ mod tests {
             })
         ));
         for (start, blocks) in [(8, 3), (48, 0), (0, 2), (16, 3)] {
-            let e = check_job(40, start, blocks, 16, 8).unwrap_err();
+            let e = check_job(40, start, blocks, 16, 8, full(40)).unwrap_err();
             assert_eq!(
                 e.class(),
                 duet_engine::ErrorClass::InvalidArgument,
                 "{start} {blocks}"
             );
         }
+        // Under a window: a long prompt fits a small pool, and names only its kept blocks.
+        let windowed = JobBlocks { peak: 6, sent: 3 };
+        assert!(check_job(2000, 0, 3, 16, 8, windowed).is_ok());
+        assert!(check_job(2000, 0, 125, 16, 8, windowed).is_err());
     }
 
     #[test]

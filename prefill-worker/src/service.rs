@@ -3,7 +3,7 @@
 use duet_discovery::{ClusterView, Role};
 use duet_kv_transfer::Endpoint;
 use duet_proto::v1 as pb;
-use duet_serving::convert::sampling_from_proto;
+use duet_serving::convert::{attention_from_proto, sampling_from_proto};
 use duet_serving::trace_context::TraceContext;
 use tonic::{Request, Response, Status};
 
@@ -102,6 +102,9 @@ impl pb::prefill_server::Prefill for PrefillService {
         sampling
             .validate()
             .map_err(|e| duet_serving::status::engine_status(&e))?;
+        let attention = attention_from_proto(r.attention.as_ref())
+            .map_err(|e| duet_serving::status::engine_status(&e))?
+            .unwrap_or_default();
         let span = tracing::info_span!(
             "prefill",
             request_id = r.request_id,
@@ -123,6 +126,7 @@ impl pb::prefill_server::Prefill for PrefillService {
                 dst_blocks: r.dst_blocks,
                 dst_start: r.dst_start_tokens as usize,
                 batch: r.priority == pb::Priority::Batch as i32,
+                attention,
                 span,
             })
             .await;

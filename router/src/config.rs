@@ -81,6 +81,8 @@ pub struct RouterConfig {
     /// In a decode worker's routing cost, what one running or waiting sequence weighs, in
     /// prompt tokens to prefill (the cost's other part).
     pub decode_seq_cost_tokens: u64,
+    /// The attention policy of requests that name none.
+    pub attention: duet_engine::AttentionPolicy,
     /// The HTTP door's connection limits and timeouts.
     pub http: crate::http::HttpLimits,
     /// What the router's calls to workers carry (derived from the cluster secret; workers
@@ -121,6 +123,7 @@ impl Default for RouterConfig {
             worker_tls: None,
             kv_routing: true,
             decode_seq_cost_tokens: 256,
+            attention: duet_engine::AttentionPolicy::Full,
             http: crate::http::HttpLimits::default(),
             cluster_token: None,
         }

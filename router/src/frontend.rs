@@ -1,9 +1,9 @@
 //! Request validation, tokenization and truncation: everything the router decides about a
 //! request before placing it. Pure (no I/O), so every rule is unit-tested.
 
-use duet_engine::{ChatMessage, GenerationParams, TextFrontend};
+use duet_engine::{AttentionPolicy, ChatMessage, GenerationParams, TextFrontend};
 use duet_proto::v1 as pb;
-use duet_serving::convert::sampling_from_proto;
+use duet_serving::convert::{attention_from_proto, sampling_from_proto};
 
 use crate::error::RouterError;
 
@@ -14,6 +14,8 @@ pub struct Prepared {
     pub params: GenerationParams,
     pub truncated: usize,
     pub priority: pb::Priority,
+    /// The request's policy, or the router's default.
+    pub attention: AttentionPolicy,
 }
 
 /// Refuses, before tokenizing it, a text prompt too long for the context whatever its
@@ -55,16 +57,22 @@ fn check_prompt_bytes(
 }
 
 /// Validates and tokenizes `req` against the served model.
-/// `ctx`: the context length requests are held to.
+/// `ctx`: the context length requests are held to; `attention`: the policy of a request
+/// that names none. A windowed request's sequence may run past `ctx` (its queries never
+/// see further back than its window and sinks, which must fit in it).
 pub fn prepare(
     front: &TextFrontend,
     model_name: &str,
     ctx: usize,
+    attention: AttentionPolicy,
     req: &pb::GenerateRequest,
 ) -> Result<Prepared, RouterError> {
     if !req.model.is_empty() && req.model != model_name {
         return Err(RouterError::UnknownModel(req.model.clone()));
     }
+    let attention = attention_from_proto(req.attention.as_ref())?.unwrap_or(attention);
+    attention.validate(ctx)?;
+    let ctx = attention.max_sequence_tokens(ctx);
     check_prompt_bytes(front, ctx, req)?;
     let mut prompt = match &req.prompt {
         None => {
@@ -160,5 +168,6 @@ pub fn prepare(
         params,
         truncated,
         priority,
+        attention,
     })
 }

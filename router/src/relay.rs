@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use duet_discovery::{ClusterView, Role};
 use duet_proto::v1 as pb;
-use duet_serving::convert::sampling_to_proto;
+use duet_serving::convert::{attention_to_proto, sampling_to_proto};
 use duet_serving::trace_context::TraceContext;
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -293,7 +293,13 @@ async fn attempt_once(
             "new attempt"
         );
     }
-    let prefix = PromptPrefix::new(&prompt, &shared.kv_index, shared.cfg.kv_routing);
+    // A windowed request neither reads nor feeds a prefix cache: routed on load alone.
+    let windowed = job.prep.attention.window().is_some();
+    let prefix = PromptPrefix::new(
+        &prompt,
+        &shared.kv_index,
+        shared.cfg.kv_routing && !windowed,
+    );
     let req = Request {
         prompt_tokens: prompt.len(),
         resumed_tokens: resumed,
@@ -321,6 +327,7 @@ async fn attempt_once(
         priority: job.prep.priority as i32,
         prefill: Some(prefill),
         ignore_eos: job.prep.params.ignore_eos,
+        attention: Some(attention_to_proto(job.prep.attention)),
     };
     let mut chosen = None;
     let mut last_err = None;
@@ -348,7 +355,10 @@ async fn attempt_once(
                 prefill_worker_id: p.id.clone(),
                 prefill_address: p.grpc_addr.clone(),
                 ttl_ms: shared.cfg.reservation_ttl.as_millis() as u32,
-                block_hashes: prefix.hashes(d).to_vec(),
+                block_hashes: match windowed {
+                    true => Vec::new(),
+                    false => prefix.hashes(d).to_vec(),
+                },
                 prefill_timeout_ms: shared.cfg.prefill_timeout.as_millis() as u32,
             };
             (

@@ -155,6 +155,7 @@ impl GenerationService {
             &self.front,
             &self.shared.cfg.model_name,
             self.context(),
+            self.shared.cfg.attention,
             &req,
         )
         .map_err(refused)?;

@@ -1,7 +1,7 @@
 //! Proto <-> engine conversions. Proto fields use 0 for "unset"; the engine's defaults
 //! apply then (top_p 1, repetition_penalty 1).
 
-use duet_engine::{FinishReason, KvTier, SamplingParams};
+use duet_engine::{AttentionPolicy, EngineError, FinishReason, KvTier, SamplingParams, Window};
 use duet_proto::v1 as pb;
 
 /// Engine sampling parameters from the proto form (not validated here: the engine's
@@ -33,6 +33,44 @@ pub fn sampling_to_proto(s: &SamplingParams) -> pb::SamplingParams {
         min_p: s.min_p,
         repetition_penalty: s.repetition_penalty,
         seed: s.seed,
+    }
+}
+
+/// The engine's attention policy from the proto form; `None` when unset (the caller's
+/// default applies). The sizes are checked against a model by
+/// [`AttentionPolicy::validate`], not here; a window of 0 is refused here already.
+pub fn attention_from_proto(
+    p: Option<&pb::AttentionPolicy>,
+) -> Result<Option<AttentionPolicy>, EngineError> {
+    match p.and_then(|p| p.policy.as_ref()) {
+        None => Ok(None),
+        Some(pb::attention_policy::Policy::Full(_)) => Ok(Some(AttentionPolicy::Full)),
+        Some(pb::attention_policy::Policy::Window(w)) => {
+            if w.window == 0 {
+                return Err(EngineError::invalid(
+                    "attention.window",
+                    "must be at least 1",
+                ));
+            }
+            Ok(Some(AttentionPolicy::Window(Window {
+                window: w.window as usize,
+                sinks: w.sinks as usize,
+            })))
+        }
+    }
+}
+
+/// The proto form of an attention policy.
+pub fn attention_to_proto(a: AttentionPolicy) -> pb::AttentionPolicy {
+    let policy = match a {
+        AttentionPolicy::Full => pb::attention_policy::Policy::Full(pb::FullAttention {}),
+        AttentionPolicy::Window(w) => pb::attention_policy::Policy::Window(pb::LocalWindow {
+            window: u32::try_from(w.window).unwrap_or(u32::MAX),
+            sinks: u32::try_from(w.sinks).unwrap_or(u32::MAX),
+        }),
+    };
+    pb::AttentionPolicy {
+        policy: Some(policy),
     }
 }
 

@@ -275,7 +275,13 @@ async fn one_round(
     for _ in 0..requests {
         *next_id += 1;
         let r = decode
-            .reserve(*next_id, per, ttl, Vec::new())
+            .reserve(
+                *next_id,
+                per,
+                ttl,
+                Vec::new(),
+                duet_engine::AttentionPolicy::Full,
+            )
             .await
             .map_err(|e| Error::Internal(format!("reserve: {e}")))?;
         reserved.push((*next_id, r.blocks));

@@ -68,6 +68,10 @@ bad_http_bodies! {
         r#"{"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}"# => 400, "stop";
     http_empty_stop_sequence: "/v1/completions", r#"{"prompt": "Hi", "stop": [""]}"# => 400, "stop";
     http_n_above_one: "/v1/completions", r#"{"prompt": "Hi", "n": 2}"# => 400, "n";
+    http_attention_window_of_zero: "/v1/completions",
+        r#"{"prompt": "Hi", "attention": "window=0,sinks=4"}"# => 400, "attention";
+    http_attention_window_wider_than_context: "/v1/completions",
+        r#"{"prompt": "Hi", "attention": {"window": 1024, "sinks": 4}}"# => 400, "attention.window";
     http_unknown_model: "/v1/completions", r#"{"model": "gpt-9", "prompt": "Hi"}"# => 404, "model";
     http_chat_without_messages: "/v1/chat/completions", r#"{"messages": []}"# => 400, "messages";
     http_chat_messages_not_a_list: "/v1/chat/completions", r#"{"messages": "Hi"}"# => 400, "body";

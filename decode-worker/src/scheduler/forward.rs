@@ -30,9 +30,14 @@ impl Scheduler {
     }
 
     pub(super) fn blocks_to_start(&self, s: &Seq) -> usize {
-        match &s.phase {
-            Phase::Prefill { tokens, .. } => self.cache.blocks_for(tokens.len() + 1),
-            Phase::Decode { .. } => 1,
+        match (&s.phase, s.attention.window()) {
+            (Phase::Prefill { tokens, .. }, None) => self.cache.blocks_for(tokens.len() + 1),
+            (Phase::Prefill { tokens, .. }, Some(w)) => w.peak_blocks(
+                tokens.len() + 1,
+                self.cfg.prefill_chunk_tokens,
+                self.cache.block_size(),
+            ),
+            (Phase::Decode { .. }, _) => 1,
         }
     }
 
@@ -42,6 +47,11 @@ impl Scheduler {
                 break;
             };
             if let Err(e) = self.cache.add_sequence(s.id) {
+                let _ = s.events.send(Event::Error(e.into()));
+                continue;
+            }
+            if let Err(e) = self.cache.set_attention(s.id, s.attention) {
+                self.cache.free_sequence(s.id);
                 let _ = s.events.send(Event::Error(e.into()));
                 continue;
             }
@@ -79,6 +89,9 @@ impl Scheduler {
         let Some(book) = &self.book else {
             return Ok(());
         };
+        if s.attention.window().is_some() {
+            return Ok(());
+        }
         let Phase::Prefill {
             tokens,
             done,
@@ -129,9 +142,9 @@ impl Scheduler {
             .iter()
             .map(|&(i, n)| {
                 let id = self.active[i].id;
-                let len = self.cache.sequence_len(id).unwrap_or(0);
-                let have = self.cache.sequence_blocks(id).map_or(0, |b| b.len());
-                self.cache.blocks_for(len + n).saturating_sub(have)
+                self.cache
+                    .blocks_to_append(id, n)
+                    .unwrap_or_else(|_| self.cache.blocks_for(n))
             })
             .sum();
         (plan, need)
@@ -303,8 +316,9 @@ impl Scheduler {
         let mut ended: Vec<(usize, Option<TokenStep>)> = Vec::new();
         for (k, &(i, n)) in plan.iter().enumerate() {
             let row = std::mem::take(&mut logits[k]);
+            let limit = self.active[i].max_tokens(ctx);
             let left =
-                ctx.saturating_sub(self.cache.sequence_len(self.active[i].id).unwrap_or(ctx));
+                limit.saturating_sub(self.cache.sequence_len(self.active[i].id).unwrap_or(limit));
             let s = &mut self.active[i];
             match &mut s.phase {
                 Phase::Decode { .. } => {

@@ -18,6 +18,12 @@
 //! the conversation (generated tokens are not: see `Seq::cacheable`); the cache's changes
 //! are published to routers after every iteration.
 //!
+//! Local windows (StreamingLLM): a windowed sequence gets its policy when its cache
+//! sequence is made (admitted, or reserved for a remote prompt's kept blocks), is admitted
+//! for the blocks its window bounds rather than its length, may run past the model's
+//! context, and never reads or feeds the prefix cache; a preempted one is recomputed under
+//! the same window.
+//!
 //! Invariants:
 //! - a cache sequence exists iff its request is in `reservations` or `active`
 //!   (`waiting` sequences hold no KV);
@@ -32,8 +38,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use duet_engine::{
-    BlockHash, EngineError, EngineModel, FinishReason, KvCache, KvCacheConfig, PrefixHasher,
-    TokenStep,
+    AttentionPolicy, BlockHash, EngineError, EngineModel, FinishReason, KvCache, KvCacheConfig,
+    PrefixHasher, TokenStep,
 };
 use duet_worker_common::engine_thread::{EngineLoop, Wait};
 use duet_worker_common::kv_events::KvEventHub;
@@ -201,9 +207,10 @@ impl Scheduler {
                 prompt_tokens,
                 ttl,
                 block_hashes,
+                attention,
                 reply,
             } => {
-                let r = self.reserve(request_id, prompt_tokens, ttl, &block_hashes);
+                let r = self.reserve(request_id, prompt_tokens, ttl, &block_hashes, attention);
                 // Status is current before the caller hears back.
                 self.publish();
                 let _ = reply.send(r);
@@ -257,23 +264,34 @@ impl Scheduler {
         tokens: usize,
         ttl: Duration,
         hashes: &[BlockHash],
+        attention: AttentionPolicy,
     ) -> Result<Reserved, DecodeError> {
         if self.known(id) {
             return Err(DecodeError::Duplicate(id));
         }
-        let ctx = self.model.config().context_length;
-        if tokens == 0 || tokens >= ctx {
+        let limit = attention.max_sequence_tokens(self.model.config().context_length);
+        if tokens == 0 || tokens >= limit {
             return Err(EngineError::invalid(
                 "prompt_tokens",
-                format!("{tokens} (must be in 1..{ctx})"),
+                format!("{tokens} (must be in 1..{limit})"),
             )
             .into());
         }
         let cached = self.book.as_ref().map(|_| hashes);
-        let (reserved, hit) =
-            self.reservations
-                .reserve(&mut self.cache, id, tokens, ttl, cached, Instant::now())?;
-        if let Some(book) = self.book.as_ref().filter(|_| !hashes.is_empty()) {
+        let (reserved, hit) = self.reservations.reserve(
+            &mut self.cache,
+            id,
+            tokens,
+            ttl,
+            cached,
+            attention,
+            Instant::now(),
+        )?;
+        if let Some(book) = self
+            .book
+            .as_ref()
+            .filter(|_| !hashes.is_empty() && attention.window().is_none())
+        {
             book.lookup(tokens, hit, self.cache.block_size());
         }
         Ok(reserved)
@@ -282,14 +300,13 @@ impl Scheduler {
     fn generate(&mut self, job: GenerateJob, events: mpsc::UnboundedSender<Event>) {
         let id = job.request_id;
         let source = job.prefill;
-        if job.prompt.is_empty() || job.prompt.len() >= self.model.config().context_length {
+        let limit = job
+            .attention
+            .max_sequence_tokens(self.model.config().context_length);
+        if job.prompt.is_empty() || job.prompt.len() >= limit {
             let e = EngineError::invalid(
                 "prompt",
-                format!(
-                    "{} tokens (must be in 1..{})",
-                    job.prompt.len(),
-                    self.model.config().context_length
-                ),
+                format!("{} tokens (must be in 1..{limit})", job.prompt.len()),
             );
             let _ = events.send(Event::Error(e.into()));
             return;
@@ -428,7 +445,9 @@ impl Scheduler {
             let prompt = seq.prompt.clone();
             self.register(r.id, &prompt);
             seq.kv_wait_seconds = secs(r.claim.at);
-            let left = self.model.config().context_length - r.prompt_tokens;
+            let left = seq
+                .max_tokens(self.model.config().context_length)
+                .saturating_sub(r.prompt_tokens);
             let step = seq.gen.accept_first(self.model.tokenizer(), first, left);
             seq.phase = Phase::Decode { next: first };
             if let Some(seq) = self.emit(seq, step) {

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use duet_engine::Generation;
+use duet_engine::{AttentionPolicy, Generation};
 use tokio::sync::mpsc;
 
 use super::Scheduler;
@@ -49,7 +49,17 @@ pub(super) struct Seq {
     /// prompt recomputes them as a prompt, so its KV, and its output, never depend on
     /// whether the cache served it.
     pub(super) cacheable: usize,
+    /// Under a local window the sequence holds at most its window's blocks and may run past
+    /// the model's context; it never reads or feeds the prefix cache.
+    pub(super) attention: AttentionPolicy,
     pub(super) span: tracing::Span,
+}
+
+impl Seq {
+    /// The most tokens this sequence may hold in a model of `context_length`.
+    pub(super) fn max_tokens(&self, context_length: usize) -> usize {
+        self.attention.max_sequence_tokens(context_length)
+    }
 }
 
 impl Scheduler {
@@ -58,9 +68,12 @@ impl Scheduler {
         job: GenerateJob,
         events: mpsc::UnboundedSender<Event>,
     ) -> Result<Seq, (DecodeError, mpsc::UnboundedSender<Event>)> {
+        let limit = job
+            .attention
+            .max_sequence_tokens(self.model.config().context_length);
         let mut gen = match job
             .params
-            .validate(self.model.config().context_length)
+            .validate(limit)
             .and_then(|_| Generation::new(self.model.tokenizer(), &job.prompt, job.params))
         {
             Ok(g) => g,
@@ -100,6 +113,7 @@ impl Scheduler {
             first_preempted_at: None,
             cached_tokens: 0,
             cacheable,
+            attention: job.attention,
             span: job.span,
         })
     }

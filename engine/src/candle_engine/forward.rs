@@ -20,7 +20,7 @@ use half::f16;
 use super::{CandleModel, DeviceKv};
 use crate::error::{EngineError, Result};
 use crate::forward::{check_chunk_fits, LayerHook, SeqChunk};
-use crate::kv::{BlockId, KvCache};
+use crate::kv::{AttentionPolicy, BlockId, KvCache};
 
 /// ggml's RoPE angles for `pos`: `cos` and `sin` of `head_dim / 2` pairs.
 fn rope_angles(
@@ -116,13 +116,22 @@ impl CandleModel {
         Ok(logits)
     }
 
+    /// Whether this engine runs `policy`: full attention only (`PolicyUnsupported` for a
+    /// window, `InvalidArgument` for a window no model could run).
+    pub fn check_attention(&self, policy: AttentionPolicy) -> Result<()> {
+        policy.validate(self.config.context_length)?;
+        if policy != AttentionPolicy::Full {
+            return Err(EngineError::PolicyUnsupported(format!(
+                "the candle engine runs full attention only ({policy} needs --engine native)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Whether `ch` can be computed on its own (the native engine's rule).
     pub fn check_chunk(&self, cache: &KvCache, ch: &SeqChunk<'_>) -> Result<()> {
-        if cache.window(ch.seq)?.is_some() {
-            return Err(EngineError::invalid(
-                "attention",
-                "the candle engine runs full attention only (a window needs --engine native)",
-            ));
+        if let Some(w) = cache.window(ch.seq)? {
+            self.check_attention(AttentionPolicy::Window(w))?;
         }
         check_chunk_fits(&self.config, cache.sequence_len(ch.seq)?, ch.tokens, true)
     }

@@ -321,6 +321,15 @@ impl KvCache {
         Ok(())
     }
 
+    /// The fresh blocks [`Self::prepare_append`] takes for `n` more tokens (a dropped block
+    /// is not taken again; the copy of a shared last block aside).
+    pub fn blocks_to_append(&self, id: SeqId, n: usize) -> Result<usize> {
+        let s = self.seq(id)?;
+        Ok(self
+            .blocks_for(s.len + n)
+            .saturating_sub(s.blocks.len() + s.dropped))
+    }
+
     /// Make room for `n` more tokens: allocates blocks (all or none) and
     /// copies a shared partially-filled last block before it is written.
     /// Returns the position of the first new token.

@@ -15,4 +15,4 @@ pub use allocator::{BlockAllocator, BlockId};
 pub use cache::{KvCache, KvCacheConfig, KvDtype, KvExport, KvKind, KvLayout, SeqId};
 pub use prefix::{reusable_tokens, BlockHash, KvEvent, KvTier, PrefixHasher, PrefixHit};
 pub use prefix_cache::{PrefixCacheConfig, TierCounts};
-pub use window::{AttentionPolicy, Window};
+pub use window::{AttentionPolicy, Window, WINDOWED_MAX_TOKENS};

@@ -22,6 +22,7 @@
 //! context length: no query ever sees a distance larger than `sinks + window - 1`.
 
 use std::fmt;
+use std::ops::Range;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
@@ -29,6 +30,10 @@ use serde::{Deserialize, Serialize};
 use super::allocator::BlockId;
 use super::cache::{KvCache, SeqId, DROPPED};
 use crate::error::{EngineError, Result};
+
+/// The most tokens a windowed sequence may hold (prompt and generated): nothing the model
+/// imposes, since no query sees further back than its sinks and window.
+pub const WINDOWED_MAX_TOKENS: usize = u32::MAX as usize;
 
 /// Which keys a sequence's queries attend to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -87,6 +92,24 @@ impl Window {
     pub fn max_blocks(&self, block_size: usize) -> usize {
         self.sink_blocks(block_size) + self.window.div_ceil(block_size) + 1
     }
+
+    /// The most blocks a sequence of `tokens` tokens holds while it is computed in chunks of
+    /// at most `chunk` tokens: what admission reserves room for.
+    pub fn peak_blocks(&self, tokens: usize, chunk: usize, block_size: usize) -> usize {
+        let bound = self.max_blocks(block_size) + chunk.div_ceil(block_size) + 1;
+        tokens.div_ceil(block_size).min(bound)
+    }
+
+    /// The logical blocks a sequence of `len` tokens keeps after its last commit: its sink
+    /// blocks, then every block from the one holding the next query's first window
+    /// position (the second range starts where the first ends when nothing was dropped).
+    /// Only these travel when its KV moves to another worker.
+    pub fn kept_blocks(&self, len: usize, block_size: usize) -> [Range<usize>; 2] {
+        let n = len.div_ceil(block_size);
+        let sinks = self.sink_blocks(block_size).min(n);
+        let tail = self.droppable_below(len, block_size).clamp(sinks, n);
+        [0..sinks, tail..n]
+    }
 }
 
 impl AttentionPolicy {
@@ -95,6 +118,15 @@ impl AttentionPolicy {
         match self {
             AttentionPolicy::Full => None,
             AttentionPolicy::Window(w) => Some(*w),
+        }
+    }
+
+    /// The most tokens a sequence under this policy may hold in a model of
+    /// `context_length`.
+    pub fn max_sequence_tokens(&self, context_length: usize) -> usize {
+        match self {
+            AttentionPolicy::Full => context_length,
+            AttentionPolicy::Window(_) => WINDOWED_MAX_TOKENS,
         }
     }
 
@@ -202,6 +234,33 @@ impl KvCache {
         Ok(())
     }
 
+    /// Prepares the new, empty windowed sequence `id` for a prompt of `tokens` tokens whose
+    /// KV arrives from elsewhere: only the kept blocks ([`Window::kept_blocks`]) travel, so
+    /// the blocks such a prompt drops are marked dropped before any block is allocated;
+    /// [`KvCache::prepare_append`] then allocates just the kept ones, in transfer order.
+    pub fn expect_windowed_prompt(&mut self, id: SeqId, tokens: usize) -> Result<()> {
+        let bs = self.layout.block_size;
+        let s = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        let Some(w) = s.window else {
+            return Err(EngineError::invalid(
+                "attention",
+                format!("sequence {id} has no window"),
+            ));
+        };
+        if s.len != 0 || !s.blocks.is_empty() {
+            return Err(EngineError::invalid(
+                "sequence",
+                format!("sequence {id} already holds tokens"),
+            ));
+        }
+        let [sinks, tail] = w.kept_blocks(tokens, bs);
+        s.dropped = tail.start - sinks.end;
+        Ok(())
+    }
+
     /// The sequence's local window (`None`: full attention).
     pub fn window(&self, id: SeqId) -> Result<Option<Window>> {
         Ok(self.seq(id)?.window)
@@ -264,6 +323,21 @@ mod tests {
         assert_eq!(x.droppable_below(5, 4), 0);
         assert_eq!(x.sink_blocks(4), 1);
         assert_eq!(x.max_blocks(4), 1 + 2 + 1);
+    }
+
+    #[test]
+    fn a_prompt_keeps_its_sink_blocks_and_the_blocks_of_the_next_window() {
+        // Blocks of 4, 2 sinks (block 0), window 6: after 20 tokens the next query (20) sees
+        // 15..=20, so blocks 3 and 4 (tokens 12..20) stay with block 0.
+        assert_eq!(w(6, 2).kept_blocks(20, 4), [0..1, 3..5]);
+        // Nothing dropped yet: one run of blocks.
+        assert_eq!(w(6, 2).kept_blocks(7, 4), [0..1, 1..2]);
+        // Fewer tokens than sinks.
+        assert_eq!(w(6, 9).kept_blocks(5, 4), [0..2, 2..2]);
+        assert_eq!(w(6, 0).kept_blocks(20, 4), [0..0, 3..5]);
+        // Admission: bounded by the window whatever the prompt, never above the prompt.
+        assert_eq!(w(6, 2).peak_blocks(10_000, 8, 4), 1 + 2 + 1 + 2 + 1);
+        assert_eq!(w(6, 2).peak_blocks(5, 8, 4), 2);
     }
 
     #[test]

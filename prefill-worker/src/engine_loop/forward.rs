@@ -70,6 +70,11 @@ impl Engine {
         let mut sends = Vec::new();
         for (k, &(i, start, n)) in plan.iter().enumerate() {
             let r = &self.running[i];
+            // A windowed prompt's chunks drop blocks as they go: its kept blocks travel
+            // once it is computed (`send_kept`), not chunk by chunk.
+            if r.job.attention.window().is_some() {
+                continue;
+            }
             let from = start.max(r.job.dst_start);
             if from >= start + n {
                 continue;
@@ -214,6 +219,13 @@ impl Engine {
         finished.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
         for (i, first) in finished {
             let r = self.running.swap_remove(i);
+            if r.job.attention.window().is_some() && first.is_ok() && !self.send_kept(&r) {
+                self.end(&r);
+                let _ = r.tx.send(Msg::Fail(PrefillError::StepFailed(
+                    "a windowed prompt does not hold exactly its kept blocks".into(),
+                )));
+                continue;
+            }
             self.end(&r);
             let msg = match first {
                 Ok(first_token) => Msg::Complete(

@@ -39,6 +39,9 @@ pub struct GenerateArgs {
     /// Batch priority (preempted first, admitted last).
     #[arg(long)]
     pub batch: bool,
+    /// `full`, or `window=W,sinks=S` (local attention with sinks); unset: the router's.
+    #[arg(long)]
+    pub attention: Option<duet_engine::AttentionPolicy>,
     /// Request deadline (gRPC deadline).
     #[arg(long, value_parser = parse_duration)]
     pub timeout: Option<Duration>,
@@ -102,6 +105,7 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
             } else {
                 pb::Priority::Interactive as i32
             },
+            attention: a.attention.map(duet_serving::convert::attention_to_proto),
             ..Default::default()
         });
         if let Some(t) = a.timeout {

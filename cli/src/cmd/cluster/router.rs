@@ -100,6 +100,13 @@ pub struct RoutingArgs {
     /// prompt tokens the worker would prefill (the cost's other part).
     #[arg(long, env = "DUET_DECODE_SEQ_COST_TOKENS", default_value_t = 256)]
     pub decode_seq_cost_tokens: u64,
+    /// Attention of requests that name none (`attention` in the request): `full`, or
+    /// `window=W,sinks=S`: each token attends to the first S tokens and its last W
+    /// (StreamingLLM); a sequence's KV stays bounded, generation may run past the context,
+    /// and only the kept blocks travel from prefill to decode (native engine; no prefix
+    /// cache for windowed requests).
+    #[arg(long, env = "DUET_ATTENTION", default_value = "full")]
+    pub attention: duet_engine::AttentionPolicy,
 }
 
 impl RoutingArgs {
@@ -172,6 +179,7 @@ impl RoutingArgs {
             max_request_bytes: self.max_request_bytes,
             kv_routing: self.kv_routing == Switch::On,
             decode_seq_cost_tokens: self.decode_seq_cost_tokens,
+            attention: self.attention,
             http: duet_router::http::HttpLimits {
                 header_timeout: self.http_header_timeout,
                 body_timeout: self.http_body_timeout,

@@ -196,6 +196,11 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         };
         for i in 0..a.decode_workers {
             let model = load(&a.model, &a.engine)?;
+            // Every request that names no policy gets this one: one the workers cannot run
+            // is refused at start, not on every request.
+            model
+                .check_attention(a.routing.attention)
+                .context("--attention")?;
             let grpc = TcpListener::bind("127.0.0.1:0").await?;
             // Over shm or rdma, tcp is not offered: the transfers measured are theirs.
             let kv = match a.kv_transport {
