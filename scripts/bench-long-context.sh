@@ -15,6 +15,11 @@
 #   POLICIES="window=512,sinks=4" PARTS=ppl ./scripts/bench-long-context.sh
 #   PARTS=decode FULL_CONTEXTS=1024,4096 WINDOW_CONTEXTS=1024,32768 ./scripts/bench-long-context.sh
 #   PARTS=serve SERVE_INPUT=2000 SERVE_OUTPUT=64 RUNS=3 ./scripts/bench-long-context.sh
+#   PARTS=agree AGREE_PROMPTS=8 AGREE_TOKENS=1500 ./scripts/bench-long-context.sh
+#
+# `agree`: greedy agreement with full attention of each policy in AGREE_POLICIES (windows
+# and SnapKV budgets) on long prompts (corpus passages and a question about their start),
+# through `duet run --attention`, with the KV each keeps after its prompt.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -33,6 +38,9 @@ SERVE_INPUT="${SERVE_INPUT:-2000}"
 SERVE_OUTPUT="${SERVE_OUTPUT:-64}"
 SERVE_PROMPTS="${SERVE_PROMPTS:-8}"
 RUNS="${RUNS:-3}"
+AGREE_PROMPTS="${AGREE_PROMPTS:-8}"
+AGREE_TOKENS="${AGREE_TOKENS:-1500}"
+AGREE_POLICIES="${AGREE_POLICIES:-window=1024,sinks=4 window=512,sinks=4 snapkv=1024 snapkv=512}"
 model="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 [ -f "$model" ] || ./scripts/fetch-model.sh
 if [ -z "${DUET:-}" ]; then
@@ -98,8 +106,8 @@ serve() {
   local log="$OUT/serve-up.log" url
   "$DUET" up --model "$model" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
     --local-prefill-max-tokens 0 --kv-pool 256MiB --prefix-cache off >"$log" 2>&1 &
-  local up_pid=$!
-  trap 'kill $up_pid 2>/dev/null || true' EXIT
+  up_pid=$!
+  trap 'kill "${up_pid:-}" 2>/dev/null || true' EXIT
   url=$(logged_url "$log" "http listening on")
   local jsonl="$OUT/serve.jsonl"
   : >"$jsonl"
@@ -123,6 +131,11 @@ print(json.dumps({"policy": sys.argv[2], "run": int(sys.argv[3]), "report": sys.
   done
   kill "$up_pid" 2>/dev/null || true
   python3 "$root/scripts/long_context_table.py" serve "$jsonl"
+}
+
+agree() {
+  python3 "$root/scripts/long_context_agree.py" "$DUET" "$model" "$FILE" "$OUT/agree.jsonl" \
+    --prompts "$AGREE_PROMPTS" --tokens "$AGREE_TOKENS" --policies "$AGREE_POLICIES"
 }
 
 for part in $PARTS; do "$part"; done

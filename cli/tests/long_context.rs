@@ -4,7 +4,8 @@
 //! gives `duet run --attention`'s tokens, through the gRPC door and the OpenAI door
 //! (`attention`, which OpenAI clients send in `extra_body`); every block is free after it.
 //! A window of 0 or wider than the context is 400 / INVALID_ARGUMENT naming the field; a
-//! window on a model that cannot run it is FAILED_PRECONDITION (`cluster_up.rs`, Gemma 3).
+//! window on a model that cannot run it is FAILED_PRECONDITION (`cluster_up.rs`, Gemma 3), as
+//! is SnapKV, which only `duet run` runs yet.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;
@@ -122,6 +123,12 @@ fn up_serves_a_windowed_request_moving_only_the_kept_blocks() {
         let e = generate(&mut c, bad).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
         assert!(e.message().contains("attention.window"), "{e:?}");
+
+        // SnapKV runs in `duet run` only: the servers refuse it, never run full attention.
+        let mut snap = greedy(tokens(&prompt_ids), 4);
+        snap.attention = Some(attention_to_proto("snapkv=128".parse().unwrap()));
+        let e = generate(&mut c, snap).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
     });
 
     // The OpenAI door: the same request with `attention` as a client's extra_body sends it.

@@ -62,13 +62,26 @@ impl<'a> SeqChunk<'a> {
 pub(crate) struct Row {
     pub(crate) chunk: usize,
     pub(crate) prompt: bool,
+    /// The row's slot in its sequence: what it attends up to, where its KV goes.
     pub(crate) pos: usize,
+    /// The position its query and key are rotated at: `pos`, or `pos + shift` in a
+    /// SnapKV-compressed sequence (`kv::snapkv`).
+    rope_pos: usize,
     block: BlockId,
     slot: usize,
     /// The sequence's local window when this row's view is masked by it (`kv::window`):
     /// the row attends to the sinks with its query rotated at the cache position, and to
     /// its window with its own.
     pub(crate) masked: Option<Window>,
+}
+
+/// The queries of a chunk's last rows, per layer (`rows x q_dim` each, rotated), kept by
+/// [`Model::forward_observed`].
+pub(crate) struct Observed {
+    /// The first kept row of the chunk.
+    pub(crate) first_row: usize,
+    pub(crate) rows: usize,
+    pub(crate) q: Vec<Vec<f32>>,
 }
 
 /// The per-layer hook of a forward, on either engine: called with `(l, cache)` once layer
@@ -89,7 +102,7 @@ impl Model {
         batch: &[SeqChunk<'_>],
         on_layer: &mut LayerHook<'_>,
     ) -> Result<Vec<Vec<f32>>> {
-        self.forward_inner(cache, batch, on_layer, false)
+        self.forward_inner(cache, batch, on_layer, false, None)
     }
 
     /// One prompt chunk of one sequence with the logits of **every** row: `out[r]` predicts
@@ -100,7 +113,37 @@ impl Model {
         cache: &mut KvCache,
         chunk: SeqChunk<'_>,
     ) -> Result<Vec<Vec<f32>>> {
-        self.forward_inner(cache, &[chunk], &mut |_, _| ControlFlow::Continue(()), true)
+        self.forward_inner(
+            cache,
+            &[chunk],
+            &mut |_, _| ControlFlow::Continue(()),
+            true,
+            None,
+        )
+    }
+
+    /// One chunk of one sequence whose last `observe` rows' queries (after RoPE) are kept
+    /// per layer in the returned [`Observed`]: what SnapKV scores the prompt's KV with.
+    pub(crate) fn forward_observed(
+        &self,
+        cache: &mut KvCache,
+        chunk: SeqChunk<'_>,
+        observe: usize,
+    ) -> Result<(Vec<f32>, Observed)> {
+        let rows = observe.min(chunk.tokens.len());
+        let mut obs = Observed {
+            first_row: chunk.tokens.len() - rows,
+            rows,
+            q: Vec::with_capacity(self.config.n_layers),
+        };
+        let mut logits = self.forward_inner(
+            cache,
+            &[chunk],
+            &mut |_, _| ControlFlow::Continue(()),
+            false,
+            Some(&mut obs),
+        )?;
+        Ok((logits.pop().unwrap_or_default(), obs))
     }
 
     fn forward_inner(
@@ -109,6 +152,7 @@ impl Model {
         batch: &[SeqChunk<'_>],
         on_layer: &mut LayerHook<'_>,
         every_row: bool,
+        observe: Option<&mut Observed>,
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let layout = cache.layout().clone();
@@ -142,6 +186,10 @@ impl Model {
             .iter()
             .map(|ch| cache.window(ch.seq))
             .collect::<Result<_>>()?;
+        let shifts: Vec<usize> = batch
+            .iter()
+            .map(|ch| cache.shift(ch.seq))
+            .collect::<Result<_>>()?;
         let mut rows = Vec::new();
         let mut tokens = Vec::new();
         for (i, ch) in batch.iter().enumerate() {
@@ -151,6 +199,7 @@ impl Model {
                     chunk: i,
                     prompt: ch.prompt,
                     pos,
+                    rope_pos: pos + shifts[i],
                     block: tables[i][pos / bs],
                     slot: pos % bs,
                     masked: windows[i].filter(|w| w.masks(pos)),
@@ -186,7 +235,7 @@ impl Model {
             },
         };
         let logits = self.pool.install(|| {
-            let sel = (kernel_rows, every_row);
+            let sel = (kernel_rows, every_row, observe);
             self.run_layers(cache, batch, &rows, &tokens, &tables, sel, on_layer)
         })?;
         for ch in batch {
@@ -207,6 +256,8 @@ impl Model {
         if let Some(w) = window {
             self.check_attention(AttentionPolicy::Window(w))?;
         }
+        // A compressed sequence's positions run `shift` ahead of its slots.
+        let len = len + cache.shift(ch.seq)?;
         check_chunk_fits(&self.config, len, ch.tokens, window.is_none())
     }
 
@@ -214,7 +265,7 @@ impl Model {
     /// all attend globally): `InvalidArgument` for a bad size, `PolicyUnsupported` otherwise.
     pub fn check_attention(&self, policy: AttentionPolicy) -> Result<()> {
         policy.validate(self.config.context_length)?;
-        if policy.window().is_some() && self.config.arch.has_local_layers() {
+        if policy != AttentionPolicy::Full && self.config.arch.has_local_layers() {
             return Err(EngineError::PolicyUnsupported(format!(
                 "{policy} on {}, whose own layers attend locally",
                 self.config.architecture
@@ -236,7 +287,7 @@ impl Model {
         rows: &[Row],
         tokens: &[u32],
         tables: &[Vec<BlockId>],
-        (kernel_rows, every_row): (KernelRows, bool),
+        (kernel_rows, every_row, mut observe): (KernelRows, bool, Option<&mut Observed>),
         on_layer: &mut LayerHook<'_>,
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
@@ -268,7 +319,7 @@ impl Model {
                 })
                 .collect::<Vec<_>>()
         };
-        let angles = tables_at(&|row| Some(row.pos));
+        let angles = tables_at(&|row| Some(row.rope_pos));
         // Masked rows' queries for the sinks, rotated at their cache position.
         let masked = rows.iter().any(|r| r.masked.is_some());
         let sink_angles = match masked {
@@ -314,6 +365,13 @@ impl Model {
             for (row, r) in qkv.chunks_exact(stride).zip(rows) {
                 let (k, v) = (&row[q_dim..q_dim + kv_dim], &row[q_dim + kv_dim..]);
                 cache.write_token(r.block, r.slot, l, k, v);
+            }
+            if let Some(obs) = observe.as_deref_mut() {
+                let mut q = Vec::with_capacity(obs.rows * q_dim);
+                for row in qkv.chunks_exact(stride).skip(obs.first_row).take(obs.rows) {
+                    q.extend_from_slice(&row[..q_dim]);
+                }
+                obs.q.push(q);
             }
             let queries = Queries {
                 qkv: &qkv,

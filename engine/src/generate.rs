@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
 use crate::forward::SeqChunk;
-use crate::kv::{AttentionPolicy, KvCache, SeqId};
+use crate::kv::{AttentionPolicy, KvCache, SeqId, SnapKv};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplingParams, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
 use crate::session::{ForwardSession, NativeSession};
@@ -333,17 +333,20 @@ pub fn generate_in(
         session.free_sequence(seq);
         return Err(e);
     }
-    let res = run(
-        session,
-        seq,
-        prompt,
-        &mut gen,
-        prefill_chunk,
-        limit,
-        on_step,
-    );
+    let prefill = Prefill {
+        chunk: prefill_chunk,
+        snapkv: attention.snapkv(),
+    };
+    let res = run(session, seq, prompt, &mut gen, prefill, limit, on_step);
     session.free_sequence(seq);
     res
+}
+
+/// How a prompt is computed: in chunks of `chunk` tokens (0: whole), its KV compressed by
+/// SnapKV after the last one.
+struct Prefill {
+    chunk: usize,
+    snapkv: Option<SnapKv>,
 }
 
 fn run(
@@ -351,22 +354,26 @@ fn run(
     seq: SeqId,
     prompt: &[u32],
     gen: &mut Generation,
-    prefill_chunk: usize,
+    prefill: Prefill,
     limit: usize,
     on_step: &mut dyn FnMut(&TokenStep),
 ) -> Result<GenerationOutput> {
     let t0 = Instant::now();
-    let chunk = if prefill_chunk == 0 {
+    let chunk = if prefill.chunk == 0 {
         prompt.len()
     } else {
-        prefill_chunk
+        prefill.chunk
     };
     let mut logits = Vec::new();
     for (i, part) in prompt.chunks(chunk).enumerate() {
         let last = (i + 1) * chunk >= prompt.len();
-        let mut out = session.forward(&[SeqChunk::prompt(seq, part, last, prompt.len())])?;
-        if last {
-            logits = out.pop().unwrap_or_default();
+        let ch = SeqChunk::prompt(seq, part, last, prompt.len());
+        match (last, prefill.snapkv) {
+            (true, Some(s)) => logits = session.forward_snapkv(ch, s)?,
+            (true, None) => logits = session.forward(&[ch])?.pop().unwrap_or_default(),
+            (false, _) => {
+                session.forward(&[ch])?;
+            }
         }
     }
     let prefill = t0.elapsed();

@@ -51,6 +51,7 @@ pub mod perplexity;
 mod projection;
 pub mod sampling;
 pub mod session;
+mod snapkv;
 mod spm;
 pub mod tokenizer;
 
@@ -67,7 +68,7 @@ pub use generate::{
 };
 pub use kv::{
     reusable_tokens, AttentionPolicy, BlockHash, KvCache, KvCacheConfig, KvDtype, KvEvent,
-    KvExport, KvKind, KvLayout, KvTier, PrefixCacheConfig, PrefixHasher, PrefixHit, SeqId,
+    KvExport, KvKind, KvLayout, KvTier, PrefixCacheConfig, PrefixHasher, PrefixHit, SeqId, SnapKv,
     TierCounts, Window, WINDOWED_MAX_TOKENS,
 };
 pub use linear::WeightMode;

@@ -148,6 +148,14 @@ pub fn perplexity(
         ));
     }
     cfg.attention.validate(model.config.context_length)?;
+    if let Some(s) = cfg.attention.snapkv() {
+        // Every position of a window is scored in one forward; SnapKV compresses a prompt
+        // for what comes after it, which such a forward never reaches.
+        return Err(EngineError::PolicyUnsupported(format!(
+            "{s}: perplexity scores every position of a window at once; SnapKV acts after \
+             a prompt (measure it with duet run)"
+        )));
+    }
     let wins = windows(tokens.len(), cfg)?;
     let layout = model.kv_layout(16, cfg.kv_dtype);
     let bos = model
@@ -199,7 +207,7 @@ fn window_logits(
 ) -> Result<Vec<Vec<f32>>> {
     cache.set_attention(0, attention)?;
     let chunk = match attention {
-        AttentionPolicy::Full => window.len(),
+        AttentionPolicy::Full | AttentionPolicy::SnapKv(_) => window.len(),
         AttentionPolicy::Window(_) => WINDOWED_CHUNK,
     };
     let mut logits = Vec::with_capacity(window.len());

@@ -4,9 +4,9 @@
 //! `duet run` drives both engines through the same sampling, stop and timing code.
 
 use crate::candle_engine::CandleModel;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::forward::SeqChunk;
-use crate::kv::{AttentionPolicy, KvCache, SeqId};
+use crate::kv::{AttentionPolicy, KvCache, SeqId, SnapKv};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
@@ -21,6 +21,14 @@ pub trait ForwardSession {
     fn set_attention(&mut self, seq: SeqId, policy: AttentionPolicy) -> Result<()>;
     /// One forward over `batch`; per chunk the logits of its last token where asked.
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>>;
+    /// The last chunk of a prompt, its KV then compressed by SnapKV (`kv::snapkv`); the
+    /// chunk's logits.
+    fn forward_snapkv(&mut self, chunk: SeqChunk<'_>, policy: SnapKv) -> Result<Vec<f32>> {
+        let _ = chunk;
+        Err(EngineError::PolicyUnsupported(format!(
+            "{policy} needs the native engine"
+        )))
+    }
 }
 
 /// The native engine over a paged CPU cache.
@@ -51,6 +59,9 @@ impl ForwardSession for NativeSession<'_> {
     }
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
         self.model.forward(self.cache, batch)
+    }
+    fn forward_snapkv(&mut self, chunk: SeqChunk<'_>, policy: SnapKv) -> Result<Vec<f32>> {
+        self.model.forward_snapkv(self.cache, chunk, policy)
     }
 }
 

@@ -240,9 +240,8 @@ impl Engine {
                 self.pending.taken(&job);
                 let c = self.model.config();
                 let limit = job.attention.max_sequence_tokens(c.context_length);
-                if let Err(e) = self
-                    .model
-                    .check_attention(job.attention)
+                if let Err(e) = duet_serving::convert::check_served(job.attention)
+                    .and_then(|_| self.model.check_attention(job.attention))
                     .and_then(|_| duet_engine::check_prompt(&job.prompt, c.vocab_size, limit))
                 {
                     let _ = reply.send(Err(e.into()));

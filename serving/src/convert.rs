@@ -1,7 +1,9 @@
 //! Proto <-> engine conversions. Proto fields use 0 for "unset"; the engine's defaults
 //! apply then (top_p 1, repetition_penalty 1).
 
-use duet_engine::{AttentionPolicy, EngineError, FinishReason, KvTier, SamplingParams, Window};
+use duet_engine::{
+    AttentionPolicy, EngineError, FinishReason, KvTier, SamplingParams, SnapKv, Window,
+};
 use duet_proto::v1 as pb;
 
 /// Engine sampling parameters from the proto form (not validated here: the engine's
@@ -57,6 +59,27 @@ pub fn attention_from_proto(
                 sinks: w.sinks as usize,
             })))
         }
+        Some(pb::attention_policy::Policy::Snapkv(s)) => {
+            let or = |v: u32, d: usize| if v == 0 { d } else { v as usize };
+            let s = SnapKv {
+                budget: s.budget as usize,
+                observe: or(s.observe, SnapKv::DEFAULT_OBSERVE),
+                pool: or(s.pool, SnapKv::DEFAULT_POOL),
+            };
+            s.validate()?;
+            Ok(Some(AttentionPolicy::SnapKv(s)))
+        }
+    }
+}
+
+/// Whether the workers serve `policy`: SnapKV runs in `duet run` only for now, so it is
+/// refused (failed precondition), never served as full attention.
+pub fn check_served(policy: AttentionPolicy) -> Result<(), EngineError> {
+    match policy {
+        AttentionPolicy::SnapKv(_) => Err(EngineError::PolicyUnsupported(format!(
+            "{policy} is not served yet (duet run runs it)"
+        ))),
+        AttentionPolicy::Full | AttentionPolicy::Window(_) => Ok(()),
     }
 }
 
@@ -67,6 +90,11 @@ pub fn attention_to_proto(a: AttentionPolicy) -> pb::AttentionPolicy {
         AttentionPolicy::Window(w) => pb::attention_policy::Policy::Window(pb::LocalWindow {
             window: u32::try_from(w.window).unwrap_or(u32::MAX),
             sinks: u32::try_from(w.sinks).unwrap_or(u32::MAX),
+        }),
+        AttentionPolicy::SnapKv(s) => pb::attention_policy::Policy::Snapkv(pb::SnapKvSelection {
+            budget: u32::try_from(s.budget).unwrap_or(u32::MAX),
+            observe: u32::try_from(s.observe).unwrap_or(u32::MAX),
+            pool: u32::try_from(s.pool).unwrap_or(u32::MAX),
         }),
     };
     pb::AttentionPolicy {

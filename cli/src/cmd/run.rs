@@ -49,9 +49,11 @@ pub struct RunArgs {
     /// KV cache element type.
     #[arg(long, env = "DUET_KV_DTYPE", default_value = "f16")]
     pub kv_dtype: KvDtype,
-    /// `full`, or `window=W,sinks=S`: each token attends to the first S tokens and its last
+    /// `full`, `window=W,sinks=S`: each token attends to the first S tokens and its last
     /// W (StreamingLLM); the KV held stays bounded and generation may run past the model's
-    /// context (native engine).
+    /// context; or `snapkv=B[,observe=O,pool=P]`: once the prompt is computed, each layer's
+    /// KV heads keep the B prompt positions its last O queries attend to most (SnapKV)
+    /// (native engine).
     #[arg(long, env = "DUET_ATTENTION", default_value = "full")]
     pub attention: AttentionPolicy,
     /// Print one JSON object (prompt_ids, ids, text, timings) instead of streaming.
@@ -97,9 +99,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             let blocks = match a.attention.window() {
                 // The prompt's blocks while it is computed, then at most the window's.
                 Some(w) => prompt.len().div_ceil(bs) + w.max_blocks(bs),
+                // SnapKV writes the kept positions into fresh blocks before it frees the
+                // prompt's.
                 None => {
                     params.validate(native.config.context_length)?;
-                    (prompt.len() + a.max_tokens).div_ceil(bs)
+                    let compacted = a.attention.snapkv().map_or(0, |s| s.budget.div_ceil(bs));
+                    (prompt.len() + a.max_tokens).div_ceil(bs) + compacted
                 }
             };
             cache = KvCache::new(layout, blocks);

@@ -170,6 +170,9 @@ pub(super) struct Sequence {
     pub(super) window: Option<Window>,
     /// Logical blocks dropped after the sink blocks (windowed sequences only).
     pub(super) dropped: usize,
+    /// Positions a SnapKV-compressed sequence's tokens sit ahead of their slots: the next
+    /// token goes in slot `len` and is rotated at position `len + shift` (`super::snapkv`).
+    pub(super) shift: usize,
 }
 
 impl Sequence {

@@ -12,11 +12,11 @@ impl KvCache {
     /// One layer's frame for a sequence: K regions, then V regions.
     pub fn export_layer(&self, id: SeqId, layer: usize) -> Result<Vec<u8>> {
         let s = self.seq(id)?;
-        if s.window.is_some() {
+        if s.window.is_some() || s.shift > 0 {
             return Err(EngineError::invalid(
                 "attention",
-                "the KV of a windowed sequence cannot be exported (yet): its layout has no \
-                 field for the dropped blocks",
+                "the KV of a windowed or compressed sequence cannot be exported whole: its \
+                 layout has no field for dropped blocks or shifted positions",
             ));
         }
         if layer >= self.layout.n_layers {

@@ -8,6 +8,7 @@ mod export;
 mod lru;
 pub mod prefix;
 pub mod prefix_cache;
+pub mod snapkv;
 pub mod tiers;
 pub mod window;
 
@@ -15,4 +16,5 @@ pub use allocator::{BlockAllocator, BlockId};
 pub use cache::{KvCache, KvCacheConfig, KvDtype, KvExport, KvKind, KvLayout, SeqId};
 pub use prefix::{reusable_tokens, BlockHash, KvEvent, KvTier, PrefixHasher, PrefixHit};
 pub use prefix_cache::{PrefixCacheConfig, TierCounts};
+pub use snapkv::SnapKv;
 pub use window::{AttentionPolicy, Window, WINDOWED_MAX_TOKENS};

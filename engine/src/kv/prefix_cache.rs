@@ -278,9 +278,9 @@ impl KvCache {
             return Ok(0);
         };
         let s = self.seq(id)?;
-        if s.window.is_some() {
+        if s.window.is_some() || s.shift > 0 {
             // Its KV is not what a full-attention sequence of these tokens holds, and its
-            // dropped blocks are gone: a windowed sequence publishes nothing.
+            // dropped blocks are gone: a windowed or compressed sequence publishes nothing.
             return Ok(0);
         }
         let full = s.len.min(tokens.len()) / self.layout.block_size;

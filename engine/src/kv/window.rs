@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use super::allocator::BlockId;
 use super::cache::{KvCache, SeqId, DROPPED};
+use super::snapkv::SnapKv;
 use crate::error::{EngineError, Result};
 
 /// The most tokens a windowed sequence may hold (prompt and generated): nothing the model
@@ -44,6 +45,9 @@ pub enum AttentionPolicy {
     Full,
     /// The first `sinks` tokens and the last `window` (StreamingLLM).
     Window(Window),
+    /// Full attention over the prompt positions SnapKV keeps once the prompt is computed
+    /// (`super::snapkv`).
+    SnapKv(SnapKv),
 }
 
 /// The sizes of a local window with sinks, in tokens.
@@ -116,8 +120,16 @@ impl AttentionPolicy {
     /// The window, if any.
     pub fn window(&self) -> Option<Window> {
         match self {
-            AttentionPolicy::Full => None,
             AttentionPolicy::Window(w) => Some(*w),
+            AttentionPolicy::Full | AttentionPolicy::SnapKv(_) => None,
+        }
+    }
+
+    /// The SnapKV selection, if any.
+    pub fn snapkv(&self) -> Option<SnapKv> {
+        match self {
+            AttentionPolicy::SnapKv(s) => Some(*s),
+            AttentionPolicy::Full | AttentionPolicy::Window(_) => None,
         }
     }
 
@@ -125,7 +137,7 @@ impl AttentionPolicy {
     /// `context_length`.
     pub fn max_sequence_tokens(&self, context_length: usize) -> usize {
         match self {
-            AttentionPolicy::Full => context_length,
+            AttentionPolicy::Full | AttentionPolicy::SnapKv(_) => context_length,
             AttentionPolicy::Window(_) => WINDOWED_MAX_TOKENS,
         }
     }
@@ -133,6 +145,18 @@ impl AttentionPolicy {
     /// A policy this model can run: a window of at least one token, and sinks plus window
     /// within the model's context (the largest distance a query may see).
     pub fn validate(&self, context_length: usize) -> Result<()> {
+        if let Some(s) = self.snapkv() {
+            s.validate()?;
+            if s.budget >= context_length {
+                return Err(EngineError::invalid(
+                    "attention.snapkv",
+                    format!(
+                        "budget {} is not below the context {context_length}",
+                        s.budget
+                    ),
+                ));
+            }
+        }
         let Some(w) = self.window() else {
             return Ok(());
         };
@@ -160,11 +184,14 @@ impl fmt::Display for AttentionPolicy {
         match self {
             AttentionPolicy::Full => write!(f, "full"),
             AttentionPolicy::Window(w) => write!(f, "window={},sinks={}", w.window, w.sinks),
+            AttentionPolicy::SnapKv(s) => s.fmt(f),
         }
     }
 }
 
-/// `full`, or `window=W[,sinks=S]` (sinks default to 4, the paper's choice).
+/// `full`, `window=W[,sinks=S]` (sinks default to 4, the paper's choice), or
+/// `snapkv=B[,observe=O][,pool=P]` (SnapKV's budget; observe 32 and pool 7 by default, the
+/// paper's).
 impl FromStr for AttentionPolicy {
     type Err = String;
 
@@ -172,6 +199,9 @@ impl FromStr for AttentionPolicy {
         let s = s.trim();
         if s == "full" {
             return Ok(AttentionPolicy::Full);
+        }
+        if s.starts_with("snapkv") {
+            return parse_snapkv(s);
         }
         let (mut window, mut sinks) = (None, 4);
         for part in s.split(',') {
@@ -198,6 +228,35 @@ impl FromStr for AttentionPolicy {
         }
         Ok(AttentionPolicy::Window(Window { window, sinks }))
     }
+}
+
+fn parse_snapkv(s: &str) -> std::result::Result<AttentionPolicy, String> {
+    let mut p = SnapKv {
+        budget: 0,
+        observe: SnapKv::DEFAULT_OBSERVE,
+        pool: SnapKv::DEFAULT_POOL,
+    };
+    for part in s.split(',') {
+        let (k, v) = part
+            .split_once('=')
+            .ok_or_else(|| format!("`{part}`: expected key=value (snapkv=B,observe=O,pool=P)"))?;
+        let n: usize = v
+            .trim()
+            .parse()
+            .map_err(|_| format!("`{k}`: `{v}` is not a whole number"))?;
+        match k.trim() {
+            "snapkv" => p.budget = n,
+            "observe" => p.observe = n,
+            "pool" => p.pool = n,
+            other => {
+                return Err(format!(
+                    "unknown SnapKV setting `{other}` (snapkv, observe, pool)"
+                ))
+            }
+        }
+    }
+    p.validate().map_err(|e| e.to_string())?;
+    Ok(AttentionPolicy::SnapKv(p))
 }
 
 impl KvCache {
@@ -361,5 +420,12 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("attention.window"), "{e}");
         assert!(AttentionPolicy::Window(w(8188, 4)).validate(8192).is_ok());
+        let p: AttentionPolicy = "snapkv=1024".parse().unwrap();
+        assert_eq!(p.to_string(), "snapkv=1024,observe=32,pool=7");
+        assert_eq!(p.to_string().parse::<AttentionPolicy>().unwrap(), p);
+        assert!(p.validate(8192).is_ok() && p.validate(1024).is_err());
+        for bad in ["snapkv=16", "snapkv=64,pool=4", "snapkv=64,sinks=2"] {
+            assert!(bad.parse::<AttentionPolicy>().is_err(), "{bad}");
+        }
     }
 }

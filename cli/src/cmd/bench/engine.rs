@@ -101,6 +101,10 @@ fn rss_bytes() -> u64 {
 
 pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
     let kind = a.engine.resolve()?;
+    if let Some(s) = a.attention.snapkv() {
+        // Its contexts are filled by chunks that never end a prompt: nothing would compress.
+        anyhow::bail!("--attention {s}: duet bench engine measures full attention and windows");
+    }
     if kind == EngineKind::Candle && a.kv_dtype != KvDtype::F16 {
         anyhow::bail!("--kv-dtype: the candle engine keeps an f16 KV pool");
     }

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Greedy agreement of duet's KV policies with full attention on long prompts.
+
+For each prompt (passages of the bench corpus, each followed by a question about its
+beginning), `duet run --attention POLICY --json` generates greedily; a policy's agreement on
+a prompt is the number of leading tokens equal to full attention's. Also reports the KV a
+sequence keeps after its prompt (tokens of KV held per layer and head).
+
+    long_context_agree.py DUET MODEL CORPUS OUT.jsonl [--prompts 8] [--tokens 1500]
+        [--max-tokens 64] [--policies "window=1024,sinks=4 snapkv=1024"]
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+
+def passages(corpus, n, approx_tokens):
+    text = open(corpus, encoding="utf-8").read()
+    # About 4.2 characters per token in this corpus; passages start at even offsets.
+    size = int(approx_tokens * 4.2)
+    step = max(1, (len(text) - size) // n)
+    out = []
+    for i in range(n):
+        body = text[i * step:i * step + size]
+        out.append(body + "\n\nQuestion: who is named in the first sentence of the text above?\nAnswer:")
+    return out
+
+
+def run(duet, model, prompt, policy, max_tokens):
+    o = subprocess.run(
+        [duet, "run", "--model", model, "--prompt", prompt, "--max-tokens", str(max_tokens),
+         "--attention", policy, "--json"],
+        capture_output=True, text=True, check=False)
+    if o.returncode != 0:
+        sys.exit(f"duet run --attention {policy}: {o.stderr}")
+    r = json.loads(o.stdout)
+    return r["prompt_ids"], r["ids"]
+
+
+def kept_tokens(policy, prompt_len):
+    """KV positions per layer and head a sequence keeps once its prompt is computed."""
+    if policy == "full":
+        return prompt_len
+    kv = dict(p.split("=") for p in policy.split(","))
+    if "window" in kv:
+        w, s = int(kv["window"]), int(kv.get("sinks", 4))
+        return min(prompt_len, w + s)
+    return min(prompt_len, int(kv["snapkv"]))
+
+
+def lead(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("duet")
+    ap.add_argument("model")
+    ap.add_argument("corpus")
+    ap.add_argument("out")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=1500)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--policies",
+                    default="window=1024,sinks=4 window=512,sinks=4 snapkv=1024 snapkv=512")
+    a = ap.parse_args()
+    policies = a.policies.split()
+    rows = []
+    with open(a.out, "w") as f:
+        for i, p in enumerate(passages(a.corpus, a.prompts, a.tokens)):
+            prompt_ids, full = run(a.duet, a.model, p, "full", a.max_tokens)
+            for policy in policies:
+                _, ids = run(a.duet, a.model, p, policy, a.max_tokens)
+                r = {"prompt": i, "prompt_tokens": len(prompt_ids), "policy": policy,
+                     "agree": lead(ids, full), "generated": len(full),
+                     "kept": kept_tokens(policy, len(prompt_ids))}
+                rows.append(r)
+                f.write(json.dumps(r) + "\n")
+                f.flush()
+    print(f"{a.prompts} prompts of about {a.tokens} tokens, {a.max_tokens} greedy tokens each")
+    print()
+    print("| policy | KV kept after the prompt (median) | vs full | tokens equal to full's before the first difference (median, min) | prompts fully equal |")
+    print("|---|---|---|---|---|")
+    full_kept = statistics.median(r["prompt_tokens"] for r in rows)
+    for policy in policies:
+        xs = [r for r in rows if r["policy"] == policy]
+        kept = statistics.median(r["kept"] for r in xs)
+        agree = [r["agree"] for r in xs]
+        equal = sum(r["agree"] == r["generated"] for r in xs)
+        print(f"| {policy} | {kept:.0f} tokens | {kept / full_kept - 1:+.0%} "
+              f"| {statistics.median(agree):.0f} of {a.max_tokens}, min {min(agree)} | {equal}/{len(xs)} |")
+
+
+if __name__ == "__main__":
+    main()
