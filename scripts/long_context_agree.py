@@ -7,7 +7,10 @@ a prompt is the number of leading tokens equal to full attention's. Also reports
 sequence keeps after its prompt (tokens of KV held per layer and head).
 
     long_context_agree.py DUET MODEL CORPUS OUT.jsonl [--prompts 8] [--tokens 1500]
-        [--max-tokens 64] [--policies "window=1024,sinks=4 snapkv=1024"]
+        [--max-tokens 64] [--policies "window=1024,sinks=4 snapkv=1024"] [--table]
+
+A policy's share on a prompt is its leading tokens equal to full attention's over the
+tokens full attention generated (it may stop early at an end-of-sequence token).
 """
 import argparse
 import json
@@ -70,8 +73,13 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--policies",
                     default="window=1024,sinks=4 window=512,sinks=4 snapkv=1024 snapkv=512")
+    ap.add_argument("--table", action="store_true", help="only print the table of OUT.jsonl")
     a = ap.parse_args()
     policies = a.policies.split()
+    if a.table:
+        rows = [json.loads(line) for line in open(a.out) if line.strip()]
+        table(rows, policies, a.prompts, a.tokens, a.max_tokens)
+        return
     rows = []
     with open(a.out, "w") as f:
         for i, p in enumerate(passages(a.corpus, a.prompts, a.tokens)):
@@ -84,18 +92,24 @@ def main():
                 rows.append(r)
                 f.write(json.dumps(r) + "\n")
                 f.flush()
-    print(f"{a.prompts} prompts of about {a.tokens} tokens, {a.max_tokens} greedy tokens each")
+    table(rows, policies, a.prompts, a.tokens, a.max_tokens)
+
+
+def table(rows, policies, prompts, tokens, max_tokens):
+    print(f"{prompts} prompts of about {tokens} tokens, up to {max_tokens} greedy tokens each")
     print()
-    print("| policy | KV kept after the prompt (median) | vs full | tokens equal to full's before the first difference (median, min) | prompts fully equal |")
-    print("|---|---|---|---|---|")
+    print("| policy | KV kept after the prompt (median) | vs full | first token equal | "
+          "share of full's tokens equal before the first difference (mean) | prompts fully equal |")
+    print("|---|---|---|---|---|---|")
     full_kept = statistics.median(r["prompt_tokens"] for r in rows)
     for policy in policies:
         xs = [r for r in rows if r["policy"] == policy]
         kept = statistics.median(r["kept"] for r in xs)
-        agree = [r["agree"] for r in xs]
+        first = sum(r["agree"] >= 1 for r in xs)
+        share = statistics.mean(r["agree"] / r["generated"] for r in xs)
         equal = sum(r["agree"] == r["generated"] for r in xs)
-        print(f"| {policy} | {kept:.0f} tokens | {kept / full_kept - 1:+.0%} "
-              f"| {statistics.median(agree):.0f} of {a.max_tokens}, min {min(agree)} | {equal}/{len(xs)} |")
+        print(f"| {policy} | {kept:.0f} tokens | {kept / full_kept - 1:+.0%} | {first}/{len(xs)} "
+              f"| {share:.0%} | {equal}/{len(xs)} |")
 
 
 if __name__ == "__main__":

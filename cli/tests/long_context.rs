@@ -4,13 +4,12 @@
 //! gives `duet run --attention`'s tokens, through the gRPC door and the OpenAI door
 //! (`attention`, which OpenAI clients send in `extra_body`); every block is free after it.
 //! A window of 0 or wider than the context is 400 / INVALID_ARGUMENT naming the field; a
-//! window on a model that cannot run it is FAILED_PRECONDITION (`cluster_up.rs`, Gemma 3), as
-//! is SnapKV, which only `duet run` runs yet.
+//! window on a model that cannot run it is FAILED_PRECONDITION (`cluster_up.rs`, Gemma 3).
+//! SnapKV the same way: the prefill worker compacts the prompt and sends only the kept slots.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod support;
 
-use std::process::Command;
 use std::time::Duration;
 
 use duet_engine::{AttentionPolicy, Window};
@@ -35,36 +34,36 @@ fn passage() -> String {
     text.chars().skip(3000).take(1600).collect()
 }
 
-/// `duet run --attention window=64,sinks=4 --json`: prompt ids, generated ids, text.
-fn run_windowed(prompt: &str, max_tokens: u32) -> (Vec<u32>, Vec<u32>, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_duet"))
-        .args(["run", "--prompt", prompt, "--json", "--attention"])
-        .arg(AttentionPolicy::Window(WINDOW).to_string())
-        .args(["--max-tokens", &max_tokens.to_string()])
-        .env("DUET_MODEL", support::model())
-        .output()
-        .expect("duet run");
-    assert!(
-        o.status.success(),
-        "duet run: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
-    let ids = |k: &str| -> Vec<u32> {
-        v[k].as_array()
-            .expect(k)
-            .iter()
-            .map(|x| x.as_u64().expect("id") as u32)
-            .collect()
-    };
+/// `duet run --attention POLICY --json`: prompt ids, generated ids, text.
+fn run_with(
+    policy: AttentionPolicy,
+    prompt: &str,
+    max_tokens: u32,
+) -> (Vec<u32>, Vec<u32>, String) {
+    let (policy, max) = (policy.to_string(), max_tokens.to_string());
+    let args = [
+        "--prompt",
+        prompt,
+        "--attention",
+        &policy,
+        "--max-tokens",
+        &max,
+    ];
+    let v = support::run_json("native", &args);
     let text = v["text"].as_str().expect("text").to_string();
-    (ids("prompt_ids"), ids("ids"), text)
+    (
+        support::ids_of(&v, "prompt_ids"),
+        support::ids_of(&v, "ids"),
+        text,
+    )
 }
 
 #[test]
 fn up_serves_a_windowed_request_moving_only_the_kept_blocks() {
     let prompt = passage();
-    let (prompt_ids, want, want_text) = run_windowed(&prompt, 40);
+    let (prompt_ids, want, want_text) = run_with(AttentionPolicy::Window(WINDOW), &prompt, 40);
+    let snapkv: AttentionPolicy = "snapkv=128".parse().unwrap();
+    let (_, want_snapkv, _) = run_with(snapkv, &prompt, 40);
     let len = prompt_ids.len();
     let all_blocks = len.div_ceil(16) as u64;
     let kept: u64 = WINDOW
@@ -124,11 +123,22 @@ fn up_serves_a_windowed_request_moving_only_the_kept_blocks() {
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
         assert!(e.message().contains("attention.window"), "{e:?}");
 
-        // SnapKV runs in `duet run` only: the servers refuse it, never run full attention.
-        let mut snap = greedy(tokens(&prompt_ids), 4);
-        snap.attention = Some(attention_to_proto("snapkv=128".parse().unwrap()));
-        let e = generate(&mut c, snap).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        // SnapKV: the prefill worker compacts the prompt to 128 slots per layer and KV
+        // head and sends those 8 blocks; the decode worker goes on in the prompt's frame.
+        let mut snap = greedy(tokens(&prompt_ids), 40);
+        snap.attention = Some(attention_to_proto(snapkv));
+        let got = generate(&mut c, snap).await.expect("snapkv generate");
+        assert_eq!(
+            got.ids, want_snapkv,
+            "the tokens of duet run --attention snapkv=128"
+        );
+        assert_eq!(
+            got.timings().kv_bytes,
+            8 * BLOCK_BYTES,
+            "{:?}",
+            got.timings()
+        );
+        p.assert_decode_pools_empty(Duration::from_secs(5)).await;
     });
 
     // The OpenAI door: the same request with `attention` as a client's extra_body sends it.

@@ -40,6 +40,8 @@ struct Reservation<C> {
     /// The fresh blocks the KV arrives in (the cached prefix's blocks are not listed).
     blocks: Vec<u32>,
     prompt_tokens: usize,
+    /// Tokens of KV that arrive: the prompt's, or the slots SnapKV kept of it.
+    arriving: usize,
     /// Leading prompt tokens attached from the prefix cache, and their block hashes (checked
     /// against the prompt when Generate claims the reservation).
     cached: usize,
@@ -130,7 +132,8 @@ impl<C> Reservations<C> {
     /// Reserves room in `cache` for a prompt of `tokens` tokens after the cached prefix of
     /// `hashes` (`None`: the prefix cache is off); returns the reply and the prefix hit.
     /// Under a local window (`attention`) the room is for the blocks the prompt keeps, in
-    /// the order they arrive, and the prefix cache is not used. On error nothing is held.
+    /// the order they arrive, under SnapKV for the slots it kept; neither uses the prefix
+    /// cache. On error nothing is held.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn reserve(
         &mut self,
@@ -147,18 +150,24 @@ impl<C> Reservations<C> {
         }
         cache.add_sequence(id)?;
         let bs = cache.block_size();
-        let windowed = attention.window().is_some();
-        if windowed {
-            if let Err(e) = cache
+        // Under a window only the kept blocks arrive; under SnapKV the kept slots, whose
+        // later tokens are rotated in the prompt's frame. Neither uses the prefix cache.
+        let arriving = attention.snapkv().map_or(tokens, |s| s.kept(tokens));
+        let prepared = match attention {
+            AttentionPolicy::Full => Ok(()),
+            AttentionPolicy::Window(_) => cache
                 .set_attention(id, attention)
-                .and_then(|_| cache.expect_windowed_prompt(id, tokens))
-            {
-                cache.free_sequence(id);
-                return Err(e.into());
-            }
+                .and_then(|_| cache.expect_windowed_prompt(id, tokens)),
+            AttentionPolicy::SnapKv(_) => cache
+                .set_attention(id, attention)
+                .and_then(|_| cache.expect_compressed_prompt(id, tokens, arriving)),
+        };
+        if let Err(e) = prepared {
+            cache.free_sequence(id);
+            return Err(e.into());
         }
         let hit = match hashes {
-            Some(h) if !h.is_empty() && !windowed => {
+            Some(h) if !h.is_empty() && attention == AttentionPolicy::Full => {
                 match cache.attach_prefix(id, h, reusable_tokens(tokens, bs)) {
                     Ok(hit) => hit,
                     Err(e) => {
@@ -171,7 +180,7 @@ impl<C> Reservations<C> {
         };
         let cached = hit.blocks() * bs;
         let blocks = match cache
-            .prepare_append(id, tokens - cached)
+            .prepare_append(id, arriving - cached)
             .and_then(|_| cache.sequence_blocks(id).map(|b| b[cached / bs..].to_vec()))
         {
             Ok(b) => b,
@@ -192,6 +201,7 @@ impl<C> Reservations<C> {
             Reservation {
                 blocks: blocks.clone(),
                 prompt_tokens: tokens,
+                arriving,
                 cached,
                 cached_hashes,
                 received: cached,
@@ -329,9 +339,7 @@ impl<C> Reservations<C> {
         let ready: Vec<u64> = self
             .table
             .iter()
-            .filter(|(_, r)| {
-                r.claim.is_some() && r.failed.is_none() && r.received >= r.prompt_tokens
-            })
+            .filter(|(_, r)| r.claim.is_some() && r.failed.is_none() && r.received >= r.arriving)
             .map(|(&id, _)| id)
             .collect();
         let mut out = Vec::with_capacity(ready.len());
@@ -344,7 +352,7 @@ impl<C> Reservations<C> {
                 cache.free_sequence(id);
                 continue;
             };
-            match cache.commit_append(id, r.prompt_tokens - r.cached) {
+            match cache.commit_append(id, r.arriving - r.cached) {
                 Ok(()) => out.push(Ok(Ready {
                     id,
                     claim,

@@ -103,7 +103,6 @@ impl pb::decode_server::Decode for DecodeService {
         // Everything checked before the request can reach a batch others share.
         door::check_generate(&r, &params, attention, &self.limits())
             .map_err(|e| engine_status(&e))?;
-        duet_serving::convert::check_served(attention).map_err(|e| engine_status(&e))?;
         self.handle
             .check_attention(attention)
             .map_err(|e| e.status())?;

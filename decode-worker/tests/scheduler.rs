@@ -225,24 +225,24 @@ fn preemption_recomputes_and_keeps_tokens_and_frees_every_block() {
     });
 }
 
-/// A windowed sequence in the continuous batch: admitted for its window's blocks, it runs
-/// beside a full-attention one in a pool too small for both at full length, is preempted
-/// and recomputed under the same window, and gives the tokens `generate_in` gives it alone;
-/// every block is free at the end.
-#[test]
-fn a_windowed_sequence_is_batched_preempted_and_recomputed_under_its_window() {
+/// A sequence under `policy` in the continuous batch: it runs beside a full-attention one
+/// in a pool too small for both, is preempted and recomputed under the same policy, and
+/// gives the tokens `generate_in` gives it alone; every block is free at the end.
+fn batched_preempted_and_recomputed(
+    policy: AttentionPolicy,
+    prompt: &str,
+    pool: fn(usize) -> usize,
+    full_tokens: usize,
+) {
     let m = model();
-    let w = Window {
-        window: 32,
-        sinks: 4,
-    };
     let EngineModel::Native(native) = m.as_ref() else {
         panic!("native engine");
     };
-    let prompt = m
-        .tokenizer()
-        .encode("The history of the lighthouse", false)
-        .expect("encode");
+    let prompt = m.tokenizer().encode(prompt, false).expect("encode");
+    if let Some(s) = policy.snapkv() {
+        assert!(s.compresses(prompt.len()), "{} tokens", prompt.len());
+    }
+    let blocks = pool(prompt.len());
     let params = GenerationParams {
         max_tokens: 90,
         ignore_eos: true,
@@ -259,7 +259,7 @@ fn a_windowed_sequence_is_batched_preempted_and_recomputed_under_its_window() {
         &prompt,
         params.clone(),
         0,
-        AttentionPolicy::Window(w),
+        policy,
         &mut |_| {},
     )
     .expect("alone")
@@ -268,38 +268,67 @@ fn a_windowed_sequence_is_batched_preempted_and_recomputed_under_its_window() {
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        // 7 blocks: the full-attention sequence grows to 5 (~7 + 60 tokens), the windowed
-        // one holds up to 4 (sinks, window, the block being written): both cannot stay.
-        let (h, stop) = start(&m, 7, 0);
+        let (h, stop) = start(&m, blocks, 0);
         let mut full = job(
             &m,
             20,
             "The capital of France is",
-            60,
+            full_tokens,
             Priority::Interactive,
         );
         full.params.ignore_eos = true;
-        let windowed = GenerateJob {
+        let other = GenerateJob {
             request_id: 21,
             prompt: prompt.clone(),
             params,
             priority: Priority::Batch,
             prefill: PrefillSource::Local { replay: 0 },
-            attention: AttentionPolicy::Window(w),
+            attention: policy,
             span: tracing::Span::none(),
         };
-        let (a, b) = (h.generate(full), h.generate(windowed));
+        let (a, b) = (h.generate(full), h.generate(other));
         let ((ids_a, _), (ids_b, done_b)) = tokio::join!(collect(a), collect(b));
-        assert_eq!(ids_a.len(), 60);
-        assert!(done_b.preemptions >= 1, "preempted: {done_b:?}");
-        assert_eq!(ids_b, alone, "the window's tokens, batched and recomputed");
+        assert_eq!(ids_a.len(), full_tokens);
+        assert!(done_b.preemptions >= 1, "{policy}: preempted: {done_b:?}");
+        assert_eq!(
+            ids_b, alone,
+            "{policy}: the tokens alone, batched and recomputed"
+        );
         let end = std::time::Instant::now() + Duration::from_secs(1);
-        while h.status().kv_blocks_free != 7 {
+        while h.status().kv_blocks_free != blocks as u64 {
             assert!(std::time::Instant::now() < end, "{:?}", h.status());
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         stop.cancel();
     });
+}
+
+/// A window bounds the blocks: 7 blocks hold the full-attention sequence's 5 (~7 + 60
+/// tokens) but not the windowed one's 4 (sinks, window, the block being written) beside it.
+#[test]
+fn a_windowed_sequence_is_batched_preempted_and_recomputed_under_its_window() {
+    let w = AttentionPolicy::Window(Window {
+        window: 32,
+        sinks: 4,
+    });
+    batched_preempted_and_recomputed(w, "The history of the lighthouse", |_| 7, 60);
+}
+
+/// SnapKV compresses a prompt computed on the decode worker (here 90 tokens to 48 slots),
+/// and again when the preempted sequence is recomputed.
+#[test]
+fn a_snapkv_sequence_is_compressed_batched_preempted_and_recomputed() {
+    let p: AttentionPolicy = "snapkv=48,observe=16".parse().unwrap();
+    let prompt = "The lighthouse keeper climbed the stairs every evening at dusk, lit the great \
+                  lamp, wound the clockwork that turned the lens, and wrote in his log the \
+                  ships he saw pass the rocks. In winter the storms came from the west and \
+                  the spray reached the gallery; in summer the visitors came from the town \
+                  and asked him the same questions about the light, the keeper before him, \
+                  and the wreck of the schooner that lay below the cliff.";
+    // The prompt's blocks and the 3 it compacts into fit beside the full-attention
+    // sequence's first block; grown, the two do not (7 blocks at 107 tokens, and 9 at
+    // 48 + 90 slots, against 4 more than the prompt's).
+    batched_preempted_and_recomputed(p, prompt, |n| n.div_ceil(16) + 4, 100);
 }
 
 #[test]

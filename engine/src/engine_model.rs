@@ -15,8 +15,8 @@ use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::device::{DeviceSpec, EngineChoice, EngineKind};
 use crate::error::{EngineError, Result};
-use crate::forward::{LayerHook, SeqChunk};
-use crate::kv::{AttentionPolicy, KvCache, KvDtype, KvLayout};
+use crate::forward::{LayerHook, Observation, SeqChunk};
+use crate::kv::{AttentionPolicy, KvCache, KvDtype, KvLayout, SnapKv};
 use crate::model::{LoadOptions, Model};
 use crate::tokenizer::Tokenizer;
 
@@ -151,6 +151,50 @@ impl EngineModel {
         match self {
             EngineModel::Native(m) => m.forward_with(cache, batch, on_layer),
             EngineModel::Candle(m) => m.forward_with(cache, batch, on_layer),
+        }
+    }
+
+    /// [`Self::forward_with`] gathering the observed queries of SnapKV sequences (native
+    /// engine; with none observed, any engine).
+    pub fn forward_with_observing(
+        &self,
+        cache: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        on_layer: &mut LayerHook<'_>,
+        observed: &mut [Observation],
+    ) -> Result<Vec<Vec<f32>>> {
+        match self {
+            _ if observed.is_empty() => self.forward_with(cache, batch, on_layer),
+            EngineModel::Native(m) => m.forward_with_observing(cache, batch, on_layer, observed),
+            EngineModel::Candle(_) => Err(EngineError::PolicyUnsupported(
+                "SnapKV needs the native engine".into(),
+            )),
+        }
+    }
+
+    /// [`Self::forward`] gathering the observed queries of SnapKV sequences.
+    pub fn forward_observing(
+        &self,
+        cache: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        observed: &mut [Observation],
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut hook = |_: usize, _: &KvCache| ControlFlow::Continue(());
+        self.forward_with_observing(cache, batch, &mut hook, observed)
+    }
+
+    /// Compresses an observed prompt's KV by SnapKV (native engine).
+    pub fn compress_snapkv(
+        &self,
+        cache: &mut KvCache,
+        obs: &Observation,
+        policy: SnapKv,
+    ) -> Result<()> {
+        match self {
+            EngineModel::Native(m) => m.compress_snapkv(cache, obs, policy),
+            EngineModel::Candle(_) => Err(EngineError::PolicyUnsupported(format!(
+                "{policy} needs the native engine"
+            ))),
         }
     }
 

@@ -75,13 +75,30 @@ pub(crate) struct Row {
     pub(crate) masked: Option<Window>,
 }
 
-/// The queries of a chunk's last rows, per layer (`rows x q_dim` each, rotated), kept by
-/// [`Model::forward_observed`].
-pub(crate) struct Observed {
-    /// The first kept row of the chunk.
-    pub(crate) first_row: usize,
-    pub(crate) rows: usize,
+/// The rotated queries of one sequence's positions `from..` (the end of its prompt), gathered
+/// over the forwards that compute them, whatever the chunks: SnapKV's observation window
+/// (`crate::snapkv`).
+pub struct Observation {
+    pub(crate) seq: SeqId,
+    /// The first observed position.
+    pub(crate) from: usize,
+    /// Per layer, the observed rows' queries in position order (`q_dim` each).
     pub(crate) q: Vec<Vec<f32>>,
+    /// Positions gathered so far.
+    pub(crate) rows: usize,
+}
+
+impl Observation {
+    /// Observes the last `observe` positions of sequence `seq`'s prompt of `prompt_len`
+    /// tokens in a model of `n_layers` layers.
+    pub fn new(seq: SeqId, prompt_len: usize, observe: usize, n_layers: usize) -> Self {
+        Observation {
+            seq,
+            from: prompt_len.saturating_sub(observe),
+            q: vec![Vec::new(); n_layers],
+            rows: 0,
+        }
+    }
 }
 
 /// The per-layer hook of a forward, on either engine: called with `(l, cache)` once layer
@@ -102,7 +119,7 @@ impl Model {
         batch: &[SeqChunk<'_>],
         on_layer: &mut LayerHook<'_>,
     ) -> Result<Vec<Vec<f32>>> {
-        self.forward_inner(cache, batch, on_layer, false, None)
+        self.forward_inner(cache, batch, on_layer, false, &mut [])
     }
 
     /// One prompt chunk of one sequence with the logits of **every** row: `out[r]` predicts
@@ -118,32 +135,31 @@ impl Model {
             &[chunk],
             &mut |_, _| ControlFlow::Continue(()),
             true,
-            None,
+            &mut [],
         )
     }
 
-    /// One chunk of one sequence whose last `observe` rows' queries (after RoPE) are kept
-    /// per layer in the returned [`Observed`]: what SnapKV scores the prompt's KV with.
-    pub(crate) fn forward_observed(
+    /// [`Self::forward`] that also gathers, for each of `observed`, the queries of its
+    /// sequence's rows at or after its first observed position.
+    pub fn forward_observing(
         &self,
         cache: &mut KvCache,
-        chunk: SeqChunk<'_>,
-        observe: usize,
-    ) -> Result<(Vec<f32>, Observed)> {
-        let rows = observe.min(chunk.tokens.len());
-        let mut obs = Observed {
-            first_row: chunk.tokens.len() - rows,
-            rows,
-            q: Vec::with_capacity(self.config.n_layers),
-        };
-        let mut logits = self.forward_inner(
-            cache,
-            &[chunk],
-            &mut |_, _| ControlFlow::Continue(()),
-            false,
-            Some(&mut obs),
-        )?;
-        Ok((logits.pop().unwrap_or_default(), obs))
+        batch: &[SeqChunk<'_>],
+        observed: &mut [Observation],
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut hook = |_: usize, _: &KvCache| ControlFlow::Continue(());
+        self.forward_inner(cache, batch, &mut hook, false, observed)
+    }
+
+    /// [`Self::forward_with`] and [`Self::forward_observing`] at once.
+    pub fn forward_with_observing(
+        &self,
+        cache: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        on_layer: &mut LayerHook<'_>,
+        observed: &mut [Observation],
+    ) -> Result<Vec<Vec<f32>>> {
+        self.forward_inner(cache, batch, on_layer, false, observed)
     }
 
     fn forward_inner(
@@ -152,7 +168,7 @@ impl Model {
         batch: &[SeqChunk<'_>],
         on_layer: &mut LayerHook<'_>,
         every_row: bool,
-        observe: Option<&mut Observed>,
+        observe: &mut [Observation],
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let layout = cache.layout().clone();
@@ -287,7 +303,7 @@ impl Model {
         rows: &[Row],
         tokens: &[u32],
         tables: &[Vec<BlockId>],
-        (kernel_rows, every_row, mut observe): (KernelRows, bool, Option<&mut Observed>),
+        (kernel_rows, every_row, observe): (KernelRows, bool, &mut [Observation]),
         on_layer: &mut LayerHook<'_>,
     ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
@@ -366,12 +382,13 @@ impl Model {
                 let (k, v) = (&row[q_dim..q_dim + kv_dim], &row[q_dim + kv_dim..]);
                 cache.write_token(r.block, r.slot, l, k, v);
             }
-            if let Some(obs) = observe.as_deref_mut() {
-                let mut q = Vec::with_capacity(obs.rows * q_dim);
-                for row in qkv.chunks_exact(stride).skip(obs.first_row).take(obs.rows) {
-                    q.extend_from_slice(&row[..q_dim]);
+            for obs in observe.iter_mut() {
+                for (q, r) in qkv.chunks_exact(stride).zip(rows) {
+                    if batch[r.chunk].seq == obs.seq && r.pos >= obs.from {
+                        obs.q[l].extend_from_slice(&q[..q_dim]);
+                        obs.rows += usize::from(l == 0);
+                    }
                 }
-                obs.q.push(q);
             }
             let queries = Queries {
                 qkv: &qkv,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
-use crate::forward::SeqChunk;
+use crate::forward::{Observation, SeqChunk};
 use crate::kv::{AttentionPolicy, KvCache, SeqId, SnapKv};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplingParams, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
@@ -365,16 +365,23 @@ fn run(
         prefill.chunk
     };
     let mut logits = Vec::new();
+    let layers = session.n_layers();
+    let mut observed = prefill
+        .snapkv
+        .map(|s| Observation::new(seq, prompt.len(), s.observe, layers));
     for (i, part) in prompt.chunks(chunk).enumerate() {
         let last = (i + 1) * chunk >= prompt.len();
-        let ch = SeqChunk::prompt(seq, part, last, prompt.len());
-        match (last, prefill.snapkv) {
-            (true, Some(s)) => logits = session.forward_snapkv(ch, s)?,
-            (true, None) => logits = session.forward(&[ch])?.pop().unwrap_or_default(),
-            (false, _) => {
-                session.forward(&[ch])?;
-            }
+        let ch = [SeqChunk::prompt(seq, part, last, prompt.len())];
+        let mut out = match observed.as_mut() {
+            Some(obs) => session.forward_observing(&ch, obs)?,
+            None => session.forward(&ch)?,
+        };
+        if last {
+            logits = out.pop().unwrap_or_default();
         }
+    }
+    if let (Some(obs), Some(s)) = (&observed, prefill.snapkv) {
+        session.compress_snapkv(obs, s)?;
     }
     let prefill = t0.elapsed();
     let t1 = Instant::now();

@@ -62,7 +62,7 @@ pub use config::ModelConfig;
 pub use device::{DeviceSpec, EngineChoice, EngineKind};
 pub use engine_model::EngineModel;
 pub use error::{EngineError, ErrorClass, Result};
-pub use forward::{check_prompt, check_token_ids, SeqChunk};
+pub use forward::{check_prompt, check_token_ids, Observation, SeqChunk};
 pub use generate::{
     generate, generate_in, FinishReason, Generation, GenerationOutput, GenerationParams, TokenStep,
 };

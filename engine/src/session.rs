@@ -5,7 +5,7 @@
 
 use crate::candle_engine::CandleModel;
 use crate::error::{EngineError, Result};
-use crate::forward::SeqChunk;
+use crate::forward::{Observation, SeqChunk};
 use crate::kv::{AttentionPolicy, KvCache, SeqId, SnapKv};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
@@ -14,6 +14,7 @@ use crate::tokenizer::Tokenizer;
 pub trait ForwardSession {
     fn tokenizer(&self) -> &Tokenizer;
     fn context_length(&self) -> usize;
+    fn n_layers(&self) -> usize;
     fn add_sequence(&mut self, seq: SeqId) -> Result<()>;
     fn free_sequence(&mut self, seq: SeqId);
     fn sequence_len(&self, seq: SeqId) -> Result<usize>;
@@ -21,10 +22,20 @@ pub trait ForwardSession {
     fn set_attention(&mut self, seq: SeqId, policy: AttentionPolicy) -> Result<()>;
     /// One forward over `batch`; per chunk the logits of its last token where asked.
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>>;
-    /// The last chunk of a prompt, its KV then compressed by SnapKV (`kv::snapkv`); the
-    /// chunk's logits.
-    fn forward_snapkv(&mut self, chunk: SeqChunk<'_>, policy: SnapKv) -> Result<Vec<f32>> {
-        let _ = chunk;
+    /// [`Self::forward`] gathering `obs`'s observed queries (SnapKV, `kv::snapkv`).
+    fn forward_observing(
+        &mut self,
+        batch: &[SeqChunk<'_>],
+        obs: &mut Observation,
+    ) -> Result<Vec<Vec<f32>>> {
+        let _ = (batch, obs);
+        Err(EngineError::PolicyUnsupported(
+            "SnapKV needs the native engine".into(),
+        ))
+    }
+    /// Compresses `obs`'s sequence, its prompt computed and observed, by SnapKV.
+    fn compress_snapkv(&mut self, obs: &Observation, policy: SnapKv) -> Result<()> {
+        let _ = obs;
         Err(EngineError::PolicyUnsupported(format!(
             "{policy} needs the native engine"
         )))
@@ -44,6 +55,9 @@ impl ForwardSession for NativeSession<'_> {
     fn context_length(&self) -> usize {
         self.model.config.context_length
     }
+    fn n_layers(&self) -> usize {
+        self.model.config.n_layers
+    }
     fn add_sequence(&mut self, seq: SeqId) -> Result<()> {
         self.cache.add_sequence(seq)
     }
@@ -60,8 +74,16 @@ impl ForwardSession for NativeSession<'_> {
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
         self.model.forward(self.cache, batch)
     }
-    fn forward_snapkv(&mut self, chunk: SeqChunk<'_>, policy: SnapKv) -> Result<Vec<f32>> {
-        self.model.forward_snapkv(self.cache, chunk, policy)
+    fn forward_observing(
+        &mut self,
+        batch: &[SeqChunk<'_>],
+        obs: &mut Observation,
+    ) -> Result<Vec<Vec<f32>>> {
+        self.model
+            .forward_observing(self.cache, batch, std::slice::from_mut(obs))
+    }
+    fn compress_snapkv(&mut self, obs: &Observation, policy: SnapKv) -> Result<()> {
+        self.model.compress_snapkv(self.cache, obs, policy)
     }
 }
 
@@ -77,6 +99,9 @@ impl ForwardSession for CandleSession<'_> {
     }
     fn context_length(&self) -> usize {
         self.model.config.context_length
+    }
+    fn n_layers(&self) -> usize {
+        self.model.config.n_layers
     }
     fn add_sequence(&mut self, seq: SeqId) -> Result<()> {
         self.cache.add_sequence(seq)

@@ -1,39 +1,46 @@
-//! SnapKV's votes and the prompt step that applies them (the policy, the selection and the
+//! SnapKV's votes and the step that applies them (the policy, the selection and the
 //! compaction of the paged cache are in `kv::snapkv`).
 //!
-//! The last chunk of a prompt runs as any forward does, keeping its last `observe` rows'
-//! queries (rotated, as attention used them). Then, for each layer and KV head, every one of
-//! those queries and every query head of the group scores the prompt's keys up to its own
-//! position (softmax of `q . k * scale`, as the model's attention weighs them), and the
-//! weights of each earlier position are summed into its vote. The logits the step returns
-//! are those of full attention: the prompt's last row saw every token; only what later
-//! tokens see is compressed.
+//! A prompt is computed as any other, in whatever chunks, while an [`Observation`] gathers
+//! the rotated queries of its last `observe` positions ([`Model::forward_observing`]), so
+//! the votes do not depend on how the prompt was cut. Then, for each layer and KV head,
+//! every observed query and every query head of the group scores the prompt's keys up to
+//! its own position (softmax of `q . k * scale`, as the model's attention weighs them), and
+//! the weights of each earlier position are summed into its vote. The logits of the
+//! prompt's last row are full attention's: it saw every token; only what later tokens see
+//! is compressed.
 
 use rayon::prelude::*;
 
-use crate::error::Result;
-use crate::forward::{Observed, SeqChunk};
+use crate::error::{EngineError, Result};
+use crate::forward::Observation;
 use crate::kv::{KvCache, SeqId, SnapKv};
 use crate::model::Model;
 
 impl Model {
-    /// Computes the last chunk of `chunk.seq`'s prompt, then, when the prompt is longer
-    /// than the budget, compresses its KV to what SnapKV selects. Returns the chunk's
-    /// logits.
-    pub fn forward_snapkv(
+    /// Compresses the KV of `obs`'s sequence, whose whole prompt is computed and observed,
+    /// to what SnapKV selects (nothing when the prompt is within the budget).
+    pub fn compress_snapkv(
         &self,
         cache: &mut KvCache,
-        chunk: SeqChunk<'_>,
+        obs: &Observation,
         policy: SnapKv,
-    ) -> Result<Vec<f32>> {
-        let seq = chunk.seq;
-        let (logits, obs) = self.forward_observed(cache, chunk, policy.observe)?;
-        let len = cache.sequence_len(seq)?;
-        if policy.compresses(len) {
-            let keep = self.snapkv_keep(cache, seq, &obs, len, policy)?;
-            cache.compact(seq, &keep)?;
+    ) -> Result<()> {
+        let len = cache.sequence_len(obs.seq)?;
+        if obs.from + obs.rows != len || obs.rows == 0 {
+            return Err(EngineError::invalid(
+                "observation",
+                format!(
+                    "{} observed rows from {} for a prompt of {len} tokens",
+                    obs.rows, obs.from
+                ),
+            ));
         }
-        Ok(logits)
+        if !policy.compresses(len) {
+            return Ok(());
+        }
+        let keep = self.snapkv_keep(cache, obs.seq, obs, len, policy)?;
+        cache.compact(obs.seq, &keep)
     }
 
     /// The positions each (layer, KV head) keeps, `layer * kv_heads + head`.
@@ -41,7 +48,7 @@ impl Model {
         &self,
         cache: &KvCache,
         seq: SeqId,
-        obs: &Observed,
+        obs: &Observation,
         len: usize,
         policy: SnapKv,
     ) -> Result<Vec<Vec<usize>>> {

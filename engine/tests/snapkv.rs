@@ -7,8 +7,8 @@
 mod common;
 
 use duet_engine::{
-    generate_in, AttentionPolicy, GenerationParams, KvCache, KvDtype, NativeSession, SeqChunk,
-    SnapKv,
+    generate_in, AttentionPolicy, GenerationParams, KvCache, KvDtype, NativeSession, Observation,
+    SeqChunk, SnapKv,
 };
 
 fn corpus_tokens(m: &duet_engine::Model, n: usize) -> Vec<u32> {
@@ -83,19 +83,20 @@ fn a_long_prompt_keeps_its_budget_per_head_and_generates_on() {
     cache
         .set_attention(2, AttentionPolicy::SnapKv(policy))
         .unwrap();
-    let (head, tail) = prompt.split_at(320);
-    m.forward(
-        &mut cache,
-        &[SeqChunk::prompt(2, head, false, prompt.len())],
-    )
-    .unwrap();
-    let logits = m
-        .forward_snapkv(
-            &mut cache,
-            SeqChunk::prompt(2, tail, true, prompt.len()),
-            policy,
-        )
-        .unwrap();
+    // Cut so that the observation window (the last 32 positions) spans two chunks: the
+    // votes are gathered by position, whatever the chunks.
+    let mut obs = Observation::new(2, prompt.len(), policy.observe, m.config.n_layers);
+    let mut logits = Vec::new();
+    for (from, to) in [(0, 320), (320, 580), (580, 600)] {
+        let last = to == prompt.len();
+        let ch = SeqChunk::prompt(2, &prompt[from..to], last, prompt.len());
+        logits = m
+            .forward_observing(&mut cache, &[ch], std::slice::from_mut(&mut obs))
+            .unwrap()
+            .pop()
+            .unwrap();
+    }
+    m.compress_snapkv(&mut cache, &obs, policy).unwrap();
     // The prompt's last row attended to every token before anything was dropped.
     let argmax = |l: &[f32]| {
         l.iter()

@@ -18,13 +18,17 @@
 //! (each chunk's commit drops what no later query sees) and never touches the prefix cache;
 //! its chunks send nothing, and once it is computed only its kept blocks travel (its sink
 //! blocks, then the next query's window), into destinations the decode worker reserved for
-//! exactly those.
+//! exactly those. SnapKV: a prompt's chunks send nothing either; its last positions' queries
+//! are gathered over them and, once it is computed, its KV is compacted to the slots SnapKV
+//! keeps, which travel as one transfer.
 
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use duet_engine::{AttentionPolicy, EngineModel, KvCache, KvCacheConfig, KvKind, PrefixHasher};
+use duet_engine::{
+    AttentionPolicy, EngineModel, KvCache, KvCacheConfig, KvKind, Observation, PrefixHasher,
+};
 use duet_kv_transfer::backend::shm::SendArena;
 use duet_kv_transfer::{Connector, TransferDesc};
 use duet_worker_common::engine_thread::{EngineLoop, Wait};
@@ -114,6 +118,8 @@ pub(crate) fn spawn(
 
 struct Running {
     job: PrefillJob,
+    /// Under SnapKV: the queries of the prompt's last positions, gathered over its chunks.
+    observation: Option<Observation>,
     /// Prompt tokens whose KV is in the cache (attached or computed).
     done: usize,
     /// Of those, the tokens attached from the prefix cache.
@@ -240,8 +246,9 @@ impl Engine {
                 self.pending.taken(&job);
                 let c = self.model.config();
                 let limit = job.attention.max_sequence_tokens(c.context_length);
-                if let Err(e) = duet_serving::convert::check_served(job.attention)
-                    .and_then(|_| self.model.check_attention(job.attention))
+                if let Err(e) = self
+                    .model
+                    .check_attention(job.attention)
                     .and_then(|_| duet_engine::check_prompt(&job.prompt, c.vocab_size, limit))
                 {
                     let _ = reply.send(Err(e.into()));
@@ -303,16 +310,26 @@ impl Engine {
         }
     }
 
-    /// The blocks `job` holds here at most and sends: every block of its prompt, or under a
-    /// local window what its window bounds (its chunks drop blocks as they go).
+    /// The blocks `job` holds here at most and sends: every block of its prompt; under a
+    /// local window what its window bounds (its chunks drop blocks as they go); under SnapKV
+    /// the prompt's and the compacted slots' (held together while it compacts), and the
+    /// latter sent.
     fn job_blocks(&self, tokens: usize, attention: AttentionPolicy) -> policy::JobBlocks {
         let bs = self.cache.block_size();
-        match attention.window() {
-            None => policy::JobBlocks::full(tokens, bs),
-            Some(w) => policy::JobBlocks {
+        match attention {
+            AttentionPolicy::Full => policy::JobBlocks::full(tokens, bs),
+            AttentionPolicy::Window(w) => policy::JobBlocks {
                 peak: w.peak_blocks(tokens, self.cfg.max_batch_tokens, bs),
                 sent: w.kept_blocks(tokens, bs).iter().map(|r| r.len()).sum(),
             },
+            AttentionPolicy::SnapKv(p) => {
+                let kept = self.cache.blocks_for(p.kept(tokens));
+                let compacted = if p.compresses(tokens) { kept } else { 0 };
+                policy::JobBlocks {
+                    peak: self.cache.blocks_for(tokens) + compacted,
+                    sent: kept,
+                }
+            }
         }
     }
 
@@ -343,8 +360,8 @@ impl Engine {
         attention: AttentionPolicy,
     ) -> Result<Option<usize>, PrefillError> {
         self.cache.add_sequence(id)?;
-        if attention.window().is_some() {
-            // A windowed prompt neither reads nor feeds the prefix cache.
+        if attention != AttentionPolicy::Full {
+            // A windowed or SnapKV prompt neither reads nor feeds the prefix cache.
             if let Err(e) = self.cache.set_attention(id, attention) {
                 self.cache.free_sequence(id);
                 return Err(e.into());
@@ -414,10 +431,19 @@ impl Engine {
     /// order. Returns false when the sequence does not hold exactly those blocks.
     fn send_kept(&self, r: &Running) -> bool {
         let (bs, len) = (self.cache.block_size(), r.job.prompt.len());
-        let (Some(w), Ok(blocks)) = (
-            r.job.attention.window(),
-            self.cache.sequence_blocks(r.job.request_id),
-        ) else {
+        let Ok(blocks) = self.cache.sequence_blocks(r.job.request_id) else {
+            return false;
+        };
+        if let Some(p) = r.job.attention.snapkv() {
+            // The compacted slots, in slot order, as one transfer.
+            let kept = p.kept(len);
+            if blocks.len() != r.job.dst_blocks.len() || blocks.len() != kept.div_ceil(bs) {
+                return false;
+            }
+            self.send_blocks(r, blocks, 0..kept, &r.job.dst_blocks);
+            return true;
+        }
+        let Some(w) = r.job.attention.window() else {
             return false;
         };
         let runs = w.kept_blocks(len, bs);
@@ -516,8 +542,17 @@ impl Engine {
                 span,
             );
             let arena = self.connector.send_arena_for(&job.route.endpoint).cloned();
+            let observation = job.attention.snapkv().map(|p| {
+                Observation::new(
+                    id,
+                    job.prompt.len(),
+                    p.observe,
+                    self.cache.layout().n_layers,
+                )
+            });
             let r = Running {
                 job,
+                observation,
                 done: cached,
                 cached,
                 enqueued,

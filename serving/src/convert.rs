@@ -72,17 +72,6 @@ pub fn attention_from_proto(
     }
 }
 
-/// Whether the workers serve `policy`: SnapKV runs in `duet run` only for now, so it is
-/// refused (failed precondition), never served as full attention.
-pub fn check_served(policy: AttentionPolicy) -> Result<(), EngineError> {
-    match policy {
-        AttentionPolicy::SnapKv(_) => Err(EngineError::PolicyUnsupported(format!(
-            "{policy} is not served yet (duet run runs it)"
-        ))),
-        AttentionPolicy::Full | AttentionPolicy::Window(_) => Ok(()),
-    }
-}
-
 /// The proto form of an attention policy.
 pub fn attention_to_proto(a: AttentionPolicy) -> pb::AttentionPolicy {
     let policy = match a {

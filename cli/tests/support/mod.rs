@@ -406,19 +406,19 @@ pub fn run_reference(prompt: &str, chat: bool, max_tokens: u32) -> Vec<u32> {
 
 /// [`run_reference`] on the engine named (`native` or `candle`, on the CPU device).
 pub fn run_reference_on(engine: &str, prompt: &str, chat: bool, max_tokens: u32) -> Vec<u32> {
-    let mut args = vec![
-        "run".to_string(),
-        "--prompt".into(),
-        prompt.into(),
-        "--max-tokens".into(),
-        max_tokens.to_string(),
-        "--json".into(),
-    ];
+    let max = max_tokens.to_string();
+    let mut args = vec!["--prompt", prompt, "--max-tokens", &max];
     if chat {
-        args.push("--chat".into());
+        args.push("--chat");
     }
+    ids_of(&run_json(engine, &args), "ids")
+}
+
+/// `duet run --json ARGS` on the engine named: its JSON object.
+pub fn run_json(engine: &str, args: &[&str]) -> serde_json::Value {
     let o = Command::new(env!("CARGO_BIN_EXE_duet"))
-        .args(&args)
+        .args(["run", "--json"])
+        .args(args)
         .env("DUET_MODEL", model())
         .env("DUET_ENGINE", engine)
         .output()
@@ -428,10 +428,14 @@ pub fn run_reference_on(engine: &str, prompt: &str, chat: bool, max_tokens: u32)
         "duet run: {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
-    v["ids"]
+    serde_json::from_slice(&o.stdout).expect("json")
+}
+
+/// The token ids under `key` of a `duet run --json` object.
+pub fn ids_of(v: &serde_json::Value, key: &str) -> Vec<u32> {
+    v[key]
         .as_array()
-        .expect("ids")
+        .expect(key)
         .iter()
         .map(|x| x.as_u64().expect("id") as u32)
         .collect()

@@ -4,7 +4,9 @@
 
 use std::time::Instant;
 
-use duet_engine::{reusable_tokens, EngineError, SeqChunk, TokenStep};
+use duet_engine::{
+    reusable_tokens, AttentionPolicy, EngineError, Observation, SeqChunk, TokenStep,
+};
 
 use super::seq::{Phase, Seq};
 use super::Scheduler;
@@ -31,7 +33,23 @@ impl Scheduler {
 
     pub(super) fn blocks_to_start(&self, s: &Seq) -> usize {
         match (&s.phase, s.attention.window()) {
-            (Phase::Prefill { tokens, .. }, None) => self.cache.blocks_for(tokens.len() + 1),
+            // SnapKV compacts the prompt proper into fresh blocks before it frees the
+            // prompt's; the tokens replayed after it go on from the kept slots.
+            (
+                Phase::Prefill {
+                    tokens, exact_from, ..
+                },
+                None,
+            ) => match s.attention.snapkv() {
+                None => self.cache.blocks_for(tokens.len() + 1),
+                Some(p) => {
+                    let kept = p.kept(*exact_from);
+                    let compacting =
+                        self.cache.blocks_for(*exact_from) + self.cache.blocks_for(kept);
+                    let after = self.cache.blocks_for(kept + tokens.len() - exact_from + 1);
+                    compacting.max(after)
+                }
+            },
             (Phase::Prefill { tokens, .. }, Some(w)) => w.peak_blocks(
                 tokens.len() + 1,
                 self.cfg.prefill_chunk_tokens,
@@ -55,6 +73,16 @@ impl Scheduler {
                 let _ = s.events.send(Event::Error(e.into()));
                 continue;
             }
+            // SnapKV observes the last positions of the prompt proper (before any replay).
+            s.observation = match (s.attention.snapkv(), &s.phase) {
+                (Some(p), Phase::Prefill { exact_from, .. }) => Some(Observation::new(
+                    s.id,
+                    *exact_from,
+                    p.observe,
+                    self.model.config().n_layers,
+                )),
+                _ => None,
+            };
             if let Err(e) = self.attach_cached_prefix(&mut s) {
                 self.cache.free_sequence(s.id);
                 let _ = s.events.send(Event::Error(e.into()));
@@ -89,7 +117,7 @@ impl Scheduler {
         let Some(book) = &self.book else {
             return Ok(());
         };
-        if s.attention.window().is_some() {
+        if s.attention != AttentionPolicy::Full {
             return Ok(());
         }
         let Phase::Prefill {
@@ -141,13 +169,70 @@ impl Scheduler {
         let need = plan
             .iter()
             .map(|&(i, n)| {
-                let id = self.active[i].id;
-                self.cache
-                    .blocks_to_append(id, n)
-                    .unwrap_or_else(|_| self.cache.blocks_for(n))
+                let s = &self.active[i];
+                let grow = self
+                    .cache
+                    .blocks_to_append(s.id, n)
+                    .unwrap_or_else(|_| self.cache.blocks_for(n));
+                grow + self.compaction_blocks(s, n)
             })
             .sum();
         (plan, need)
+    }
+
+    /// The fresh blocks SnapKV compacts `s`'s prompt into when the next `n` rows complete it.
+    fn compaction_blocks(&self, s: &Seq, n: usize) -> usize {
+        match (s.attention.snapkv(), &s.phase) {
+            (
+                Some(p),
+                Phase::Prefill {
+                    done, exact_from, ..
+                },
+            ) if *done < *exact_from && done + n >= *exact_from && p.compresses(*exact_from) => {
+                self.cache.blocks_for(p.kept(*exact_from))
+            }
+            _ => 0,
+        }
+    }
+
+    /// Compresses the KV of the SnapKV sequences whose prompt proper the forward over `plan`
+    /// just completed (`done + n` reaches `exact_from`); returns the ids of those whose
+    /// compression failed, with why.
+    fn compress_completed(&mut self, plan: &[(usize, usize)]) -> Vec<(u64, EngineError)> {
+        let mut failed = Vec::new();
+        for &(i, n) in plan {
+            let s = &mut self.active[i];
+            let (
+                Some(policy),
+                Phase::Prefill {
+                    done, exact_from, ..
+                },
+            ) = (s.attention.snapkv(), &s.phase)
+            else {
+                continue;
+            };
+            if !(*done < *exact_from && done + n >= *exact_from) {
+                continue;
+            }
+            let Some(obs) = s.observation.take() else {
+                continue;
+            };
+            if let Err(e) = self.model.compress_snapkv(&mut self.cache, &obs, policy) {
+                failed.push((s.id, e));
+            }
+        }
+        failed
+    }
+
+    /// Ends the sequences `failed` names that are still running.
+    fn end_failed(&mut self, failed: Vec<(u64, EngineError)>) {
+        for (id, e) in failed {
+            if let Some(i) = self.active.iter().position(|s| s.id == id) {
+                let s = self.active.swap_remove(i);
+                self.cache.free_sequence(s.id);
+                let _ = s.events.send(Event::Error(e.into()));
+            }
+        }
     }
 
     /// Frees the lowest-priority, newest running sequence and queues it for recompute.
@@ -280,8 +365,23 @@ impl Scheduler {
             .sum();
         let read_bytes =
             self.model.weight_bytes_per_step() + kv_tokens * self.cache.layout().bytes_per_token();
+        // SnapKV sequences in the forward gather their prompt's last queries.
+        let observed_at: Vec<usize> = plan
+            .iter()
+            .map(|&(i, _)| i)
+            .filter(|&i| self.active[i].observation.is_some())
+            .collect();
+        let mut obs: Vec<Observation> = observed_at
+            .iter()
+            .filter_map(|&i| self.active[i].observation.take())
+            .collect();
         let t0 = Instant::now();
-        let result = self.model.forward(&mut self.cache, &chunks);
+        let result = self
+            .model
+            .forward_observing(&mut self.cache, &chunks, &mut obs);
+        for (&i, o) in observed_at.iter().zip(obs) {
+            self.active[i].observation = Some(o);
+        }
         let mut logits = match result {
             Ok(l) => l,
             Err(e) => {
@@ -304,6 +404,7 @@ impl Scheduler {
             }
         };
         drop(chunks);
+        let compress_failed = self.compress_completed(&plan);
         let dt = t0.elapsed().as_secs_f64();
         self.metrics.batch_size.record(plan.len() as f64);
         self.metrics.step_seconds.record(dt);
@@ -371,6 +472,7 @@ impl Scheduler {
                 self.finish(s, f);
             }
         }
+        self.end_failed(compress_failed);
         self.metrics.generated.increment(generated as u64);
         if dt > 0.0 {
             let rate = generated as f64 / dt;

@@ -22,7 +22,11 @@
 //! sequence is made (admitted, or reserved for a remote prompt's kept blocks), is admitted
 //! for the blocks its window bounds rather than its length, may run past the model's
 //! context, and never reads or feeds the prefix cache; a preempted one is recomputed under
-//! the same window.
+//! the same window. SnapKV (`duet_engine::kv::snapkv`): a prompt computed here gathers the
+//! queries of its last positions over the forwards and is compressed as soon as it is
+//! computed (the forward that completes it reserves the compacted blocks too); a remote
+//! prompt arrives compressed into the slots reserved for it; a preempted sequence is
+//! recomputed and compressed the same way.
 //!
 //! Invariants:
 //! - a cache sequence exists iff its request is in `reservations` or `active`
@@ -290,7 +294,7 @@ impl Scheduler {
         if let Some(book) = self
             .book
             .as_ref()
-            .filter(|_| !hashes.is_empty() && attention.window().is_none())
+            .filter(|_| !hashes.is_empty() && attention == AttentionPolicy::Full)
         {
             book.lookup(tokens, hit, self.cache.block_size());
         }

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use duet_engine::{AttentionPolicy, Generation};
+use duet_engine::{AttentionPolicy, Generation, Observation};
 use tokio::sync::mpsc;
 
 use super::Scheduler;
@@ -50,8 +50,12 @@ pub(super) struct Seq {
     /// whether the cache served it.
     pub(super) cacheable: usize,
     /// Under a local window the sequence holds at most its window's blocks and may run past
-    /// the model's context; it never reads or feeds the prefix cache.
+    /// the model's context; under SnapKV its prompt's KV is compressed once computed;
+    /// neither reads or feeds the prefix cache.
     pub(super) attention: AttentionPolicy,
+    /// Under SnapKV, while its prompt is computed here: the queries of the prompt's last
+    /// positions, gathered over the forwards (the KV is compressed once the prompt is).
+    pub(super) observation: Option<Observation>,
     pub(super) span: tracing::Span,
 }
 
@@ -114,6 +118,7 @@ impl Scheduler {
             cached_tokens: 0,
             cacheable,
             attention: job.attention,
+            observation: None,
             span: job.span,
         })
     }

@@ -49,6 +49,11 @@ impl SnapKv {
         len > self.budget
     }
 
+    /// The slots a prompt of `len` tokens holds once computed (and compressed).
+    pub fn kept(&self, len: usize) -> usize {
+        len.min(self.budget)
+    }
+
     /// Sizes that can be run: an observation window of at least one token inside a budget
     /// that leaves room for at least one voted position, an odd pooling width.
     pub fn validate(&self) -> Result<()> {
@@ -130,6 +135,29 @@ impl KvCache {
             }
         }
         Ok(out)
+    }
+
+    /// Prepares the new, empty sequence `id` for the KV of a prompt of `prompt_tokens`
+    /// tokens that SnapKV compressed elsewhere to `kept` slots: its later tokens are rotated
+    /// in the prompt's frame. The caller then reserves `kept` slots as for any prompt.
+    pub fn expect_compressed_prompt(
+        &mut self,
+        id: SeqId,
+        prompt_tokens: usize,
+        kept: usize,
+    ) -> Result<()> {
+        let s = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        if s.len != 0 || !s.blocks.is_empty() || s.window.is_some() || kept > prompt_tokens {
+            return Err(EngineError::invalid(
+                "sequence",
+                format!("sequence {id} cannot take a compressed prompt of {kept} of {prompt_tokens} tokens"),
+            ));
+        }
+        s.shift = prompt_tokens - kept;
+        Ok(())
     }
 
     /// Tokens a compressed sequence's positions run ahead of its slots (0 otherwise).

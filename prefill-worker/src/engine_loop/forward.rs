@@ -6,12 +6,12 @@ use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Instant;
 
-use duet_engine::{KvCache, KvKind, Sampler, SeqChunk};
+use duet_engine::{AttentionPolicy, KvCache, KvKind, Observation, Sampler, SeqChunk};
 use duet_kv_transfer::backend::shm::SendArena;
 use duet_kv_transfer::TransferDesc;
 use tokio::sync::{mpsc, oneshot};
 
-use super::Engine;
+use super::{Engine, Running};
 use crate::error::PrefillError;
 use crate::handle::PrefillResult;
 use crate::layer_buffer::layer_bytes;
@@ -19,6 +19,18 @@ use crate::policy;
 use crate::transfer::Msg;
 
 impl Engine {
+    /// Compresses a computed SnapKV prompt's KV (nothing for other policies).
+    fn compress(&mut self, r: &mut Running) -> Result<(), duet_engine::EngineError> {
+        match (r.job.attention.snapkv(), r.observation.take()) {
+            (Some(p), Some(obs)) => self.model.compress_snapkv(&mut self.cache, &obs, p),
+            (Some(p), None) => Err(duet_engine::EngineError::invalid(
+                "observation",
+                format!("{p}: the prompt's observed queries were lost"),
+            )),
+            (None, _) => Ok(()),
+        }
+    }
+
     /// After a forward over `plan` failed with `e`: ends the requests whose chunk is
     /// `blamed` with their own error, and leaves the others running (their KV is untouched:
     /// the forward refused before computing). With none to blame (this worker's fault, not
@@ -70,9 +82,9 @@ impl Engine {
         let mut sends = Vec::new();
         for (k, &(i, start, n)) in plan.iter().enumerate() {
             let r = &self.running[i];
-            // A windowed prompt's chunks drop blocks as they go: its kept blocks travel
-            // once it is computed (`send_kept`), not chunk by chunk.
-            if r.job.attention.window().is_some() {
+            // A windowed prompt's chunks drop blocks as they go, a SnapKV prompt is compacted
+            // once computed: their kept blocks travel then (`send_kept`), not chunk by chunk.
+            if r.job.attention != AttentionPolicy::Full {
                 continue;
             }
             let from = start.max(r.job.dst_start);
@@ -90,6 +102,16 @@ impl Engine {
             let _ = r.tx.send(Msg::Begin(desc));
             sends.push((k, from));
         }
+        // SnapKV prompts in the forward gather their last positions' queries.
+        let observed_at: Vec<usize> = plan
+            .iter()
+            .map(|p| p.0)
+            .filter(|&i| self.running[i].observation.is_some())
+            .collect();
+        let mut observed: Vec<Observation> = observed_at
+            .iter()
+            .filter_map(|&i| self.running[i].observation.take())
+            .collect();
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
             .map(|&(i, start, n)| {
@@ -160,7 +182,9 @@ impl Engine {
                 ControlFlow::Continue(())
             }
         };
-        let result = self.model.forward_with(&mut self.cache, &chunks, &mut hook);
+        let result =
+            self.model
+                .forward_with_observing(&mut self.cache, &chunks, &mut hook, &mut observed);
         drop(waiters);
         if let Err(duet_engine::EngineError::Stopped { layer }) = &result {
             tracing::debug!(
@@ -187,6 +211,9 @@ impl Engine {
                 .collect(),
         };
         drop(chunks);
+        for (&i, o) in observed_at.iter().zip(observed) {
+            self.running[i].observation = Some(o);
+        }
         let elapsed = t0.elapsed();
         let dt = elapsed.as_secs_f64();
         let tokens: usize = plan.iter().map(|p| p.2).sum();
@@ -218,13 +245,21 @@ impl Engine {
         }
         finished.sort_unstable_by_key(|x| std::cmp::Reverse(x.0));
         for (i, first) in finished {
-            let r = self.running.swap_remove(i);
-            if r.job.attention.window().is_some() && first.is_ok() && !self.send_kept(&r) {
-                self.end(&r);
-                let _ = r.tx.send(Msg::Fail(PrefillError::StepFailed(
-                    "a windowed prompt does not hold exactly its kept blocks".into(),
-                )));
-                continue;
+            let mut r = self.running.swap_remove(i);
+            if r.job.attention != AttentionPolicy::Full && first.is_ok() {
+                if let Err(e) = self.compress(&mut r) {
+                    self.end(&r);
+                    let _ = r.tx.send(Msg::Fail(e.into()));
+                    continue;
+                }
+                if !self.send_kept(&r) {
+                    self.end(&r);
+                    let _ = r.tx.send(Msg::Fail(PrefillError::StepFailed(
+                        "a windowed or compressed prompt does not hold exactly its kept blocks"
+                            .into(),
+                    )));
+                    continue;
+                }
             }
             self.end(&r);
             let msg = match first {

@@ -3,8 +3,8 @@
 //!
 //! Accepted beyond OpenAI's own fields, as vLLM does: `top_k`, `min_p`,
 //! `repetition_penalty`, `ignore_eos`, token-id prompts, and duet's `attention` (sent by
-//! OpenAI clients through `extra_body`): `"full"`, `"window=W,sinks=S"`, or
-//! `{"window": W, "sinks": S}` (sinks default to 4). Fields duet cannot honour (`n` > 1,
+//! OpenAI clients through `extra_body`): `"full"`, `"window=W,sinks=S"`,
+//! `"snapkv=B"`, or `{"window": W, "sinks": S}` (sinks default to 4). Fields duet cannot honour (`n` > 1,
 //! `best_of` > 1, `logprobs`, `echo`, `suffix`, non-zero presence / frequency penalties,
 //! tools) are refused with a 400 that names them, never silently ignored. Unknown fields are
 //! ignored, as OpenAI-compatible servers do.

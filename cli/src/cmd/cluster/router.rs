@@ -100,11 +100,13 @@ pub struct RoutingArgs {
     /// prompt tokens the worker would prefill (the cost's other part).
     #[arg(long, env = "DUET_DECODE_SEQ_COST_TOKENS", default_value_t = 256)]
     pub decode_seq_cost_tokens: u64,
-    /// Attention of requests that name none (`attention` in the request): `full`, or
+    /// Attention of requests that name none (`attention` in the request): `full`;
     /// `window=W,sinks=S`: each token attends to the first S tokens and its last W
-    /// (StreamingLLM); a sequence's KV stays bounded, generation may run past the context,
-    /// and only the kept blocks travel from prefill to decode (native engine; no prefix
-    /// cache for windowed requests).
+    /// (StreamingLLM), a sequence's KV stays bounded and generation may run past the
+    /// context; or `snapkv=B[,observe=O,pool=P]`: once a prompt is computed, each layer's
+    /// KV heads keep the B positions its last O queries attend to most (SnapKV). Under
+    /// either only the kept KV travels from prefill to decode (native engine; no prefix
+    /// cache for such requests).
     #[arg(long, env = "DUET_ATTENTION", default_value = "full")]
     pub attention: duet_engine::AttentionPolicy,
 }

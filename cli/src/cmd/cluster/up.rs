@@ -198,8 +198,8 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             let model = load(&a.model, &a.engine)?;
             // Every request that names no policy gets this one: one the workers cannot run
             // is refused at start, not on every request.
-            duet_serving::convert::check_served(a.routing.attention)
-                .and_then(|_| model.check_attention(a.routing.attention))
+            model
+                .check_attention(a.routing.attention)
                 .context("--attention")?;
             let grpc = TcpListener::bind("127.0.0.1:0").await?;
             // Over shm or rdma, tcp is not offered: the transfers measured are theirs.
