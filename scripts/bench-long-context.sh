@@ -38,6 +38,7 @@ SERVE_INPUT="${SERVE_INPUT:-2000}"
 SERVE_OUTPUT="${SERVE_OUTPUT:-64}"
 SERVE_PROMPTS="${SERVE_PROMPTS:-8}"
 RUNS="${RUNS:-3}"
+FULL_KV="${FULL_KV:-f32 f16}"
 AGREE_PROMPTS="${AGREE_PROMPTS:-8}"
 AGREE_TOKENS="${AGREE_TOKENS:-1500}"
 AGREE_POLICIES="${AGREE_POLICIES:-window=1024,sinks=4 window=512,sinks=4 snapkv=1024 snapkv=512}"
@@ -66,8 +67,7 @@ print(json.dumps(r))' "$json" "$2" "$start" >>"$3"
 ppl() {
   local jsonl="$OUT/ppl-ctx$CTX.jsonl"
   : >"$jsonl"
-  ppl_run full f32 "$jsonl"
-  ppl_run full f16 "$jsonl"
+  for dtype in $FULL_KV; do ppl_run full "$dtype" "$jsonl"; done
   for p in $POLICIES; do ppl_run "$p" f16 "$jsonl"; done
   python3 "$root/scripts/long_context_table.py" ppl "$jsonl"
 }

@@ -439,26 +439,48 @@ fn thousand_random_cancellations_leave_every_block_free() {
 /// prefills the prompt plus the tokens already sent on the other decode worker and continues
 /// the same stream: no error, no repeated or missing token, the greedy text of an
 /// undisturbed run. Over shared memory (the default) and over tcp.
+const STORY: &str = "Write a short story about a lighthouse keeper.";
+
 #[test]
 fn decode_worker_killed_mid_stream_the_stream_continues_elsewhere() {
-    decode_worker_killed_mid_stream(Kv::Shm);
+    decode_worker_killed_mid_stream(Kv::Shm, None, STORY);
 }
 
 #[test]
 fn decode_worker_killed_mid_stream_over_tcp_the_stream_continues_elsewhere() {
-    decode_worker_killed_mid_stream(Kv::Tcp);
+    decode_worker_killed_mid_stream(Kv::Tcp, None, STORY);
 }
 
-fn decode_worker_killed_mid_stream(kv: Kv) {
+/// A windowed stream (issue 26) migrates as any other: the new decode worker recomputes the
+/// prompt and replays the sent tokens under the same window, and the text goes on
+/// unchanged. Narrow enough to drop a block before the kill: after about 40 prompt tokens
+/// and 8 generated, the next query sees from position 41 on, so block 1 (16..32) is gone.
+#[test]
+fn decode_worker_killed_mid_stream_under_a_window_the_stream_continues_elsewhere() {
+    decode_worker_killed_mid_stream(Kv::Shm, Some("window=8,sinks=4"), &long_prompt(40));
+}
+
+/// A SnapKV stream migrates too: the new decode worker recomputes the prompt, compresses it
+/// as the prefill worker did, and replays the sent tokens.
+#[test]
+fn decode_worker_killed_mid_stream_under_snapkv_the_stream_continues_elsewhere() {
+    decode_worker_killed_mid_stream(Kv::Shm, Some("snapkv=40,observe=16"), &long_prompt(60));
+}
+
+fn decode_worker_killed_mid_stream(kv: Kv, attention: Option<&str>, prompt: &str) {
     let (mut cl, http) = cluster_over(kv, 1, 2, &["--local-prefill-max-tokens", "0"]);
     let decode_addrs: Vec<String> = cl.decode.iter().map(Proc::workers_addr).collect();
     let rt = rt();
     rt.block_on(async {
         cl.wait_workers(1, 2, Duration::from_secs(20)).await;
         let mut c = client(&cl.url).await;
+        let policy = attention.map(|a| {
+            duet_serving::convert::attention_to_proto(a.parse().expect("attention policy"))
+        });
         let req = || pb::GenerateRequest {
             ignore_eos: true,
-            ..greedy(text("Write a short story about a lighthouse keeper."), 48)
+            attention: policy,
+            ..greedy(text(prompt), 48)
         };
         let reference = generate(&mut c, req()).await.expect("undisturbed run");
         assert_eq!(reference.ids.len(), 48);
