@@ -10,6 +10,7 @@ pub mod connections;
 #[doc(hidden)]
 pub mod fuzzing;
 mod health;
+mod openai_attention;
 pub mod openai_request;
 pub mod tls_listener;
 
