@@ -383,6 +383,24 @@ fn eval_perplexity_under_a_window_holds_less_kv_at_a_measured_quality_cost() {
         peak / block
     );
 
+    // SnapKV: each window's first half is a prompt, its second half fed token by token.
+    // With a budget that holds the prompt (257 tokens) nothing is compressed: full
+    // attention fed one position at a time, the same figure but for the rounding of the
+    // one-row kernels; a budget of 128 costs perplexity and holds less.
+    let snap_all = ppl("snapkv=300").as_object().cloned().unwrap();
+    let a = snap_all["ppl"].as_f64().unwrap();
+    assert!(
+        (a / f - 1.0).abs() < 0.01,
+        "snapkv holding the prompt: {a} vs full {f}"
+    );
+    let snap = ppl("snapkv=128");
+    let c = snap["ppl"].as_f64().unwrap();
+    assert!(c > a && c < 2.0 * f, "snapkv=128: ppl {c} vs full {f}");
+    assert!(
+        snap["kv_bytes_peak"].as_u64() < full["kv_bytes_peak"].as_u64(),
+        "{snap}"
+    );
+
     let bad = |attention: &str| eval_perplexity(&["--attention", attention]);
     // A malformed flag is a usage error (exit code 2, clap's); a window the model cannot
     // hold is refused after loading it, naming the field.

@@ -16,12 +16,17 @@
 //!   [`WINDOWED_CHUNK`] tokens, so that blocks out of view go back to the pool as they would
 //!   in a long generation and `kv_bytes_peak` is what the policy holds. A row's logits do
 //!   not depend on the chunking (`forward`), so the figure is the same as in one chunk.
+//! - Under SnapKV (`kv::snapkv`), which compresses a prompt for what follows it, each
+//!   window's unscored first half and its first scored position are the prompt: computed
+//!   whole, then compressed; every later position is fed one token per step, as generation
+//!   feeds it, and scored from that step's logits. With a budget that holds the prompt,
+//!   this is full attention with its positions fed one by one.
 
 use serde::Serialize;
 
 use crate::error::{EngineError, Result};
-use crate::forward::SeqChunk;
-use crate::kv::{AttentionPolicy, KvCache, KvDtype};
+use crate::forward::{Observation, SeqChunk};
+use crate::kv::{AttentionPolicy, KvCache, KvDtype, SnapKv};
 use crate::model::Model;
 
 /// How to cut the text into windows.
@@ -148,14 +153,6 @@ pub fn perplexity(
         ));
     }
     cfg.attention.validate(model.config.context_length)?;
-    if let Some(s) = cfg.attention.snapkv() {
-        // Every position of a window is scored in one forward; SnapKV compresses a prompt
-        // for what comes after it, which such a forward never reaches.
-        return Err(EngineError::PolicyUnsupported(format!(
-            "{s}: perplexity scores every position of a window at once; SnapKV acts after \
-             a prompt (measure it with duet run)"
-        )));
-    }
     let wins = windows(tokens.len(), cfg)?;
     let layout = model.kv_layout(16, cfg.kv_dtype);
     let bos = model
@@ -164,7 +161,9 @@ pub fn perplexity(
         .filter(|_| model.tokenizer.adds_bos());
     let mut sums = NllSums::default();
     let mut kv_peak = 0;
-    let mut cache = KvCache::new(layout, cfg.ctx.div_ceil(16));
+    // SnapKV compacts into fresh blocks while the prompt's are held.
+    let compacted = cfg.attention.snapkv().map_or(0, |p| p.budget.div_ceil(16));
+    let mut cache = KvCache::new(layout, cfg.ctx.div_ceil(16) + compacted);
     for &(start, first) in &wins {
         let mut window = tokens[start..start + cfg.ctx].to_vec();
         if let Some(b) = bos {
@@ -172,9 +171,11 @@ pub fn perplexity(
         }
         cache.add_sequence(0)?;
         let block_bytes = cache.layout().n_layers * 2 * cache.layout().region_bytes();
-        let logits = window_logits(model, &mut cache, &window, cfg.attention, &mut |used| {
-            kv_peak = kv_peak.max(used * block_bytes)
-        });
+        let mut held = |used: usize| kv_peak = kv_peak.max(used * block_bytes);
+        let logits = match cfg.attention.snapkv() {
+            Some(p) => snapkv_logits(model, &mut cache, &window, first, p, &mut held),
+            None => window_logits(model, &mut cache, &window, cfg.attention, &mut held),
+        };
         cache.free_sequence(0);
         let logits = logits?;
         for j in first..cfg.ctx - 1 {
@@ -216,6 +217,39 @@ fn window_logits(
         held(cache.used_blocks());
         let ch = SeqChunk::prompt(0, part, true, window.len());
         logits.extend(model.forward_every_row(cache, ch)?);
+    }
+    Ok(logits)
+}
+
+/// Under SnapKV: `window[..=first]` as a prompt, compressed, then one token per step; the
+/// logits of rows `first..` (earlier rows are left empty: they are not scored).
+fn snapkv_logits(
+    model: &Model,
+    cache: &mut KvCache,
+    window: &[u32],
+    first: usize,
+    policy: SnapKv,
+    held: &mut dyn FnMut(usize),
+) -> Result<Vec<Vec<f32>>> {
+    cache.set_attention(0, AttentionPolicy::SnapKv(policy))?;
+    let prompt = &window[..=first];
+    let mut obs = Observation::new(0, prompt.len(), policy.observe, model.config.n_layers);
+    let mut logits = vec![Vec::new(); window.len()];
+    cache.prepare_append(0, prompt.len())?;
+    held(cache.used_blocks());
+    let ch = SeqChunk::prompt(0, prompt, true, prompt.len());
+    let mut out = model.forward_observing(cache, &[ch], std::slice::from_mut(&mut obs))?;
+    logits[first] = out.pop().unwrap_or_default();
+    let compacting = cache.used_blocks() + cache.blocks_for(policy.kept(prompt.len()));
+    model.compress_snapkv(cache, &obs, policy)?;
+    if policy.compresses(prompt.len()) {
+        held(compacting);
+    }
+    for j in first + 1..window.len() - 1 {
+        cache.prepare_append(0, 1)?;
+        held(cache.used_blocks());
+        let mut out = model.forward(cache, &[SeqChunk::new(0, &window[j..=j])])?;
+        logits[j] = out.pop().unwrap_or_default();
     }
     Ok(logits)
 }

@@ -39,9 +39,10 @@ pub struct PerplexityArgs {
     /// KV cache element type.
     #[arg(long, env = "DUET_KV_DTYPE", default_value = "f16")]
     pub kv_dtype: KvDtype,
-    /// `full` (the model's attention, llama.cpp's figure), or `window=W,sinks=S`: each
+    /// `full` (the model's attention, llama.cpp's figure); `window=W,sinks=S`: each
     /// token attends to the first S tokens and its last W (StreamingLLM), and blocks out of
-    /// view go back to the pool.
+    /// view go back to the pool; or `snapkv=B[,observe=O,pool=P]`: each window's first
+    /// half is a prompt compressed by SnapKV, its second half fed one token per step.
     #[arg(long, env = "DUET_ATTENTION", default_value = "full")]
     pub attention: AttentionPolicy,
     /// Print one JSON object (ppl, ppl_stderr, nll, tokens_scored, kv_bytes_peak, ...).
