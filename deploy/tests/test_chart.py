@@ -48,6 +48,8 @@ def test_defaults_pass_the_schema(chart):
     ({"config": {"drain": "10 s"}}, "/config/drain"),
     ({"config": {"logFormat": "yaml"}}, "/config/logFormat"),
     ({"router": {"mode": "split"}}, "/router/mode"),
+    ({"router": {"attention": "window=0"}}, "/router/attention"),
+    ({"router": {"attention": "sliding"}}, "/router/attention"),
     ({"decode": {"kvPool": "2 gigs"}}, "/decode/kvPool"),
     ({"prefill": {"prefixCache": "yes"}}, "/prefill/prefixCache"),
     ({"prefill": {"kvCompression": "zstd"}}, "/prefill/kvCompression"),
@@ -437,6 +439,7 @@ def test_role_ports_and_settings(rendered: Rendered):
             assert env["DUET_MODE"] == eff["router"]["mode"]
             assert env["DUET_MAX_QUEUED"] == str(eff["router"]["maxQueued"])
             assert env["DUET_KV_ROUTING"] == eff["router"]["kvRouting"]
+            assert env["DUET_ATTENTION"] == eff["router"]["attention"]
         else:
             assert env["DUET_THREADS"] == str(eff[role]["threads"])
             assert env["DUET_KV_POOL"] == eff[role]["kvPool"]
