@@ -59,10 +59,10 @@ pub fn check_generate(
             if v.prefill_address.is_empty() {
                 return Err(EngineError::invalid("prefill_address", "empty"));
             }
-            if attention.window().is_some() && !v.block_hashes.is_empty() {
+            if attention != AttentionPolicy::Full && !v.block_hashes.is_empty() {
                 return Err(EngineError::invalid(
                     "block_hashes",
-                    "a windowed prompt does not use the prefix cache",
+                    "a windowed or SnapKV prompt does not use the prefix cache",
                 ));
             }
             check_hashes(v.block_hashes.len(), r.prompt.len(), l)

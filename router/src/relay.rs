@@ -293,12 +293,13 @@ async fn attempt_once(
             "new attempt"
         );
     }
-    // A windowed request neither reads nor feeds a prefix cache: routed on load alone.
-    let windowed = job.prep.attention.window().is_some();
+    // A windowed or SnapKV request neither reads nor feeds a prefix cache: routed on load
+    // alone, its block hashes not sent.
+    let uncached = job.prep.attention != duet_engine::AttentionPolicy::Full;
     let prefix = PromptPrefix::new(
         &prompt,
         &shared.kv_index,
-        shared.cfg.kv_routing && !windowed,
+        shared.cfg.kv_routing && !uncached,
     );
     let req = Request {
         prompt_tokens: prompt.len(),
@@ -355,7 +356,7 @@ async fn attempt_once(
                 prefill_worker_id: p.id.clone(),
                 prefill_address: p.grpc_addr.clone(),
                 ttl_ms: shared.cfg.reservation_ttl.as_millis() as u32,
-                block_hashes: match windowed {
+                block_hashes: match uncached {
                     true => Vec::new(),
                     false => prefix.hashes(d).to_vec(),
                 },
