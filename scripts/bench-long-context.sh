@@ -136,6 +136,10 @@ print(json.dumps({"policy": sys.argv[2], "run": int(sys.argv[3]), "report": sys.
 agree() {
   python3 "$root/scripts/long_context_agree.py" "$DUET" "$model" "$FILE" "$OUT/agree.jsonl" \
     --prompts "$AGREE_PROMPTS" --tokens "$AGREE_TOKENS" --policies "$AGREE_POLICIES"
+  # llama.cpp's 10 reference prompts, as many tokens as its greedy runs.
+  python3 "$root/scripts/long_context_agree.py" "$DUET" "$model" "$FILE" \
+    "$OUT/agree-reference.jsonl" --policies "$AGREE_POLICIES" \
+    --reference "$root/tests/data/smollm2-q4_1-greedy.jsonl"
 }
 
 for part in $PARTS; do "$part"; done

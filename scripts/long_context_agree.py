@@ -31,10 +31,10 @@ def passages(corpus, n, approx_tokens):
     return out
 
 
-def run(duet, model, prompt, policy, max_tokens):
+def run(duet, model, prompt, policy, max_tokens, chat=False):
     o = subprocess.run(
         [duet, "run", "--model", model, "--prompt", prompt, "--max-tokens", str(max_tokens),
-         "--attention", policy, "--json"],
+         "--attention", policy, "--json"] + (["--chat"] if chat else []),
         capture_output=True, text=True, check=False)
     if o.returncode != 0:
         sys.exit(f"duet run --attention {policy}: {o.stderr}")
@@ -74,8 +74,11 @@ def main():
     ap.add_argument("--policies",
                     default="window=1024,sinks=4 window=512,sinks=4 snapkv=1024 snapkv=512")
     ap.add_argument("--table", action="store_true", help="only print the table of OUT.jsonl")
+    ap.add_argument("--reference", help="llama.cpp's reference cases (JSONL) instead of passages")
     a = ap.parse_args()
     policies = a.policies.split()
+    if a.reference:
+        return reference(a, policies)
     if a.table:
         rows = [json.loads(line) for line in open(a.out) if line.strip()]
         table(rows, policies, a.prompts, a.tokens, a.max_tokens)
@@ -110,6 +113,36 @@ def table(rows, policies, prompts, tokens, max_tokens):
         equal = sum(r["agree"] == r["generated"] for r in xs)
         print(f"| {policy} | {kept:.0f} tokens | {kept / full_kept - 1:+.0%} | {first}/{len(xs)} "
               f"| {share:.0%} | {equal}/{len(xs)} |")
+
+
+def reference(a, policies):
+    """The reference prompts (their own lengths, as many tokens as llama.cpp generated)."""
+    cases = [json.loads(line) for line in open(a.reference) if line.strip()]
+    rows = []
+    with open(a.out, "w") as f:
+        for c in cases:
+            chat = c["kind"] == "chat"
+            n = len(c["greedy_ids"])
+            prompt_ids, full = run(a.duet, a.model, c["prompt"], "full", n, chat)
+            if prompt_ids != c["prompt_ids"]:
+                sys.exit(f"{c['id']}: prompt ids differ from the reference's")
+            for policy in policies:
+                _, ids = run(a.duet, a.model, c["prompt"], policy, n, chat)
+                r = {"prompt": c["id"], "prompt_tokens": len(prompt_ids), "policy": policy,
+                     "agree": lead(ids, full), "generated": len(full),
+                     "kept": kept_tokens(policy, len(prompt_ids))}
+                rows.append(r)
+                f.write(json.dumps(r) + "\n")
+    print(f"{len(cases)} reference prompts ({min(r['prompt_tokens'] for r in rows)} to "
+          f"{max(r['prompt_tokens'] for r in rows)} tokens)")
+    print()
+    print("| policy | prompts equal to full attention | tokens equal before the first difference |")
+    print("|---|---|---|")
+    for policy in policies:
+        xs = [r for r in rows if r["policy"] == policy]
+        equal = [r["prompt"] for r in xs if r["agree"] == r["generated"]]
+        differ = [f"{r['prompt']}: {r['agree']}/{r['generated']}" for r in xs if r["agree"] != r["generated"]]
+        print(f"| {policy} | {len(equal)}/{len(xs)} | {'; '.join(differ) or 'all'} |")
 
 
 if __name__ == "__main__":
