@@ -3,7 +3,8 @@
 //! context of `--context` tokens), plus resident memory, on either engine (`--engine`,
 //! `--device`: the native CPU engine or the candle engine on its device). Under
 //! `--attention window=W,sinks=S` the decoding sequences attend to their window and sinks
-//! only, so a step's cost stops growing with the context (`docs/long-context.md`).
+//! only, so a step's cost stops growing with the context; under `--attention snapkv=B` each
+//! context is a prompt compressed to B positions before the timed steps (`docs/long-context.md`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -14,7 +15,7 @@ use duet_bench::corpus::synthetic_ids as tokens;
 use duet_bench::stats::median;
 use duet_engine::{
     sampling::argmax, AttentionPolicy, EngineKind, EngineModel, KvCache, KvCacheConfig, KvDtype,
-    SeqChunk,
+    Observation, SeqChunk,
 };
 use serde::Serialize;
 
@@ -101,10 +102,6 @@ fn rss_bytes() -> u64 {
 
 pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
     let kind = a.engine.resolve()?;
-    if let Some(s) = a.attention.snapkv() {
-        // Its contexts are filled by chunks that never end a prompt: nothing would compress.
-        anyhow::bail!("--attention {s}: duet bench engine measures full attention and windows");
-    }
     if kind == EngineKind::Candle && a.kv_dtype != KvDtype::F16 {
         anyhow::bail!("--kv-dtype: the candle engine keeps an f16 KV pool");
     }
@@ -138,7 +135,11 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
         // Blocks per sequence: its whole context, or a prefill chunk and the window.
         let per_seq = match a.attention.window() {
             Some(w) => CONTEXT_CHUNK.div_ceil(16) + w.max_blocks(16) + 1,
-            None => (context + a.steps + 1).div_ceil(16),
+            // SnapKV compacts into fresh blocks while the context's are held.
+            None => {
+                let compacted = a.attention.snapkv().map_or(0, |p| p.budget.div_ceil(16));
+                (context + a.steps + 1).div_ceil(16) + compacted
+            }
         };
         for &b in &a.batch {
             let cache = new_cache(b * per_seq)?;
@@ -215,11 +216,20 @@ fn bench_decode(
     // windowed sequence then holds only its window).
     let prompts: Vec<Vec<u32>> = (0..batch).map(|i| tokens(context, i + 1)).collect();
     let mut next = vec![0u32; batch];
+    let layers = model.config().n_layers;
     for group in (0..batch).collect::<Vec<_>>().chunks(4) {
         for &i in group {
             cache.add_sequence(i as u64)?;
             cache.set_attention(i as u64, attention)?;
         }
+        // Under SnapKV each context is a prompt, compressed once computed.
+        let mut observed: Vec<Observation> = match attention.snapkv() {
+            Some(p) => group
+                .iter()
+                .map(|&i| Observation::new(i as u64, context, p.observe, layers))
+                .collect(),
+            None => Vec::new(),
+        };
         for start in (0..context).step_by(CONTEXT_CHUNK) {
             let end = (start + CONTEXT_CHUNK).min(context);
             let last = end == context;
@@ -227,11 +237,20 @@ fn bench_decode(
                 .iter()
                 .map(|&i| SeqChunk::prompt(i as u64, &prompts[i][start..end], last, context))
                 .collect();
-            let logits = model.forward(&mut cache, &chunks).context("prefill")?;
+            let logits = model
+                .forward_observing(&mut cache, &chunks, &mut observed)
+                .context("prefill")?;
             if last {
                 for (&i, l) in group.iter().zip(&logits) {
                     next[i] = argmax(l);
                 }
+            }
+        }
+        if let Some(p) = attention.snapkv() {
+            for obs in &observed {
+                model
+                    .compress_snapkv(&mut cache, obs, p)
+                    .context("SnapKV")?;
             }
         }
     }
