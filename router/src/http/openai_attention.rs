@@ -49,14 +49,8 @@ impl AttentionInput {
 
 #[cfg(test)]
 mod tests {
-    use super::super::openai_request::CompletionRequest;
+    use super::super::openai_request::tests::completion;
     use super::*;
-
-    fn completion(v: serde_json::Value) -> Result<pb::GenerateRequest, ApiError> {
-        serde_json::from_value::<CompletionRequest>(v)
-            .map_err(|e| ApiError::invalid("body", e.to_string()))?
-            .to_generate()
-    }
 
     #[test]
     fn an_attention_policy_arrives_as_the_cli_spells_it_or_as_an_object() {

@@ -417,10 +417,13 @@ impl ChatRequest {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn completion(v: serde_json::Value) -> Result<pb::GenerateRequest, ApiError> {
+    /// A `/v1/completions` body as the door translates it.
+    pub(in crate::http) fn completion(
+        v: serde_json::Value,
+    ) -> Result<pb::GenerateRequest, ApiError> {
         serde_json::from_value::<CompletionRequest>(v)
             .map_err(|e| ApiError::invalid("body", e.to_string()))?
             .to_generate()
