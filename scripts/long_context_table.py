@@ -12,7 +12,8 @@ import sys
 
 def ppl(path):
     rows = [json.loads(line) for line in open(path) if line.strip()]
-    base = next(r for r in rows if r["attention"] == "full" and r["kv_dtype"] == "f16")
+    # Against full attention with f16 KV when the run has it (FULL_KV may skip it).
+    base = next((r for r in rows if r["attention"] == "full" and r["kv_dtype"] == "f16"), rows[0])
     print(f"ctx {base['ctx']}, {base['windows']} windows, {base['tokens_scored']} tokens scored")
     print()
     print("| attention | KV | PPL | vs full f16 | KV peak per sequence | vs full f16 | s |")
