@@ -11,13 +11,6 @@ use duet_engine::{
     SeqChunk, SnapKv,
 };
 
-fn corpus_tokens(m: &duet_engine::Model, n: usize) -> Vec<u32> {
-    let text = std::fs::read_to_string(common::root().join("bench/data/persuasion-vol1.txt"))
-        .expect("bench corpus");
-    let ids = m.tokenizer.encode(&text[..n * 8], false).expect("encode");
-    ids[..n].to_vec()
-}
-
 fn snapkv(budget: usize) -> SnapKv {
     SnapKv {
         budget,
@@ -29,7 +22,7 @@ fn snapkv(budget: usize) -> SnapKv {
 #[test]
 fn a_prompt_within_the_budget_is_generated_as_under_full_attention() {
     let m = common::model(1);
-    let prompt = corpus_tokens(m, 200);
+    let prompt = common::corpus_tokens(m, 200);
     let params = GenerationParams {
         max_tokens: 24,
         ignore_eos: true,
@@ -61,7 +54,7 @@ fn a_prompt_within_the_budget_is_generated_as_under_full_attention() {
 #[test]
 fn a_long_prompt_keeps_its_budget_per_head_and_generates_on() {
     let m = common::model(1);
-    let prompt = corpus_tokens(m, 600);
+    let prompt = common::corpus_tokens(m, 600);
     let policy = snapkv(256);
     let mut cache = KvCache::new(m.kv_layout(16, KvDtype::F16), 128);
     // Full attention's logits after the prompt, for the same prompt computed whole.

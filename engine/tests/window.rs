@@ -26,15 +26,6 @@ fn policy(window: usize, sinks: usize) -> AttentionPolicy {
     AttentionPolicy::Window(Window { window, sinks })
 }
 
-/// About `n` tokens of the bench corpus.
-fn corpus_tokens(m: &Model, n: usize) -> Vec<u32> {
-    let text = std::fs::read_to_string(common::root().join("bench/data/persuasion-vol1.txt"))
-        .expect("bench corpus");
-    let ids = m.tokenizer.encode(&text[..n * 8], false).expect("encode");
-    assert!(ids.len() >= n, "{} tokens", ids.len());
-    ids[..n].to_vec()
-}
-
 /// The last row's logits of `prompt` fed in chunks of `chunk` under `attention`, and the
 /// most blocks the sequence held between forwards.
 fn last_logits(
@@ -69,7 +60,7 @@ fn last_logits(
 #[test]
 fn a_sequence_that_fits_in_sinks_and_window_is_computed_as_full_attention() {
     let m = common::model(1);
-    let prompt = corpus_tokens(m, 100);
+    let prompt = common::corpus_tokens(m, 100);
     for dtype in [KvDtype::F32, KvDtype::F16] {
         let (full, _) = last_logits(m, dtype, &prompt, 100, AttentionPolicy::Full);
         // 4 sinks + 96 = 100: the last row sees every token.
@@ -88,7 +79,7 @@ fn a_sequence_that_fits_in_sinks_and_window_is_computed_as_full_attention() {
 #[test]
 fn a_windowed_prompt_gives_the_same_logits_however_it_is_cut_and_holds_only_its_window() {
     let m = common::model(1);
-    let prompt = corpus_tokens(m, 300);
+    let prompt = common::corpus_tokens(m, 300);
     let w = Window {
         window: 64,
         sinks: 4,

@@ -428,30 +428,26 @@ impl Engine {
     /// Sends a windowed prompt's kept blocks ([`duet_engine::Window::kept_blocks`]), once it
     /// is computed and its dropped blocks are gone: its sink blocks, then the blocks of the
     /// next query's window, each run as one transfer into the destinations listed in that
-    /// order. Returns false when the sequence does not hold exactly those blocks.
+    /// order; or a SnapKV prompt's compacted slots. Returns false when the sequence does not
+    /// hold exactly the blocks [`Self::job_blocks`] says it sends.
     fn send_kept(&self, r: &Running) -> bool {
         let (bs, len) = (self.cache.block_size(), r.job.prompt.len());
         let Ok(blocks) = self.cache.sequence_blocks(r.job.request_id) else {
             return false;
         };
-        if let Some(p) = r.job.attention.snapkv() {
+        let sent = self.job_blocks(len, r.job.attention).sent;
+        if blocks.len() != sent || blocks.len() != r.job.dst_blocks.len() {
+            return false;
+        }
+        let runs = match r.job.attention {
             // The compacted slots, in slot order, as one transfer.
-            let kept = p.kept(len);
-            if blocks.len() != r.job.dst_blocks.len() || blocks.len() != kept.div_ceil(bs) {
-                return false;
+            AttentionPolicy::SnapKv(p) => {
+                self.send_blocks(r, blocks, 0..p.kept(len), &r.job.dst_blocks);
+                return true;
             }
-            self.send_blocks(r, blocks, 0..kept, &r.job.dst_blocks);
-            return true;
-        }
-        let Some(w) = r.job.attention.window() else {
-            return false;
+            AttentionPolicy::Window(w) => w.kept_blocks(len, bs),
+            AttentionPolicy::Full => return false,
         };
-        let runs = w.kept_blocks(len, bs);
-        if runs.iter().map(|x| x.len()).sum::<usize>() != blocks.len()
-            || blocks.len() != r.job.dst_blocks.len()
-        {
-            return false;
-        }
         let mut at = 0;
         for run in runs.into_iter().filter(|x| !x.is_empty()) {
             let n = run.len();

@@ -32,30 +32,27 @@ impl Scheduler {
     }
 
     pub(super) fn blocks_to_start(&self, s: &Seq) -> usize {
-        match (&s.phase, s.attention.window()) {
-            // SnapKV compacts the prompt proper into fresh blocks before it frees the
-            // prompt's; the tokens replayed after it go on from the kept slots.
-            (
-                Phase::Prefill {
-                    tokens, exact_from, ..
-                },
-                None,
-            ) => match s.attention.snapkv() {
-                None => self.cache.blocks_for(tokens.len() + 1),
-                Some(p) => {
-                    let kept = p.kept(*exact_from);
-                    let compacting =
-                        self.cache.blocks_for(*exact_from) + self.cache.blocks_for(kept);
-                    let after = self.cache.blocks_for(kept + tokens.len() - exact_from + 1);
-                    compacting.max(after)
-                }
-            },
-            (Phase::Prefill { tokens, .. }, Some(w)) => w.peak_blocks(
+        let Phase::Prefill {
+            tokens, exact_from, ..
+        } = &s.phase
+        else {
+            return 1;
+        };
+        match s.attention {
+            AttentionPolicy::Full => self.cache.blocks_for(tokens.len() + 1),
+            AttentionPolicy::Window(w) => w.peak_blocks(
                 tokens.len() + 1,
                 self.cfg.prefill_chunk_tokens,
                 self.cache.block_size(),
             ),
-            (Phase::Decode { .. }, _) => 1,
+            // SnapKV compacts the prompt proper into fresh blocks before it frees the
+            // prompt's; the tokens replayed after it go on from the kept slots.
+            AttentionPolicy::SnapKv(p) => {
+                let kept = p.kept(*exact_from);
+                let compacting = self.cache.blocks_for(*exact_from) + self.cache.blocks_for(kept);
+                let after = self.cache.blocks_for(kept + tokens.len() - exact_from + 1);
+                compacting.max(after)
+            }
         }
     }
 
@@ -183,12 +180,9 @@ impl Scheduler {
     /// The fresh blocks SnapKV compacts `s`'s prompt into when the next `n` rows complete it.
     fn compaction_blocks(&self, s: &Seq, n: usize) -> usize {
         match (s.attention.snapkv(), &s.phase) {
-            (
-                Some(p),
-                Phase::Prefill {
-                    done, exact_from, ..
-                },
-            ) if *done < *exact_from && done + n >= *exact_from && p.compresses(*exact_from) => {
+            (Some(p), Phase::Prefill { exact_from, .. })
+                if s.phase.completes_prompt(n) && p.compresses(*exact_from) =>
+            {
                 self.cache.blocks_for(p.kept(*exact_from))
             }
             _ => 0,
@@ -196,22 +190,15 @@ impl Scheduler {
     }
 
     /// Compresses the KV of the SnapKV sequences whose prompt proper the forward over `plan`
-    /// just completed (`done + n` reaches `exact_from`); returns the ids of those whose
-    /// compression failed, with why.
+    /// just completed; returns the ids of those whose compression failed, with why.
     fn compress_completed(&mut self, plan: &[(usize, usize)]) -> Vec<(u64, EngineError)> {
         let mut failed = Vec::new();
         for &(i, n) in plan {
             let s = &mut self.active[i];
-            let (
-                Some(policy),
-                Phase::Prefill {
-                    done, exact_from, ..
-                },
-            ) = (s.attention.snapkv(), &s.phase)
-            else {
+            let Some(policy) = s.attention.snapkv() else {
                 continue;
             };
-            if !(*done < *exact_from && done + n >= *exact_from) {
+            if !s.phase.completes_prompt(n) {
                 continue;
             }
             let Some(obs) = s.observation.take() else {

@@ -28,6 +28,15 @@ pub(super) enum Phase {
     Decode { next: u32 },
 }
 
+impl Phase {
+    /// Whether `n` more rows complete the prompt proper (reach `exact_from`): where SnapKV
+    /// compresses it.
+    pub(super) fn completes_prompt(&self, n: usize) -> bool {
+        matches!(self, Phase::Prefill { done, exact_from, .. }
+            if *done < *exact_from && done + n >= *exact_from)
+    }
+}
+
 pub(super) struct Seq {
     pub(super) id: u64,
     pub(super) prompt: Vec<u32>,

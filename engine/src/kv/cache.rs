@@ -285,6 +285,25 @@ impl KvCache {
         self.seqs.get(&id).ok_or(EngineError::UnknownSequence(id))
     }
 
+    /// Sequence `id`, which must hold no token yet (`field` names what the caller sets).
+    pub(super) fn empty_seq_mut(
+        &mut self,
+        id: SeqId,
+        field: &'static str,
+    ) -> Result<&mut Sequence> {
+        let s = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        if s.len != 0 || !s.blocks.is_empty() {
+            return Err(EngineError::invalid(
+                field,
+                format!("sequence {id} already holds tokens"),
+            ));
+        }
+        Ok(s)
+    }
+
     pub fn add_sequence(&mut self, id: SeqId) -> Result<()> {
         if self.seqs.contains_key(&id) {
             return Err(EngineError::invalid(

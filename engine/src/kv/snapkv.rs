@@ -146,11 +146,8 @@ impl KvCache {
         prompt_tokens: usize,
         kept: usize,
     ) -> Result<()> {
-        let s = self
-            .seqs
-            .get_mut(&id)
-            .ok_or(EngineError::UnknownSequence(id))?;
-        if s.len != 0 || !s.blocks.is_empty() || s.window.is_some() || kept > prompt_tokens {
+        let s = self.empty_seq_mut(id, "sequence")?;
+        if s.window.is_some() || kept > prompt_tokens {
             return Err(EngineError::invalid(
                 "sequence",
                 format!("sequence {id} cannot take a compressed prompt of {kept} of {prompt_tokens} tokens"),

@@ -204,15 +204,8 @@ impl FromStr for AttentionPolicy {
             return parse_snapkv(s);
         }
         let (mut window, mut sinks) = (None, 4);
-        for part in s.split(',') {
-            let (k, v) = part.split_once('=').ok_or_else(|| {
-                format!("`{part}`: expected key=value (full, or window=W,sinks=S)")
-            })?;
-            let n: usize = v
-                .trim()
-                .parse()
-                .map_err(|_| format!("`{k}`: `{v}` is not a whole number"))?;
-            match k.trim() {
+        for (k, n) in settings(s, "full, or window=W,sinks=S")? {
+            match k {
                 "window" => window = Some(n),
                 "sinks" => sinks = n,
                 other => {
@@ -230,21 +223,30 @@ impl FromStr for AttentionPolicy {
     }
 }
 
+/// The `key=N` settings of a policy written `form`, in order.
+fn settings<'s>(s: &'s str, form: &str) -> std::result::Result<Vec<(&'s str, usize)>, String> {
+    s.split(',')
+        .map(|part| {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| format!("`{part}`: expected key=value ({form})"))?;
+            let n = v
+                .trim()
+                .parse()
+                .map_err(|_| format!("`{k}`: `{v}` is not a whole number"))?;
+            Ok((k.trim(), n))
+        })
+        .collect()
+}
+
 fn parse_snapkv(s: &str) -> std::result::Result<AttentionPolicy, String> {
     let mut p = SnapKv {
         budget: 0,
         observe: SnapKv::DEFAULT_OBSERVE,
         pool: SnapKv::DEFAULT_POOL,
     };
-    for part in s.split(',') {
-        let (k, v) = part
-            .split_once('=')
-            .ok_or_else(|| format!("`{part}`: expected key=value (snapkv=B,observe=O,pool=P)"))?;
-        let n: usize = v
-            .trim()
-            .parse()
-            .map_err(|_| format!("`{k}`: `{v}` is not a whole number"))?;
-        match k.trim() {
+    for (k, n) in settings(s, "snapkv=B,observe=O,pool=P")? {
+        match k {
             "snapkv" => p.budget = n,
             "observe" => p.observe = n,
             "pool" => p.pool = n,
@@ -279,17 +281,7 @@ impl KvCache {
 
     /// Gives the new, empty sequence `id` an attention policy (before any token).
     pub fn set_attention(&mut self, id: SeqId, policy: AttentionPolicy) -> Result<()> {
-        let s = self
-            .seqs
-            .get_mut(&id)
-            .ok_or(EngineError::UnknownSequence(id))?;
-        if s.len != 0 || !s.blocks.is_empty() {
-            return Err(EngineError::invalid(
-                "attention",
-                format!("sequence {id} already holds tokens"),
-            ));
-        }
-        s.window = policy.window();
+        self.empty_seq_mut(id, "attention")?.window = policy.window();
         Ok(())
     }
 
@@ -299,22 +291,13 @@ impl KvCache {
     /// [`KvCache::prepare_append`] then allocates just the kept ones, in transfer order.
     pub fn expect_windowed_prompt(&mut self, id: SeqId, tokens: usize) -> Result<()> {
         let bs = self.layout.block_size;
-        let s = self
-            .seqs
-            .get_mut(&id)
-            .ok_or(EngineError::UnknownSequence(id))?;
+        let s = self.empty_seq_mut(id, "sequence")?;
         let Some(w) = s.window else {
             return Err(EngineError::invalid(
                 "attention",
                 format!("sequence {id} has no window"),
             ));
         };
-        if s.len != 0 || !s.blocks.is_empty() {
-            return Err(EngineError::invalid(
-                "sequence",
-                format!("sequence {id} already holds tokens"),
-            ));
-        }
         let [sinks, tail] = w.kept_blocks(tokens, bs);
         s.dropped = tail.start - sinks.end;
         Ok(())

@@ -11,6 +11,15 @@ pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The first `n` tokens of the bench corpus (`bench/data/persuasion-vol1.txt`).
+pub fn corpus_tokens(m: &Model, n: usize) -> Vec<u32> {
+    let text = std::fs::read_to_string(root().join("bench/data/persuasion-vol1.txt"))
+        .expect("bench corpus");
+    let ids = m.tokenizer.encode(&text[..n * 8], false).expect("encode");
+    assert!(ids.len() >= n, "{} tokens", ids.len());
+    ids[..n].to_vec()
+}
+
 pub fn model_path() -> PathBuf {
     if let Ok(p) = std::env::var("DUET_MODEL") {
         return PathBuf::from(p);
