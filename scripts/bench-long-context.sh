@@ -16,10 +16,18 @@
 #   PARTS=decode FULL_CONTEXTS=1024,4096 WINDOW_CONTEXTS=1024,32768 ./scripts/bench-long-context.sh
 #   PARTS=serve SERVE_INPUT=2000 SERVE_OUTPUT=64 RUNS=3 ./scripts/bench-long-context.sh
 #   PARTS=agree AGREE_PROMPTS=8 AGREE_TOKENS=1500 ./scripts/bench-long-context.sh
+#   PARTS=steps STEP_CONTEXT=4096 RUNS=3 ./scripts/bench-long-context.sh
+#   PARTS=inflight ./scripts/bench-long-context.sh
 #
 # `agree`: greedy agreement with full attention of each policy in AGREE_POLICIES (windows
 # and SnapKV budgets) on long prompts (corpus passages and a question about their start),
 # through `duet run --attention`, with the KV each keeps after its prompt.
+# `steps`: decode step time of every policy in STEP_POLICIES after a STEP_CONTEXT-token
+# prompt (`duet bench engine`, batch 1, one thread), alternating, RUNS times; medians.
+# `inflight`: what int8 KV in flight (`--kv-compression int8`) costs: perplexity with each
+# window's prompt KV put through kv-transfer's codec (`--kv-in-flight none|int8`), and
+# greedy agreement of a `duet up --kv-compression int8` cluster (every prompt prefilled
+# remotely) with `duet run` on the long prompts and the reference prompts.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -42,6 +50,8 @@ FULL_KV="${FULL_KV-f32 f16}"
 AGREE_PROMPTS="${AGREE_PROMPTS:-8}"
 AGREE_TOKENS="${AGREE_TOKENS:-1500}"
 AGREE_POLICIES="${AGREE_POLICIES:-window=1024,sinks=4 window=512,sinks=4 snapkv=1024 snapkv=512}"
+STEP_CONTEXT="${STEP_CONTEXT:-4096}"
+STEP_POLICIES="${STEP_POLICIES:-full window=1024,sinks=4 window=512,sinks=4 snapkv=1024 snapkv=512}"
 model="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 [ -f "$model" ] || ./scripts/fetch-model.sh
 if [ -z "${DUET:-}" ]; then
@@ -50,12 +60,13 @@ if [ -z "${DUET:-}" ]; then
 fi
 mkdir -p "$OUT"
 
-# One perplexity run, one JSON line (with its KV dtype and wall time) appended to $2.
-ppl_run() { # attention kv-dtype jsonl
+# One perplexity run, one JSON line (with its KV dtype and wall time) appended to $3;
+# further arguments go to `duet eval perplexity`.
+ppl_run() { # attention kv-dtype jsonl [args...]
   local start json
   start=$(date +%s.%N)
   json=$("$DUET" eval perplexity --model "$model" --file "$FILE" --ctx "$CTX" \
-    --chunks "$CHUNKS" --threads "$THREADS" --attention "$1" --kv-dtype "$2" --json)
+    --chunks "$CHUNKS" --threads "$THREADS" --attention "$1" --kv-dtype "$2" --json "${@:4}")
   python3 -c '
 import json, sys, time
 r = json.loads(sys.argv[1])
@@ -131,6 +142,38 @@ print(json.dumps({"policy": sys.argv[2], "run": int(sys.argv[3]), "report": sys.
   done
   kill "$up_pid" 2>/dev/null || true
   python3 "$root/scripts/long_context_table.py" serve "$jsonl"
+}
+
+steps() {
+  local dir="$OUT/steps-$STEP_CONTEXT" run p
+  mkdir -p "$dir"
+  for run in $(seq 1 "$RUNS"); do
+    for p in $STEP_POLICIES; do
+      "$DUET" bench engine --model "$model" --threads 1 --prefill 16 --batch 1 \
+        --context "$STEP_CONTEXT" --steps "$STEPS" --attention "$p" \
+        --kv-pool-bytes 1048576 --json "$dir/$p-$run.json" 2>/dev/null
+    done
+  done
+  python3 "$root/scripts/long_context_table.py" steps "$dir"/*.json
+}
+
+inflight() {
+  local jsonl="$OUT/inflight-ppl-ctx$CTX.jsonl" log="$OUT/inflight-up.log" router
+  : >"$jsonl"
+  for c in none int8; do ppl_run full f16 "$jsonl" --kv-in-flight "$c"; done
+  python3 "$root/scripts/long_context_table.py" ppl "$jsonl"
+  "$DUET" up --model "$model" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
+    --local-prefill-max-tokens 0 --kv-compression int8 --prefix-cache off >"$log" 2>&1 &
+  up_pid=$!
+  trap 'kill "${up_pid:-}" 2>/dev/null || true' EXIT
+  router=$(logged_url "$log" "router listening on")
+  python3 "$root/scripts/long_context_agree.py" "$DUET" "$model" "$FILE" \
+    "$OUT/inflight-agree.jsonl" --prompts "$AGREE_PROMPTS" --tokens "$AGREE_TOKENS" \
+    --policies "int8@$router"
+  python3 "$root/scripts/long_context_agree.py" "$DUET" "$model" "$FILE" \
+    "$OUT/inflight-agree-reference.jsonl" --policies "int8@$router" \
+    --reference "$root/tests/data/smollm2-q4_1-greedy.jsonl"
+  kill "$up_pid" 2>/dev/null || true
 }
 
 agree() {

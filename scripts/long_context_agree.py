@@ -11,6 +11,11 @@ sequence keeps after its prompt (tokens of KV held per layer and head).
 
 A policy's share on a prompt is its leading tokens equal to full attention's over the
 tokens full attention generated (it may stop early at an end-of-sequence token).
+
+A policy written `NAME@ROUTER` (e.g. `int8@http://127.0.0.1:50051`) is served instead: the
+prompt goes through `duet generate --router ROUTER` under full attention, so what the cluster
+behind that router does to the KV (a remote prefill with `--kv-compression int8`, say) is
+compared with `duet run`'s full attention; rows name it NAME.
 """
 import argparse
 import json
@@ -42,8 +47,31 @@ def run(duet, model, prompt, policy, max_tokens, chat=False):
     return r["prompt_ids"], r["ids"]
 
 
+def served(duet, router, prompt, max_tokens, chat=False):
+    o = subprocess.run(
+        [duet, "generate", "--router", router, "--prompt", prompt, "--max-tokens",
+         str(max_tokens), "--attention", "full", "--json"] + (["--chat"] if chat else []),
+        capture_output=True, text=True, check=False)
+    if o.returncode != 0:
+        sys.exit(f"duet generate --router {router}: {o.stderr}")
+    return json.loads(o.stdout)["ids"]
+
+
+def generate(a, prompt, policy, max_tokens, chat=False):
+    """Greedy ids of `prompt` under `policy` (`NAME@ROUTER`: served by that router)."""
+    if "@" in policy:
+        return served(a.duet, policy.split("@", 1)[1], prompt, max_tokens, chat)
+    return run(a.duet, a.model, prompt, policy, max_tokens, chat)[1]
+
+
+def label(policy):
+    return policy.split("@", 1)[0]
+
+
 def kept_tokens(policy, prompt_len):
     """KV positions per layer and head a sequence keeps once its prompt is computed."""
+    if "@" in policy:
+        return prompt_len
     if policy == "full":
         return prompt_len
     kv = dict(p.split("=") for p in policy.split(","))
@@ -88,8 +116,8 @@ def main():
         for i, p in enumerate(passages(a.corpus, a.prompts, a.tokens)):
             prompt_ids, full = run(a.duet, a.model, p, "full", a.max_tokens)
             for policy in policies:
-                _, ids = run(a.duet, a.model, p, policy, a.max_tokens)
-                r = {"prompt": i, "prompt_tokens": len(prompt_ids), "policy": policy,
+                ids = generate(a, p, policy, a.max_tokens)
+                r = {"prompt": i, "prompt_tokens": len(prompt_ids), "policy": label(policy),
                      "agree": lead(ids, full), "generated": len(full),
                      "kept": kept_tokens(policy, len(prompt_ids))}
                 rows.append(r)
@@ -105,7 +133,7 @@ def table(rows, policies, prompts, tokens, max_tokens):
           "share of full's tokens equal before the first difference (mean) | prompts fully equal |")
     print("|---|---|---|---|---|---|")
     full_kept = statistics.median(r["prompt_tokens"] for r in rows)
-    for policy in policies:
+    for policy in map(label, policies):
         xs = [r for r in rows if r["policy"] == policy]
         kept = statistics.median(r["kept"] for r in xs)
         first = sum(r["agree"] >= 1 for r in xs)
@@ -127,8 +155,8 @@ def reference(a, policies):
             if prompt_ids != c["prompt_ids"]:
                 sys.exit(f"{c['id']}: prompt ids differ from the reference's")
             for policy in policies:
-                _, ids = run(a.duet, a.model, c["prompt"], policy, n, chat)
-                r = {"prompt": c["id"], "prompt_tokens": len(prompt_ids), "policy": policy,
+                ids = generate(a, c["prompt"], policy, n, chat)
+                r = {"prompt": c["id"], "prompt_tokens": len(prompt_ids), "policy": label(policy),
                      "agree": lead(ids, full), "generated": len(full),
                      "kept": kept_tokens(policy, len(prompt_ids))}
                 rows.append(r)
@@ -138,7 +166,7 @@ def reference(a, policies):
     print()
     print("| policy | prompts equal to full attention | tokens equal before the first difference |")
     print("|---|---|---|")
-    for policy in policies:
+    for policy in map(label, policies):
         xs = [r for r in rows if r["policy"] == policy]
         equal = [r["prompt"] for r in xs if r["agree"] == r["generated"]]
         differ = [f"{r['prompt']}: {r['agree']}/{r['generated']}" for r in xs if r["agree"] != r["generated"]]

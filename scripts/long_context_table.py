@@ -4,6 +4,7 @@
     long_context_table.py ppl PPL.jsonl          # one `duet eval perplexity` line per policy
     long_context_table.py decode FULL.json WIN.json   # `duet bench engine` reports
     long_context_table.py serve SERVE.jsonl      # `duet bench serve` runs through `duet up`
+    long_context_table.py steps REPORT.json...  # `duet bench engine` reports, one context
 """
 import json
 import statistics
@@ -12,8 +13,10 @@ import sys
 
 def ppl(path):
     rows = [json.loads(line) for line in open(path) if line.strip()]
-    # Against full attention with f16 KV when the run has it (FULL_KV may skip it).
-    base = next((r for r in rows if r["attention"] == "full" and r["kv_dtype"] == "f16"), rows[0])
+    # Against full attention with f16 KV when the run has it (FULL_KV may skip it); rows
+    # whose prompt KV went through a codec against the same evaluation without one.
+    base = next((r for r in rows if r["attention"] == "full" and r["kv_dtype"] == "f16"
+                 and r.get("kv_in_flight") in (None, "none")), rows[0])
     print(f"ctx {base['ctx']}, {base['windows']} windows, {base['tokens_scored']} tokens scored")
     print()
     print("| attention | KV | PPL | vs full f16 | KV peak per sequence | vs full f16 | s |")
@@ -21,8 +24,11 @@ def ppl(path):
     for r in rows:
         d = (r["ppl"] / base["ppl"] - 1) * 100
         m = (r["kv_bytes_peak"] / base["kv_bytes_peak"] - 1) * 100
+        name = r["attention"]
+        if r.get("kv_in_flight"):
+            name += f", prompt KV in flight as {r['kv_in_flight']}"
         print(
-            f"| {r['attention']} | {r['kv_dtype']} | {r['ppl']:.3f} ± {r['ppl_stderr']:.3f} "
+            f"| {name} | {r['kv_dtype']} | {r['ppl']:.3f} ± {r['ppl_stderr']:.3f} "
             f"| {d:+.1f}% | {r['kv_bytes_peak'] / 2**20:.1f} MiB | {m:+.0f}% | {r['seconds']} |"
         )
 
@@ -35,6 +41,21 @@ def decode(paths):
         for d in r["decode"]:
             ms = 1000 * d["seconds"] / d["steps"]
             print(f"| {d['context']} | {r['attention']} | {ms:.1f} |")
+
+
+def steps(paths):
+    """Per policy, the median over runs of ms per decode step after the one context."""
+    by = {}
+    for path in paths:
+        r = json.load(open(path))
+        for d in r["decode"]:
+            by.setdefault(r["attention"], []).append((d["context"], 1000 * d["seconds"] / d["steps"]))
+    full = statistics.median(ms for _, ms in by.get("full", [(0, float("nan"))]))
+    print("| attention | context | runs | decode ms/step (median) | tokens/s | vs full |")
+    print("|---|---|---|---|---|---|")
+    for policy, xs in by.items():
+        ms = statistics.median(m for _, m in xs)
+        print(f"| {policy} | {xs[0][0]} | {len(xs)} | {ms:.1f} | {1000 / ms:.1f} | {ms / full:.2f}x |")
 
 
 def serve(path):
@@ -68,9 +89,11 @@ def serve(path):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("ppl", "decode", "serve"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("ppl", "decode", "serve", "steps"):
         sys.exit(__doc__)
-    if sys.argv[1] == "ppl":
+    if sys.argv[1] == "steps":
+        steps(sys.argv[2:])
+    elif sys.argv[1] == "ppl":
         ppl(sys.argv[2])
     elif sys.argv[1] == "serve":
         serve(sys.argv[2])

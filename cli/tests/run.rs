@@ -393,6 +393,32 @@ fn eval_perplexity_under_a_window_holds_less_kv_at_a_measured_quality_cost() {
         (a / f - 1.0).abs() < 0.01,
         "snapkv holding the prompt: {a} vs full {f}"
     );
+    // The prompt's KV through kv-transfer's codec, as a remote prefill moves it: unchanged
+    // bytes (`none`) are the same stepped evaluation as a budget that compresses nothing,
+    // bit for bit; int8 changes the figure, a little.
+    let in_flight = |codec: &str| -> serde_json::Value {
+        let args = [
+            "--ctx",
+            "512",
+            "--chunks",
+            "2",
+            "--kv-in-flight",
+            codec,
+            "--json",
+        ];
+        let o = eval_perplexity(&args);
+        assert!(o.status.success(), "{codec}: {}", stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let (none, int8) = (in_flight("none"), in_flight("int8"));
+    assert_eq!(none["ppl"], snap_all["ppl"], "{none}");
+    assert_eq!(int8["kv_in_flight"], "int8", "{int8}");
+    assert_eq!(int8["kv_bytes_peak"], none["kv_bytes_peak"], "{int8}");
+    let i = int8["ppl"].as_f64().unwrap();
+    assert!(
+        i != a && (i / a - 1.0).abs() < 0.05,
+        "int8 in flight: ppl {i} vs {a} unchanged"
+    );
     let snap = ppl("snapkv=128");
     let c = snap["ppl"].as_f64().unwrap();
     assert!(c > a && c < 2.0 * f, "snapkv=128: ppl {c} vs full {f}");

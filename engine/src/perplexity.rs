@@ -21,12 +21,18 @@
 //!   whole, then compressed; every later position is fed one token per step, as generation
 //!   feeds it, and scored from that step's logits. With a budget that holds the prompt,
 //!   this is full attention with its positions fed one by one.
+//! - With a [`PromptTransit`] (what a remote prefill does to the prompt's KV on its way to
+//!   the decode worker, e.g. kv-transfer's int8 encoding), the windows are evaluated the
+//!   SnapKV way, prompt then steps, and the transit is applied to the prompt's blocks in
+//!   place between the two (after compression, as a prefill worker compresses before it
+//!   sends). The same evaluation with an identity transit is the reference that isolates
+//!   the transit's cost from the rounding of one-row steps.
 
 use serde::Serialize;
 
 use crate::error::{EngineError, Result};
 use crate::forward::{Observation, SeqChunk};
-use crate::kv::{AttentionPolicy, KvCache, KvDtype, SnapKv};
+use crate::kv::{AttentionPolicy, KvCache, KvDtype, SeqId, SnapKv};
 use crate::model::Model;
 
 /// How to cut the text into windows.
@@ -63,6 +69,17 @@ pub struct PerplexityReport {
     pub attention: String,
     /// The most KV bytes a window's sequence held in the cache.
     pub kv_bytes_peak: usize,
+    /// The transit the prompt's KV went through (`none`, `int8`, ...), when one was named.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_in_flight: Option<String>,
+}
+
+/// What happens to a prompt's KV between the forward that computed it and the steps that go
+/// on from it, applied in place to sequence `seq`'s blocks in `cache`.
+pub struct PromptTransit<'a> {
+    /// Its name in the report (`kv_in_flight`).
+    pub name: String,
+    pub apply: &'a dyn Fn(&mut KvCache, SeqId) -> Result<()>,
 }
 
 /// `-log softmax(logits)[target]` as llama.cpp computes it.
@@ -143,6 +160,16 @@ pub fn perplexity(
     tokens: &[u32],
     cfg: &PerplexityConfig,
 ) -> Result<PerplexityReport> {
+    perplexity_in_transit(model, tokens, cfg, None)
+}
+
+/// [`perplexity`], each window's prompt KV put through `transit` when one is given.
+pub fn perplexity_in_transit(
+    model: &Model,
+    tokens: &[u32],
+    cfg: &PerplexityConfig,
+    transit: Option<&PromptTransit>,
+) -> Result<PerplexityReport> {
     if cfg.ctx > model.config.context_length {
         return Err(EngineError::invalid(
             "ctx",
@@ -172,9 +199,14 @@ pub fn perplexity(
         cache.add_sequence(0)?;
         let block_bytes = cache.layout().n_layers * 2 * cache.layout().region_bytes();
         let mut held = |used: usize| kv_peak = kv_peak.max(used * block_bytes);
-        let logits = match cfg.attention.snapkv() {
-            Some(p) => snapkv_logits(model, &mut cache, &window, first, p, &mut held),
-            None => window_logits(model, &mut cache, &window, cfg.attention, &mut held),
+        let logits = if cfg.attention.snapkv().is_some() || transit.is_some() {
+            let prompt = Prompt {
+                attention: cfg.attention,
+                transit,
+            };
+            prompt_then_steps(model, &mut cache, &window, first, prompt, &mut held)
+        } else {
+            window_logits(model, &mut cache, &window, cfg.attention, &mut held)
         };
         cache.free_sequence(0);
         let logits = logits?;
@@ -194,6 +226,7 @@ pub fn perplexity(
         stride: cfg.stride,
         attention: cfg.attention.to_string(),
         kv_bytes_peak: kv_peak,
+        kv_in_flight: transit.map(|t| t.name.clone()),
     })
 }
 
@@ -221,29 +254,49 @@ fn window_logits(
     Ok(logits)
 }
 
-/// Under SnapKV: `window[..=first]` as a prompt, compressed, then one token per step; the
-/// logits of rows `first..` (earlier rows are left empty: they are not scored).
-fn snapkv_logits(
+/// How a stepped window's prompt is computed and handed on.
+#[derive(Clone, Copy)]
+struct Prompt<'t, 'a> {
+    attention: AttentionPolicy,
+    transit: Option<&'t PromptTransit<'a>>,
+}
+
+/// `window[..=first]` as a prompt (compressed under SnapKV, then put through the transit),
+/// then one token per step; the logits of rows `first..` (earlier rows are left empty: they
+/// are not scored).
+fn prompt_then_steps(
     model: &Model,
     cache: &mut KvCache,
     window: &[u32],
     first: usize,
-    policy: SnapKv,
+    how: Prompt,
     held: &mut dyn FnMut(usize),
 ) -> Result<Vec<Vec<f32>>> {
-    cache.set_attention(0, AttentionPolicy::SnapKv(policy))?;
+    cache.set_attention(0, how.attention)?;
     let prompt = &window[..=first];
-    let mut obs = Observation::new(0, prompt.len(), policy.observe, model.config.n_layers);
     let mut logits = vec![Vec::new(); window.len()];
-    cache.prepare_append(0, prompt.len())?;
-    held(cache.used_blocks());
-    let ch = SeqChunk::prompt(0, prompt, true, prompt.len());
-    let mut out = model.forward_observing(cache, &[ch], std::slice::from_mut(&mut obs))?;
-    logits[first] = out.pop().unwrap_or_default();
-    let compacting = cache.used_blocks() + cache.blocks_for(policy.kept(prompt.len()));
-    model.compress_snapkv(cache, &obs, policy)?;
-    if policy.compresses(prompt.len()) {
-        held(compacting);
+    match how.attention {
+        AttentionPolicy::SnapKv(policy) => {
+            logits[first] = snapkv_prompt(model, cache, prompt, policy, held)?;
+        }
+        AttentionPolicy::Full | AttentionPolicy::Window(_) => {
+            let chunk = match how.attention {
+                AttentionPolicy::Window(_) => WINDOWED_CHUNK,
+                _ => prompt.len(),
+            };
+            let parts = prompt.chunks(chunk).count();
+            for (i, part) in prompt.chunks(chunk).enumerate() {
+                cache.prepare_append(0, part.len())?;
+                held(cache.used_blocks());
+                let ch = SeqChunk::prompt(0, part, i + 1 == parts, prompt.len());
+                if let Some(l) = model.forward(cache, &[ch])?.pop() {
+                    logits[first] = l;
+                }
+            }
+        }
+    }
+    if let Some(t) = how.transit {
+        (t.apply)(cache, 0)?;
     }
     for j in first + 1..window.len() - 1 {
         cache.prepare_append(0, 1)?;
@@ -252,6 +305,27 @@ fn snapkv_logits(
         logits[j] = out.pop().unwrap_or_default();
     }
     Ok(logits)
+}
+
+/// Computes `prompt` whole, compresses it by SnapKV and returns its last row's logits.
+fn snapkv_prompt(
+    model: &Model,
+    cache: &mut KvCache,
+    prompt: &[u32],
+    policy: SnapKv,
+    held: &mut dyn FnMut(usize),
+) -> Result<Vec<f32>> {
+    let mut obs = Observation::new(0, prompt.len(), policy.observe, model.config.n_layers);
+    cache.prepare_append(0, prompt.len())?;
+    held(cache.used_blocks());
+    let ch = SeqChunk::prompt(0, prompt, true, prompt.len());
+    let mut out = model.forward_observing(cache, &[ch], std::slice::from_mut(&mut obs))?;
+    let compacting = cache.used_blocks() + cache.blocks_for(policy.kept(prompt.len()));
+    model.compress_snapkv(cache, &obs, policy)?;
+    if policy.compresses(prompt.len()) {
+        held(compacting);
+    }
+    Ok(out.pop().unwrap_or_default())
 }
 
 #[cfg(test)]

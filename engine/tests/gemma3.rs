@@ -12,7 +12,7 @@
 
 mod common;
 
-use duet_engine::{generate, GenerationParams, KvCache, KvDtype, LayerAttention, SeqChunk};
+use duet_engine::{generate, GenerationParams, KvCache, KvDtype, LayerAttention, Model, SeqChunk};
 
 const GREEDY: &str = "gemma3-270m-q4_k_m-greedy.jsonl";
 /// Largest difference allowed between a first-step top-5 logit and llama.cpp's. Gemma's
@@ -72,8 +72,7 @@ fn reference_prompts_tokenize_with_bos_as_llama_cpp() {
 
 /// Greedy tokens of every reference prompt, the prompt prefilled in chunks of `chunk`
 /// (0: whole).
-fn greedy(threads: usize, chunk: usize) -> Vec<Vec<u32>> {
-    let m = common::gemma_model(threads);
+fn greedy(m: &Model, chunk: usize) -> Vec<Vec<u32>> {
     common::greedy_cases_of(GREEDY)
         .into_iter()
         .map(|c| {
@@ -96,7 +95,14 @@ fn greedy(threads: usize, chunk: usize) -> Vec<Vec<u32>> {
 /// [`NEAR_TIE`], and does not depend on how the prompt is chunked or on the threads.
 #[test]
 fn greedy_follows_llama_cpp_whole_chunked_and_on_two_threads() {
-    let whole = greedy(1, 0);
+    // The whole prompts and chunks of 64 at once, on two one-thread models (a model's calls
+    // share its one pool).
+    let other = common::gemma_model_loaded(1);
+    let (whole, chunked) = std::thread::scope(|s| {
+        let b = s.spawn(|| greedy(&other, 64));
+        let whole = greedy(common::gemma_model(1), 0);
+        (whole, b.join().expect("chunks of 64"))
+    });
     let mut report = Vec::new();
     let mut broken = 0;
     for (c, got) in common::greedy_cases_of(GREEDY).iter().zip(&whole) {
@@ -119,9 +125,9 @@ fn greedy_follows_llama_cpp_whole_chunked_and_on_two_threads() {
     // above) and the other K-quants' on the batch's size (tiled from 8 rows): chunks of a
     // multiple of 4 rows, 8 or more, keep every row's kernel. (Other cuts change it, as
     // llama.cpp's own ubatch size does: `docs/engine.md`.)
-    assert_eq!(greedy(1, 64), whole, "chunks of 64 change the tokens");
+    assert_eq!(chunked, whole, "chunks of 64 change the tokens");
     assert_eq!(
-        greedy(2, 8),
+        greedy(common::gemma_model(2), 8),
         whole,
         "chunks of 8 on 2 threads change the tokens"
     );

@@ -87,11 +87,22 @@ fn check(o: &Outcome, min_kept: usize) {
 fn greedy_follows_llama_cpp_whole_and_chunked_on_one_and_two_threads() {
     let one = common::model_with(1, WeightMode::Quantized);
     let two = common::model_with(2, WeightMode::Quantized);
-    let whole = run(one, KvDtype::F16, 0);
+    // Two one-thread models, so that the one-thread runs take both cores (a model's calls
+    // share its one pool).
+    let other = common::load(1, WeightMode::Quantized);
+    // One-row chunks, the slowest, on one; the whole prompts and the rest on the other.
+    let (whole, chunked) = std::thread::scope(|s| {
+        let rows = s.spawn(|| run(&other, KvDtype::F16, 1));
+        let whole = run(one, KvDtype::F16, 0);
+        let mut chunked: Vec<_> = [7, 64]
+            .map(|chunk| (chunk, run(one, KvDtype::F16, chunk)))
+            .into();
+        chunked.push((1, rows.join().expect("one-row chunks")));
+        (whole, chunked)
+    });
     // llama.cpp's arithmetic keeps the rule on every prompt.
     check(&whole, cases().len());
-    for chunk in [1, 7, 64] {
-        let a = run(one, KvDtype::F16, chunk);
+    for (chunk, a) in chunked {
         assert_eq!(
             a.tokens, whole.tokens,
             "prefill in chunks of {chunk} must give the tokens of the whole prompt"

@@ -18,8 +18,8 @@ pub use duet_error_class::ErrorClass;
 
 /// An [`ErrorClass`] on the wire: the code of a receiver verdict or an abort (never 0; 0
 /// means success). The numbers are part of the protocol and never change; classes that
-/// cannot occur in a transfer (cancelled, already exists, failed precondition) travel as
-/// internal.
+/// cannot occur in a transfer (cancelled, already exists) travel as internal, and a code
+/// this build does not know reads as internal.
 pub(crate) fn wire_code(class: ErrorClass) -> u8 {
     match class {
         ErrorClass::InvalidArgument => 1,
@@ -28,10 +28,8 @@ pub(crate) fn wire_code(class: ErrorClass) -> u8 {
         ErrorClass::Unavailable => 4,
         ErrorClass::DeadlineExceeded => 5,
         ErrorClass::Unauthenticated => 7,
-        ErrorClass::Internal
-        | ErrorClass::Cancelled
-        | ErrorClass::AlreadyExists
-        | ErrorClass::FailedPrecondition => 6,
+        ErrorClass::FailedPrecondition => 8,
+        ErrorClass::Internal | ErrorClass::Cancelled | ErrorClass::AlreadyExists => 6,
     }
 }
 
@@ -44,6 +42,7 @@ pub(crate) fn from_wire_code(code: u8) -> ErrorClass {
         4 => ErrorClass::Unavailable,
         5 => ErrorClass::DeadlineExceeded,
         7 => ErrorClass::Unauthenticated,
+        8 => ErrorClass::FailedPrecondition,
         _ => ErrorClass::Internal,
     }
 }
@@ -434,6 +433,9 @@ mod tests {
         // The protocol's numbers (a peer of another build reads them).
         assert_eq!(wire_code(ErrorClass::Unavailable), 4);
         assert_eq!(wire_code(ErrorClass::Unauthenticated), 7);
+        assert_eq!(wire_code(ErrorClass::FailedPrecondition), 8);
+        // A code this build does not know (a newer peer's) reads as Internal.
+        assert_eq!(from_wire_code(200), ErrorClass::Internal);
     }
 
     #[test]

@@ -3,14 +3,24 @@
 //! `duet eval perplexity` computes perplexity over a text file as llama.cpp's
 //! `llama-perplexity` does (`duet_engine::perplexity` states the windows and the sums), so
 //! its figure can be put beside llama.cpp's (`bench/llama_cpp_perplexity.py`).
+//!
+//! `--kv-in-flight C` measures what moving a prompt's KV between workers costs: each
+//! window's prompt KV goes through kv-transfer's own region codec (`encode_region`, then
+//! `decode_region` into the same blocks), exactly what a decode worker receives when the
+//! prefill worker sends with `--kv-compression C`; `none` is the same evaluation with the
+//! bytes unchanged, the reference that separates the codec's cost from the rest.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use duet_engine::perplexity::{perplexity, PerplexityConfig};
-use duet_engine::{AttentionPolicy, KvDtype};
+use duet_engine::perplexity::{perplexity_in_transit, PerplexityConfig, PromptTransit};
+use duet_engine::{AttentionPolicy, EngineError, KvCache, KvDtype, KvKind, SeqId};
+use duet_kv_transfer::protocol::compress::{decode_region, encode_region};
+use duet_kv_transfer::Compression;
+use duet_worker_common::transfer_layout;
 
+use super::cluster::args::CompressionArg;
 use super::model_args::ModelArgs;
 
 #[derive(Subcommand, Debug)]
@@ -45,6 +55,11 @@ pub struct PerplexityArgs {
     /// half is a prompt compressed by SnapKV, its second half fed one token per step.
     #[arg(long, env = "DUET_ATTENTION", default_value = "full")]
     pub attention: AttentionPolicy,
+    /// Put each window's prompt KV through kv-transfer's encoding `none|f16|int8` and back,
+    /// as a remote prefill moves it (`--kv-compression` of `duet up`), then feed the rest
+    /// of the window one token per step. Unset: no transit, the whole window in one forward.
+    #[arg(long, value_enum)]
+    pub kv_in_flight: Option<CompressionArg>,
     /// Print one JSON object (ppl, ppl_stderr, nll, tokens_scored, kv_bytes_peak, ...).
     #[arg(long)]
     pub json: bool,
@@ -68,14 +83,66 @@ fn run_perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
         kv_dtype: a.kv_dtype,
         attention: a.attention,
     };
-    let r = perplexity(&model, &tokens, &cfg)?;
+    let codec = a.kv_in_flight.map(Compression::from);
+    let apply = move |cache: &mut KvCache, seq: SeqId| round_trip(codec, cache, seq);
+    let transit = codec.map(|c| PromptTransit {
+        name: c.as_str().to_string(),
+        apply: &apply,
+    });
+    let r = perplexity_in_transit(&model, &tokens, &cfg, transit.as_ref())?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "PPL = {:.4} +/- {:.5} ({} tokens scored in {} windows of {}, attention {}, KV peak {} bytes)",
-            r.ppl, r.ppl_stderr, r.tokens_scored, r.windows, r.ctx, r.attention, r.kv_bytes_peak
+            "PPL = {:.4} +/- {:.5} ({} tokens scored in {} windows of {}, attention {}, KV in flight {}, KV peak {} bytes)",
+            r.ppl,
+            r.ppl_stderr,
+            r.tokens_scored,
+            r.windows,
+            r.ctx,
+            r.attention,
+            r.kv_in_flight.as_deref().unwrap_or("-"),
+            r.kv_bytes_peak
         );
+    }
+    Ok(())
+}
+
+/// Every K and V region of sequence `seq`'s blocks encoded as `codec` and decoded back in
+/// place, as a decode worker's pool receives them.
+fn round_trip(
+    codec: Option<Compression>,
+    cache: &mut KvCache,
+    seq: SeqId,
+) -> duet_engine::Result<()> {
+    let Some(codec) = codec else {
+        return Ok(());
+    };
+    let wire = |e: duet_kv_transfer::Error| EngineError::invalid("kv_in_flight", e.to_string());
+    let layout = transfer_layout(cache.layout()).map_err(wire)?;
+    let codec = codec.effective(layout.dtype());
+    let blocks = cache.sequence_blocks(seq)?.to_vec();
+    let mut encoded = Vec::new();
+    for b in blocks {
+        for layer in 0..cache.layout().n_layers {
+            for kind in [KvKind::K, KvKind::V] {
+                encoded.clear();
+                encode_region(
+                    codec,
+                    &layout,
+                    cache.region_bytes(b, layer, kind),
+                    &mut encoded,
+                )
+                .map_err(wire)?;
+                decode_region(
+                    codec,
+                    &layout,
+                    &encoded,
+                    cache.region_bytes_mut(b, layer, kind),
+                )
+                .map_err(wire)?;
+            }
+        }
     }
     Ok(())
 }

@@ -27,7 +27,8 @@ pub fn model_path() -> PathBuf {
     root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-fn load(threads: usize, weight_mode: WeightMode) -> Model {
+/// A new copy of the default test model on `threads` threads (its own pool).
+pub fn load(threads: usize, weight_mode: WeightMode) -> Model {
     let p = model_path();
     assert!(
         p.exists(),
@@ -133,15 +134,18 @@ pub fn gemma_path() -> PathBuf {
 pub fn gemma_model(threads: usize) -> &'static Model {
     static MODELS: [OnceLock<Model>; 2] = [const { OnceLock::new() }; 2];
     let t = usize::from(threads > 1);
-    MODELS[t].get_or_init(|| {
-        let p = gemma_path();
-        assert!(p.exists(), "{} is missing: run make model", p.display());
-        let options = LoadOptions {
-            threads: t + 1,
-            weight_mode: WeightMode::Quantized,
-        };
-        Model::load(&p, options).unwrap_or_else(|e| panic!("loading {}: {e}", p.display()))
-    })
+    MODELS[t].get_or_init(|| gemma_model_loaded(t + 1))
+}
+
+/// A new copy of [`gemma_model`] on `threads` threads (its own pool).
+pub fn gemma_model_loaded(threads: usize) -> Model {
+    let p = gemma_path();
+    assert!(p.exists(), "{} is missing: run make model", p.display());
+    let options = LoadOptions {
+        threads,
+        weight_mode: WeightMode::Quantized,
+    };
+    Model::load(&p, options).unwrap_or_else(|e| panic!("loading {}: {e}", p.display()))
 }
 
 /// The second test model (Gemma 3 270M Q4_K_M, `scripts/fetch-gemma.sh`), opened
