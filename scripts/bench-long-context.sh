@@ -27,7 +27,8 @@
 # `inflight`: what int8 KV in flight (`--kv-compression int8`) costs: perplexity with each
 # window's prompt KV put through kv-transfer's codec (`--kv-in-flight none|int8`), and
 # greedy agreement of a `duet up --kv-compression int8` cluster (every prompt prefilled
-# remotely) with `duet run` on the long prompts and the reference prompts.
+# remotely, its KV over tcp: the in-process `local` transport hands buffers over and never
+# encodes) with `duet run` on the long prompts and the reference prompts.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -163,7 +164,8 @@ inflight() {
   for c in none int8; do ppl_run full f16 "$jsonl" --kv-in-flight "$c"; done
   python3 "$root/scripts/long_context_table.py" ppl "$jsonl"
   "$DUET" up --model "$model" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
-    --local-prefill-max-tokens 0 --kv-compression int8 --prefix-cache off >"$log" 2>&1 &
+    --local-prefill-max-tokens 0 --kv-transport tcp --kv-compression int8 --prefix-cache off \
+    >"$log" 2>&1 &
   up_pid=$!
   trap 'kill "${up_pid:-}" 2>/dev/null || true' EXIT
   router=$(logged_url "$log" "router listening on")

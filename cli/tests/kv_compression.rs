@@ -139,6 +139,25 @@ fn compressed_kv_keeps_greedy_tokens_within_measured_bounds() {
         assert_eq!(r.wire_received, r.wire_sent, "{name}: both sides agree");
     };
 
+    // `duet up`'s default transport hands KV over in memory and never encodes it: asking it
+    // to compress is refused at start, naming the flag, rather than ignored.
+    let mut local = support::Proc::start_logged(
+        "up",
+        &["up", "--listen", "127.0.0.1:0", "--kv-compression", "int8"],
+        &[],
+    );
+    assert_eq!(local.wait_exit(START), Some(1), "{:?}", local.log_lines());
+    let refused = |l: &String| l.contains("--kv-compression: the local transport");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !local.log_lines().iter().any(refused) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        local.log_lines().iter().any(refused),
+        "{:?}",
+        local.log_lines()
+    );
+
     // The baseline: `f16` of the default f16 cache, which is the cache itself (counted as
     // `none`, the bytes unchanged: `Compression::effective`), so these are the tokens of the
     // default `none` too (which every other cluster test runs), one cluster fewer.

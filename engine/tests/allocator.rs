@@ -109,3 +109,37 @@ fn writing_into_a_shared_block_copies_it_first() {
         cache.sequence_blocks(1).unwrap()[0]
     );
 }
+
+/// A block handed to a new sequence holds nothing of the sequence that held it before: the
+/// slots past the new sequence's length are zero, so a sender moving a partly filled block
+/// (and the int8 scale taken over all its slots) sees this sequence's KV alone.
+#[test]
+fn a_reused_block_holds_nothing_of_its_last_sequence() {
+    use duet_engine::KvKind;
+    let mut cache = KvCache::new(tiny_layout(), 1);
+    cache.add_sequence(1).unwrap();
+    cache.prepare_append(1, 4).unwrap();
+    let b = cache.sequence_blocks(1).unwrap()[0];
+    for layer in 0..2 {
+        for kind in [KvKind::K, KvKind::V] {
+            cache.region_bytes_mut(b, layer, kind).fill(0x5a);
+        }
+    }
+    cache.commit_append(1, 4).unwrap();
+    cache.free_sequence(1);
+    cache.add_sequence(2).unwrap();
+    cache.prepare_append(2, 1).unwrap();
+    assert_eq!(
+        cache.sequence_blocks(2).unwrap(),
+        [b],
+        "the one block, reused"
+    );
+    for layer in 0..2 {
+        for kind in [KvKind::K, KvKind::V] {
+            assert!(
+                cache.region_bytes(b, layer, kind).iter().all(|&x| x == 0),
+                "layer {layer} {kind:?} still holds the last sequence's bytes"
+            );
+        }
+    }
+}

@@ -430,10 +430,25 @@ impl KvCache {
 
     /// Takes `n` blocks (all or none). Cached blocks the allocator had to evict leave the
     /// prefix index here, before anyone writes into them, and move to the host tier.
+    /// `n` blocks from the pool, zeroed: a block's slots past its sequence's length are
+    /// never another request's KV, so what a sender moves of a partly filled block (and an
+    /// int8 scale taken over its every slot) depends on this sequence alone.
     pub(super) fn allocate_blocks(&mut self, n: usize) -> Result<Vec<BlockId>> {
         let blocks = self.alloc.allocate(n)?;
         self.on_evicted();
+        for &b in &blocks {
+            self.zero_block(b);
+        }
         Ok(blocks)
+    }
+
+    fn zero_block(&mut self, b: BlockId) {
+        self.device.host_wrote(b);
+        let (o, n) = self.block_span(b);
+        match &mut self.storage {
+            Storage::F32(d) => d[o..o + n].fill(0.0),
+            Storage::F16(d) => d[o..o + n].fill(half::f16::ZERO),
+        }
     }
 
     /// Elements of one whole block (every layer, K and V), and where it starts.

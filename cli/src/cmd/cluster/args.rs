@@ -151,7 +151,8 @@ pub struct KvArgs {
     /// How a prefill worker encodes KV on the wire (tcp, shm): `none` as stored, `f16`
     /// (half of an f32 cache), `int8` with a scale per block, layer and head (about a
     /// quarter). Decode workers store their own dtype and accept any; lossy (see
-    /// kv-transfer/README.md for what it does to greedy tokens).
+    /// kv-transfer/README.md for what it does to greedy tokens). `duet up` refuses it on
+    /// its default `--kv-transport local`, which hands KV over without encoding it.
     #[arg(long, env = "DUET_KV_COMPRESSION", value_enum, default_value = "none")]
     pub kv_compression: CompressionArg,
     /// Frame integrity on the KV link (tcp, shm, rdma, nccl): `on` MACs every frame under a

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 #[cfg(feature = "rdma")]
 use super::args::UcxArgs;
-use super::args::{default_shm_dir, parse_duration, KvArgs};
+use super::args::{default_shm_dir, parse_duration, CompressionArg, KvArgs};
 use super::router::{model_name, run_router, RouterListeners, RoutingArgs};
 use super::tls_args::TlsArgs;
 #[cfg(feature = "rdma")]
@@ -148,6 +148,13 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
     duet_telemetry::install()?;
     if a.decode_workers == 0 {
         anyhow::bail!("--decode-workers: at least 1");
+    }
+    if a.kv_transport == KvTransport::Local && a.kv.kv_compression != CompressionArg::None {
+        // Refused rather than ignored: the setting would change nothing.
+        anyhow::bail!(
+            "--kv-compression: the local transport hands KV over in memory and never encodes \
+             it; add --kv-transport tcp (or shm) to compress KV in flight"
+        );
     }
     let dcfg = a.decode.config()?;
     let pcfg = a.prefill.config()?;
