@@ -74,12 +74,15 @@ pub struct PerplexityReport {
     pub kv_in_flight: Option<String>,
 }
 
+/// Applies a transit in place to sequence `seq`'s blocks in `cache`.
+pub type ApplyTransit = Box<dyn Fn(&mut KvCache, SeqId) -> Result<()>>;
+
 /// What happens to a prompt's KV between the forward that computed it and the steps that go
-/// on from it, applied in place to sequence `seq`'s blocks in `cache`.
-pub struct PromptTransit<'a> {
+/// on from it.
+pub struct PromptTransit {
     /// Its name in the report (`kv_in_flight`).
     pub name: String,
-    pub apply: &'a dyn Fn(&mut KvCache, SeqId) -> Result<()>,
+    pub apply: ApplyTransit,
 }
 
 /// `-log softmax(logits)[target]` as llama.cpp computes it.
@@ -256,9 +259,9 @@ fn window_logits(
 
 /// How a stepped window's prompt is computed and handed on.
 #[derive(Clone, Copy)]
-struct Prompt<'t, 'a> {
+struct Prompt<'t> {
     attention: AttentionPolicy,
-    transit: Option<&'t PromptTransit<'a>>,
+    transit: Option<&'t PromptTransit>,
 }
 
 /// `window[..=first]` as a prompt (compressed under SnapKV, then put through the transit),
@@ -275,23 +278,22 @@ fn prompt_then_steps(
     cache.set_attention(0, how.attention)?;
     let prompt = &window[..=first];
     let mut logits = vec![Vec::new(); window.len()];
-    match how.attention {
+    let chunk = match how.attention {
         AttentionPolicy::SnapKv(policy) => {
             logits[first] = snapkv_prompt(model, cache, prompt, policy, held)?;
+            None
         }
-        AttentionPolicy::Full | AttentionPolicy::Window(_) => {
-            let chunk = match how.attention {
-                AttentionPolicy::Window(_) => WINDOWED_CHUNK,
-                _ => prompt.len(),
-            };
-            let parts = prompt.chunks(chunk).count();
-            for (i, part) in prompt.chunks(chunk).enumerate() {
-                cache.prepare_append(0, part.len())?;
-                held(cache.used_blocks());
-                let ch = SeqChunk::prompt(0, part, i + 1 == parts, prompt.len());
-                if let Some(l) = model.forward(cache, &[ch])?.pop() {
-                    logits[first] = l;
-                }
+        AttentionPolicy::Window(_) => Some(WINDOWED_CHUNK),
+        AttentionPolicy::Full => Some(prompt.len()),
+    };
+    if let Some(chunk) = chunk {
+        let parts = prompt.len().div_ceil(chunk);
+        for (i, part) in prompt.chunks(chunk).enumerate() {
+            cache.prepare_append(0, part.len())?;
+            held(cache.used_blocks());
+            let ch = SeqChunk::prompt(0, part, i + 1 == parts, prompt.len());
+            if let Some(l) = model.forward(cache, &[ch])?.pop() {
+                logits[first] = l;
             }
         }
     }

@@ -83,12 +83,13 @@ fn run_perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
         kv_dtype: a.kv_dtype,
         attention: a.attention,
     };
-    let codec = a.kv_in_flight.map(Compression::from);
-    let apply = move |cache: &mut KvCache, seq: SeqId| round_trip(codec, cache, seq);
-    let transit = codec.map(|c| PromptTransit {
-        name: c.as_str().to_string(),
-        apply: &apply,
-    });
+    let transit = a
+        .kv_in_flight
+        .map(Compression::from)
+        .map(|c| PromptTransit {
+            name: c.as_str().to_string(),
+            apply: Box::new(move |cache: &mut KvCache, seq: SeqId| round_trip(c, cache, seq)),
+        });
     let r = perplexity_in_transit(&model, &tokens, &cfg, transit.as_ref())?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
@@ -110,14 +111,7 @@ fn run_perplexity(a: PerplexityArgs) -> anyhow::Result<()> {
 
 /// Every K and V region of sequence `seq`'s blocks encoded as `codec` and decoded back in
 /// place, as a decode worker's pool receives them.
-fn round_trip(
-    codec: Option<Compression>,
-    cache: &mut KvCache,
-    seq: SeqId,
-) -> duet_engine::Result<()> {
-    let Some(codec) = codec else {
-        return Ok(());
-    };
+fn round_trip(codec: Compression, cache: &mut KvCache, seq: SeqId) -> duet_engine::Result<()> {
     let wire = |e: duet_kv_transfer::Error| EngineError::invalid("kv_in_flight", e.to_string());
     let layout = transfer_layout(cache.layout()).map_err(wire)?;
     let codec = codec.effective(layout.dtype());

@@ -368,6 +368,10 @@ impl KvCache {
                 self.alloc.refcount(b) > 1 || self.alloc.is_cacheable(b)
             });
         let fresh = self.allocate_blocks(need + usize::from(cow))?;
+        // The copy (first) is written whole; the last new block may end partly filled.
+        if let (true, Some(&b)) = (need > 0, fresh.last()) {
+            self.zero_if_partial(b, len + n);
+        }
         let mut fresh = fresh.into_iter();
         if let (true, Some(idx)) = (cow, last) {
             if let Some(copy) = fresh.next() {
@@ -430,19 +434,21 @@ impl KvCache {
 
     /// Takes `n` blocks (all or none). Cached blocks the allocator had to evict leave the
     /// prefix index here, before anyone writes into them, and move to the host tier.
-    /// `n` blocks from the pool, zeroed: a block's slots past its sequence's length are
-    /// never another request's KV, so what a sender moves of a partly filled block (and an
-    /// int8 scale taken over its every slot) depends on this sequence alone.
     pub(super) fn allocate_blocks(&mut self, n: usize) -> Result<Vec<BlockId>> {
         let blocks = self.alloc.allocate(n)?;
         self.on_evicted();
-        for &b in &blocks {
-            self.zero_block(b);
-        }
         Ok(blocks)
     }
 
-    fn zero_block(&mut self, b: BlockId) {
+    /// Zeroes the fresh block `b` when a sequence of `tokens` tokens leaves it partly
+    /// filled (every other fresh block is written whole), so its slots past the sequence's
+    /// end hold nothing of the sequence that had the block before: what a sender moves of
+    /// a last block, and an int8 scale taken over its every slot, depend on this sequence
+    /// alone.
+    pub(super) fn zero_if_partial(&mut self, b: BlockId, tokens: usize) {
+        if tokens.is_multiple_of(self.layout.block_size) {
+            return;
+        }
         self.device.host_wrote(b);
         let (o, n) = self.block_span(b);
         match &mut self.storage {

@@ -190,6 +190,9 @@ impl KvCache {
         }
         let (old, len) = (s.blocks.clone(), s.len);
         let fresh = self.allocate_blocks(m.div_ceil(bs))?;
+        if let Some(&b) = fresh.last() {
+            self.zero_if_partial(b, m);
+        }
         let range = |block, layer, kind: KvKind, head, slot| -> Range<usize> {
             let o = self.region_offset(block, layer, kind) + (head * bs + slot) * hd;
             o..o + hd
