@@ -27,8 +27,10 @@ up: deps model
 # its tests are the default build's plus the rdma ones, and a second build just for them
 # would recompile every crate above kv-transfer. fault-injection adds the test-only fault
 # plans of the KV sender (DUET_KV_FAULTS); release builds (make up) never have it.
+# scripts/test-rust.sh builds what `cargo test --workspace` builds and runs the test
+# binaries two at a time, the longest first (every one runs; the failed are listed at the end).
 test: deps model
-	$(CARGO) test --workspace --no-fail-fast --features duet/rdma,duet/fault-injection
+	CARGO=$(CARGO) DUET_TEST_FEATURES=duet/rdma,duet/fault-injection ./scripts/test-rust.sh
 	./scripts/check-deploy.sh
 	./scripts/check-cuda-build.sh
 
