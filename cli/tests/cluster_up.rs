@@ -154,6 +154,8 @@ fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
         "0",
         "--kv-pool",
         "256MiB",
+        "--chat-template",
+        GEMMA_CHAT_TEMPLATE,
     ]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
@@ -184,6 +186,34 @@ fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
         ));
         let e = generate(&mut c, req).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        // Chat through `--chat-template` (this base model's GGUF has none): the same prompt
+        // and tokens as `duet run --chat` with the same file.
+        let run = support::run_json(
+            "native",
+            &[
+                "--model",
+                gemma.to_str().unwrap(),
+                "--chat",
+                "--chat-template",
+                GEMMA_CHAT_TEMPLATE,
+                "--prompt",
+                "Name a colour.",
+                "--max-tokens",
+                "6",
+            ],
+        );
+        let front = duet_engine::TextFrontend::load(&gemma).unwrap();
+        let turns = "<start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n";
+        let want_prompt = front.tokenizer.encode(turns, true).unwrap();
+        assert_eq!(support::ids_of(&run, "prompt_ids"), want_prompt);
+        assert!(
+            front.tokenizer.is_control(want_prompt[1]),
+            "{want_prompt:?}"
+        );
+        let got = generate(&mut c, greedy(chat("Name a colour."), 6))
+            .await
+            .unwrap();
+        assert_eq!(got.ids, support::ids_of(&run, "ids"));
     });
     // The OpenAI door reports the model it serves.
     let http = p.wait_for("http listening on", support::START);
@@ -193,7 +223,36 @@ fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
             && models.contains(r#""max_model_len":32768"#),
         "{models}"
     );
+    // The OpenAI chat door with a system message: Gemma has no system turn, so the
+    // template puts its text at the head of the first user turn.
+    let body = serde_json::json!({
+        "model": "gemma-3-270m-q4_k_m",
+        "messages": [
+            {"role": "system", "content": "Answer in one word."},
+            {"role": "user", "content": "Name a colour."},
+        ],
+        "max_tokens": 2,
+        "temperature": 0.0,
+    });
+    let (status, reply) = support::http(
+        "POST",
+        &format!("{http}/v1/chat/completions"),
+        Some(("application/json", &body.to_string())),
+    );
+    assert_eq!(status, 200, "{reply}");
+    let reply: serde_json::Value = serde_json::from_str(&reply).unwrap();
+    let turns = "<start_of_turn>user\nAnswer in one word.\n\nName a colour.<end_of_turn>\n\
+                 <start_of_turn>model\n";
+    let front = duet_engine::TextFrontend::load(&gemma).unwrap();
+    let want = front.tokenizer.encode(turns, true).unwrap().len();
+    assert_eq!(reply["usage"]["prompt_tokens"], want, "{reply}");
 }
+
+/// A Gemma chat template for `--chat-template` (the Gemma 3 270M GGUF has none).
+const GEMMA_CHAT_TEMPLATE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../tests/data/gemma3-chat-template.jinja"
+);
 
 /// The body of `GET path` on `base` (`http://host:port`), over a plain socket.
 fn http_get(base: &str, path: &str) -> String {

@@ -238,6 +238,26 @@ fn duet_run_serves_gemma3_by_the_reference_rule() {
         "Hi",
     ]);
     assert_clean_failure(&o, "gemma3");
+    // This base model's GGUF has no chat template: --chat says how to give one, and a
+    // template that does not compile is refused naming the flag and the file.
+    let g = gemma.to_str().unwrap();
+    let o = duet(&["run", "--model", g, "--chat", "--prompt", "Hi"]);
+    assert_clean_failure(&o, "--chat-template FILE");
+    let bad = std::env::temp_dir().join(format!("duet-bad-template-{}.jinja", std::process::id()));
+    std::fs::write(&bad, "{% for m in messages %}{{ m.content }}").unwrap();
+    let o = duet(&[
+        "run",
+        "--model",
+        g,
+        "--chat",
+        "--chat-template",
+        bad.to_str().unwrap(),
+        "--prompt",
+        "Hi",
+    ]);
+    std::fs::remove_file(&bad).unwrap();
+    assert_clean_failure(&o, "--chat-template");
+    assert!(stderr(&o).contains(bad.to_str().unwrap()), "{}", stderr(&o));
 }
 
 /// A device that is not there is refused at start, exit code 2, naming what is missing.

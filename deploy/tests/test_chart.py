@@ -157,8 +157,10 @@ def test_expected_objects(rendered: Rendered):
     planner = r.effective["planner"]["enabled"]
     deployments = {d["metadata"]["name"] for d in r.of_kind("Deployment")}
     assert deployments == {"duet-router", "duet-prefill", "duet-decode"} | ({"duet-planner"} if planner else set())
+    chat = bool(r.effective["router"]["chatTemplate"])
     assert {d["metadata"]["name"] for d in r.of_kind("ConfigMap")} == (
-        {"duet-router", "duet-prefill", "duet-decode"} | ({"duet-planner", "duet-planner-profile"} if planner else set()))
+        {"duet-router", "duet-prefill", "duet-decode"} | ({"duet-planner", "duet-planner-profile"} if planner else set())
+        | ({"duet-chat-template"} if chat else set()))
     svc = r.get("Service", "duet-router")
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
     bundled = r.effective["etcd"]["enabled"]
@@ -987,6 +989,34 @@ def test_bundled_etcd_flags_exist():
     assert len(flags) >= 10
     missing = [f for f in sorted(flags) if f not in helptext]
     assert not missing, missing
+
+
+def test_chat_template_reaches_the_router_only(renders):
+    """router.chatTemplate: its text, byte for byte, in a ConfigMap mounted read-only in the
+    router, whose DUET_CHAT_TEMPLATE names the file; no worker gets it, and without the value
+    neither the ConfigMap nor the variable exists."""
+    text = (REPO / "tests" / "data" / "gemma3-chat-template.jinja").read_text()
+    r = renders["gemma3-chat"]
+    cm = r.get("ConfigMap", "duet-chat-template")
+    assert cm["data"]["chat-template.jinja"] == text
+    path = "/etc/duet/chat-template/chat-template.jinja"
+    for w, c in r.duet_containers():
+        env = r.env(w, c)
+        spec = w["spec"]["template"]["spec"]
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        if w["metadata"]["name"] == "duet-router":
+            assert env["DUET_CHAT_TEMPLATE"] == path
+            assert mounts["chat-template"]["mountPath"] == path.rsplit("/", 1)[0]
+            assert mounts["chat-template"]["readOnly"] is True
+            (vol,) = [v for v in spec["volumes"] if v["name"] == "chat-template"]
+            assert vol["configMap"]["name"] == "duet-chat-template"
+            assert vol["configMap"]["items"] == [{"key": "chat-template.jinja", "path": "chat-template.jinja"}]
+        else:
+            assert "DUET_CHAT_TEMPLATE" not in env and "chat-template" not in mounts
+    d = renders["defaults"]
+    assert all("DUET_CHAT_TEMPLATE" not in d.env(w, c) for w, c in d.duet_containers())
+    with pytest.raises(KeyError):
+        d.get("ConfigMap", "duet-chat-template")
 
 
 @pytest.mark.skipif(not __import__("os").environ.get("DUET_DEPLOY_FETCH"),

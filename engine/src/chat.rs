@@ -59,7 +59,7 @@ fn raise_exception(msg: String) -> std::result::Result<String, minijinja::Error>
 
 impl ChatTemplate {
     /// The template from the GGUF metadata, if it has one.
-    pub fn from_gguf(c: &Content, bos: String, eos: String) -> Result<Option<Self>> {
+    pub fn from_gguf(c: &Content, tokenizer: &crate::Tokenizer) -> Result<Option<Self>> {
         let Some(src) = c
             .metadata
             .get("tokenizer.chat_template")
@@ -67,7 +67,23 @@ impl ChatTemplate {
         else {
             return Ok(None);
         };
-        Self::new(src, bos, eos).map(Some)
+        Self::for_tokenizer(src, tokenizer).map(Some)
+    }
+
+    /// A template given by the user (like vLLM's `--chat-template` and llama.cpp's
+    /// `--chat-template-file`), for a model whose GGUF has none or another: `bos_token` and
+    /// `eos_token` are the tokenizer's.
+    pub fn for_tokenizer(source: String, tokenizer: &crate::Tokenizer) -> Result<Self> {
+        let text = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.token_bytes(i))
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .unwrap_or_default()
+        };
+        Self::new(
+            source,
+            text(tokenizer.bos_token_id()),
+            text(tokenizer.eos_token_id()),
+        )
     }
 
     pub fn new(source: String, bos: String, eos: String) -> Result<Self> {

@@ -211,16 +211,7 @@ impl TextFrontend {
     pub(crate) fn from_content(content: &Content) -> Result<Self> {
         let config = ModelConfig::from_gguf(content)?;
         let tokenizer = Tokenizer::from_gguf(content)?;
-        let token_text = |id: Option<u32>| {
-            id.and_then(|i| tokenizer.token_bytes(i))
-                .map(|b| String::from_utf8_lossy(b).into_owned())
-                .unwrap_or_default()
-        };
-        let chat_template = ChatTemplate::from_gguf(
-            content,
-            token_text(tokenizer.bos_token_id()),
-            token_text(tokenizer.eos_token_id()),
-        )?;
+        let chat_template = ChatTemplate::from_gguf(content, &tokenizer)?;
         Ok(Self {
             config,
             tokenizer,

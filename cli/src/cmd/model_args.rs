@@ -1,11 +1,12 @@
 //! Flags shared by every command that loads the model.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
 use duet_engine::{
-    DeviceSpec, EngineChoice, EngineKind, EngineModel, LoadOptions, Model, WeightMode,
+    ChatTemplate, DeviceSpec, EngineChoice, EngineKind, EngineModel, LoadOptions, Model, Tokenizer,
+    WeightMode,
 };
 
 /// Where `make up` puts the default model.
@@ -85,4 +86,14 @@ impl EngineArgs {
     pub fn resolve(&self) -> anyhow::Result<EngineKind> {
         self.choice().resolve().context("--engine/--device")
     }
+}
+
+/// `--chat-template FILE`: a Jinja chat template that replaces the GGUF's (vLLM's
+/// `--chat-template`, llama.cpp's `--chat-template-file`), read and compiled for
+/// `tokenizer`'s BOS and EOS; a failure names the flag and the file.
+pub fn chat_template(path: &Path, tokenizer: &Tokenizer) -> anyhow::Result<ChatTemplate> {
+    let source = std::fs::read_to_string(path)
+        .with_context(|| format!("--chat-template: reading {}", path.display()))?;
+    ChatTemplate::for_tokenizer(source, tokenizer)
+        .with_context(|| format!("--chat-template: {}", path.display()))
 }

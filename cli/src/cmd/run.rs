@@ -1,6 +1,7 @@
 //! `duet run`: one-shot generation in-process.
 
 use std::io::Write;
+use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
@@ -24,6 +25,10 @@ pub struct RunArgs {
     /// Render the prompt as one user message with the model's chat template.
     #[arg(long)]
     pub chat: bool,
+    /// A Jinja chat template file for --chat, instead of the GGUF's (which some models,
+    /// like base models, do not have).
+    #[arg(long, env = "DUET_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
     /// 0 = greedy.
@@ -166,9 +171,15 @@ fn prompt_ids(
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
 ) -> anyhow::Result<Vec<u32>> {
+    let given = match &a.chat_template {
+        Some(path) => Some(super::model_args::chat_template(path, tokenizer)?),
+        None => None,
+    };
     let (text, parse_special) = match a.chat {
         true => {
-            let tpl = template.context("--chat: the model has no chat template")?;
+            let tpl = given.as_ref().or(template).context(
+                "--chat: the model has no chat template; give one with --chat-template FILE",
+            )?;
             (
                 tpl.render(&[ChatMessage::new("user", &a.prompt)], true)?,
                 true,

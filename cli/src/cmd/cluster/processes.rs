@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use duet_discovery::Registry;
-use duet_engine::{EngineModel, TextFrontend};
+use duet_engine::EngineModel;
 use duet_kv_transfer::SharedSecret;
 use duet_serving::tls::{ClientTls, ServerTls};
 use tokio::net::TcpListener;
@@ -408,9 +408,7 @@ pub fn router(a: RouterCmd) -> anyhow::Result<()> {
     let scheme = duet_serving::tls::scheme(tls.is_some());
     let worker_tls = a.process.tls.client()?;
     let token = super::args::cluster_token(&a.secret.required()?)?;
-    let front = Arc::new(
-        TextFrontend::load(&a.model).with_context(|| format!("reading {}", a.model.display()))?,
-    );
+    let front = Arc::new(a.routing.frontend(&a.model)?);
     let name = model_name(&a.model, &a.routing.served_model_name);
     runtime()?.block_on(async move {
         let shutdown = duet_serving::server::shutdown_on_signal();

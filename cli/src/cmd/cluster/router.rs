@@ -1,8 +1,10 @@
 //! `duet router` and the router part of `duet up`.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use clap::Args;
 use duet_discovery::Registry;
 use duet_engine::TextFrontend;
@@ -48,6 +50,10 @@ pub struct RoutingArgs {
     /// Model name clients use (default: the GGUF file name without extension).
     #[arg(long, env = "DUET_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
+    /// A Jinja chat template file for the chat doors, instead of the GGUF's (like vLLM's
+    /// --chat-template): for models whose GGUF has none, such as base models.
+    #[arg(long, env = "DUET_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
     /// Longest prompt + generation accepted, below the model's context (like vLLM's
     /// --max-model-len); default: the model's context length.
     #[arg(long, env = "DUET_MAX_MODEL_LEN")]
@@ -112,6 +118,20 @@ pub struct RoutingArgs {
 }
 
 impl RoutingArgs {
+    /// The router's text side of `model`: tokenizer and chat template (`--chat-template`'s
+    /// when given, else the GGUF's).
+    pub fn frontend(&self, model: &Path) -> anyhow::Result<TextFrontend> {
+        let mut front =
+            TextFrontend::load(model).with_context(|| format!("reading {}", model.display()))?;
+        if let Some(path) = &self.chat_template {
+            front.chat_template = Some(crate::cmd::model_args::chat_template(
+                path,
+                &front.tokenizer,
+            )?);
+        }
+        Ok(front)
+    }
+
     pub fn validate(&self) -> anyhow::Result<()> {
         if self.max_queued == 0 {
             anyhow::bail!("--max-queued: at least 1");

@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::Args;
 use duet_decode_worker::DecodeConfig;
 use duet_discovery::{MemoryRegistry, RegistrationOptions, Registry};
-use duet_engine::{EngineModel, TextFrontend};
+use duet_engine::EngineModel;
 use duet_kv_transfer::LocalHub;
 use duet_prefill_worker::PrefillConfig;
 use tokio::net::TcpListener;
@@ -159,10 +159,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
     let dcfg = a.decode.config()?;
     let pcfg = a.prefill.config()?;
     let name = model_name(&a.model.model, &a.routing.served_model_name);
-    let front = Arc::new(
-        TextFrontend::load(&a.model.model)
-            .with_context(|| format!("reading {}", a.model.model.display()))?,
-    );
+    let front = Arc::new(a.routing.frontend(&a.model.model)?);
     // One process: a secret of its own unless one is given (nothing outside can join).
     let secret = a.kv.secret.or_random()?;
     let token = super::args::cluster_token(&secret)?;
