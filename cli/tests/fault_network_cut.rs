@@ -62,6 +62,7 @@ impl Hosts {
         let h = Hosts {
             n: std::process::id() % 10_000,
         };
+        h.remove_stale_on_our_subnets();
         h.remove();
         let br = format!("dbr{}", h.n);
         ip(&["link", "add", &br, "type", "bridge"]);
@@ -125,6 +126,27 @@ impl Hosts {
                 rule.join(" "),
                 String::from_utf8_lossy(&o.stderr)
             );
+        }
+    }
+
+    /// A run killed before its `Drop` leaves its bridge, namespaces and rule behind; one of
+    /// another process whose subnets are ours (`n % 250`) would take our routes, and the
+    /// workers in our namespaces would never reach etcd. Removes those.
+    fn remove_stale_on_our_subnets(&self) {
+        let Ok(o) = Command::new("ip")
+            .args(["-o", "link", "show", "type", "bridge"])
+            .output()
+        else {
+            return;
+        };
+        let links = String::from_utf8_lossy(&o.stdout).into_owned();
+        let stale = links
+            .lines()
+            .filter_map(|l| l.split(": ").nth(1))
+            .filter_map(|name| name.strip_prefix("dbr")?.parse::<u32>().ok())
+            .filter(|&n| n != self.n && n % 250 == self.n % 250);
+        for n in stale {
+            Hosts { n }.remove();
         }
     }
 
