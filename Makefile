@@ -23,14 +23,11 @@ up: deps model
 	@echo
 	./target/release/duet up --model $(MODEL)
 
-# One build of the workspace with the rdma feature on (UCX over tcp and shared memory here):
-# its tests are the default build's plus the rdma ones, and a second build just for them
-# would recompile every crate above kv-transfer. fault-injection adds the test-only fault
-# plans of the KV sender (DUET_KV_FAULTS); release builds (make up) never have it.
-# scripts/test-rust.sh builds what `cargo test --workspace` builds and runs the test
-# binaries two at a time, the longest first (every one runs; the failed are listed at the end).
+# scripts/test-rust.sh builds what `cargo test --workspace` builds (features rdma and
+# fault-injection: see there) and runs the test binaries two at a time, the longest first
+# (every one runs; the failed are listed at the end).
 test: deps model
-	CARGO=$(CARGO) DUET_TEST_FEATURES=duet/rdma,duet/fault-injection ./scripts/test-rust.sh
+	CARGO=$(CARGO) ./scripts/test-rust.sh
 	./scripts/check-deploy.sh
 	./scripts/check-cuda-build.sh
 

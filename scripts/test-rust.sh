@@ -21,14 +21,18 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+# One build with the rdma feature on (UCX over tcp and shared memory here): its tests are the
+# default build's plus the rdma ones, and a second build just for them would recompile every
+# crate above kv-transfer. fault-injection adds the test-only fault plans of the KV sender
+# (DUET_KV_FAULTS); release builds (make up) never have it.
 features="${DUET_TEST_FEATURES:-duet/rdma,duet/fault-injection}"
 lanes="${DUET_TEST_LANES:-2}"
 cargo="${CARGO:-cargo}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-# Build every test binary (what `cargo test --workspace` would build) and list them:
-# executable, package directory, binary name, kind.
+# Build every test binary (what `cargo test --workspace` would build) and queue them, one
+# line each: name (crate/binary), executable, package directory; the longest first.
 "$cargo" test --workspace --no-run --features "$features" --message-format=json-render-diagnostics \
   > "$work/build.json"
 python3 - "$work/build.json" "$root/scripts/test-durations.txt" > "$work/queue" <<'PY'
@@ -80,8 +84,8 @@ run_one() {
 export -f run_one
 export work
 
-# Each queue line is one argument; bash splits it into name, executable and directory.
-tr '\n' '\0' < "$work/queue" | xargs -0 -P "$lanes" -I{} bash -c 'run_one $1' _ {} || true
+# One queue line per call: its three words are run_one's arguments.
+xargs -P "$lanes" -L 1 bash -c 'run_one "$@"' _ < "$work/queue" || true
 
 set +e
 "$cargo" test --workspace --doc --features "$features"

@@ -157,6 +157,8 @@ fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
         "--chat-template",
         GEMMA_CHAT_TEMPLATE,
     ]);
+    // The tokenizer that the expected chat prompts are encoded with.
+    let front = duet_engine::TextFrontend::load(&gemma).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let mut c = client(&url).await;
@@ -202,7 +204,6 @@ fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
                 "6",
             ],
         );
-        let front = duet_engine::TextFrontend::load(&gemma).unwrap();
         let turns = "<start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n";
         let want_prompt = front.tokenizer.encode(turns, true).unwrap();
         assert_eq!(support::ids_of(&run, "prompt_ids"), want_prompt);
@@ -243,7 +244,6 @@ fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
     let reply: serde_json::Value = serde_json::from_str(&reply).unwrap();
     let turns = "<start_of_turn>user\nAnswer in one word.\n\nName a colour.<end_of_turn>\n\
                  <start_of_turn>model\n";
-    let front = duet_engine::TextFrontend::load(&gemma).unwrap();
     let want = front.tokenizer.encode(turns, true).unwrap().len();
     assert_eq!(reply["usage"]["prompt_tokens"], want, "{reply}");
 }

@@ -139,14 +139,14 @@ impl Hosts {
         else {
             return;
         };
-        let links = String::from_utf8_lossy(&o.stdout).into_owned();
-        let stale = links
+        let stale = String::from_utf8_lossy(&o.stdout)
             .lines()
             .filter_map(|l| l.split(": ").nth(1))
             .filter_map(|name| name.strip_prefix("dbr")?.parse::<u32>().ok())
-            .filter(|&n| n != self.n && n % 250 == self.n % 250);
+            .filter(|&n| n != self.n && n % 250 == self.n % 250)
+            .collect::<Vec<_>>();
         for n in stale {
-            Hosts { n }.remove();
+            drop(Hosts { n }); // its Drop removes it
         }
     }
 

@@ -41,14 +41,16 @@ PLANNER = {"enabled": True, "profile": PLANNER_PROFILE, "slo": "ttft=1000,tpot=1
 TLS_VALUES = {"enabled": True, "cert": "-----BEGIN CERTIFICATE-----", "key": "-----BEGIN PRIVATE KEY-----",
               "ca": "-----BEGIN CERTIFICATE-----", "serverName": "duet-worker.duet.svc"}
 
+# The chart's preset for the second model.
+GEMMA3 = yaml.safe_load((CHART / "values-gemma3.yaml").read_text())
+
 # Value sets every structural test runs over.
 VALUE_SETS: dict[str, dict] = {
     "defaults": {},
     # the chart's own preset for the second model (four chunk wheels), and with the chat
     # template its GGUF lacks, as `--set-file router.chatTemplate=...` gives it
-    "gemma3": yaml.safe_load((CHART / "values-gemma3.yaml").read_text()),
-    "gemma3-chat": {**yaml.safe_load((CHART / "values-gemma3.yaml").read_text()),
-                    "router": {"chatTemplate": (REPO / "tests" / "data" / "gemma3-chat-template.jinja").read_text()}},
+    "gemma3": GEMMA3,
+    "gemma3-chat": {**GEMMA3, "router": {"chatTemplate": (REPO / "tests" / "data" / "gemma3-chat-template.jinja").read_text()}},
     "etcd-3": {"etcd": {"replicas": 3}},
     "etcd-external": {"etcd": {"enabled": False, "external": {"endpoints": EXTERNAL_ETCD}}},
     "etcd-external-tls-auth": {"etcd": {"enabled": False, "external": {

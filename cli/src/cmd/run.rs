@@ -171,10 +171,11 @@ fn prompt_ids(
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
 ) -> anyhow::Result<Vec<u32>> {
-    let given = match &a.chat_template {
-        Some(path) => Some(super::model_args::chat_template(path, tokenizer)?),
-        None => None,
-    };
+    let given = a
+        .chat_template
+        .as_deref()
+        .map(|path| super::model_args::chat_template(path, tokenizer))
+        .transpose()?;
     let (text, parse_special) = match a.chat {
         true => {
             let tpl = given.as_ref().or(template).context(
