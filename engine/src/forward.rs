@@ -32,6 +32,9 @@ pub struct SeqChunk<'a> {
     /// multi-token batch, decode rows in its single-token order, whatever the
     /// chunking or the batch they run in.
     pub prompt: bool,
+    /// The whole prompt's length when these tokens are part of one (0 otherwise): a prompt
+    /// row's weight kernels are those of its row in the whole prompt, however it is cut.
+    pub prompt_len: usize,
 }
 
 impl<'a> SeqChunk<'a> {
@@ -43,6 +46,7 @@ impl<'a> SeqChunk<'a> {
             tokens,
             logits: true,
             prompt: tokens.len() > 1,
+            prompt_len: if tokens.len() > 1 { tokens.len() } else { 0 },
         }
     }
 
@@ -55,6 +59,7 @@ impl<'a> SeqChunk<'a> {
             tokens,
             logits,
             prompt: prompt_len > 1,
+            prompt_len: if prompt_len > 1 { prompt_len } else { 0 },
         }
     }
 }
@@ -223,11 +228,15 @@ impl Model {
                 tokens.push(t);
             }
         }
-        // A forward made only of prompt chunks, one of which continues its sequence (chunked
-        // prefill, a cached prefix), picks its weight kernels as a forward over the whole
-        // prompt would (by the rows up to the longest chunk's end), so the KV and the logits
-        // do not depend on how the prompt was cut.
-        let continues = batch.iter().all(|c| c.tokens.len() >= 2) && starts.iter().any(|&s| s > 0);
+        // A forward made only of prompt chunks, one of which is part of a longer prompt
+        // (chunked prefill, a cached prefix), picks its weight kernels as a forward over the
+        // whole prompt would (by the whole prompt's rows), so the KV and the logits do not
+        // depend on how the prompt was cut.
+        let part_of_longer = batch
+            .iter()
+            .zip(&starts)
+            .any(|(c, &s)| s > 0 || c.prompt_len > c.tokens.len());
+        let continues = batch.iter().all(|c| c.tokens.len() >= 2 || c.prompt) && part_of_longer;
         let decode = batch.iter().all(|c| c.tokens.len() == 1 && !c.prompt);
         let kernel_rows = match (decode, continues) {
             (true, _) => KernelRows::Decode,
@@ -235,7 +244,7 @@ impl Model {
                 n: batch
                     .iter()
                     .zip(&starts)
-                    .map(|(c, s)| s + c.tokens.len())
+                    .map(|(c, s)| (s + c.tokens.len()).max(c.prompt_len))
                     .max()
                     .unwrap_or(0)
                     .max(rows.len()),

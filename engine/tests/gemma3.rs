@@ -121,16 +121,47 @@ fn greedy_follows_llama_cpp_whole_chunked_and_on_two_threads() {
     }
     println!("{}", report.join("\n"));
     assert_eq!(broken, 0, "rule broken:\n{}", report.join("\n"));
-    // Q4_K's kernel depends on a row's index in the batch (GEMM below `n - n % 4`, GEMV
-    // above) and the other K-quants' on the batch's size (tiled from 8 rows): chunks of a
-    // multiple of 4 rows, 8 or more, keep every row's kernel. (Other cuts change it, as
-    // llama.cpp's own ubatch size does: `docs/engine.md`.)
+    // Each prompt row takes the weight kernels of its row in the whole prompt, however the
+    // prompt is cut (`SeqChunk::prompt_len`; bit for bit in
+    // `a_prompt_cut_anywhere_gives_the_whole_prompts_logits_bit_for_bit`).
     assert_eq!(chunked, whole, "chunks of 64 change the tokens");
     assert_eq!(
         greedy(common::gemma_model(2), 8),
         whole,
         "chunks of 8 on 2 threads change the tokens"
     );
+}
+
+/// Q4_K's kernel depends on a row's index in the prompt (GEMM below `n - n % 4`, GEMV
+/// above) and the other K-quants' on the prompt's size (tiled from 8 rows): a chunk takes
+/// them by the whole prompt's rows, so chunks of any size (5, 3, 1 row: a scheduler's token
+/// budget cuts prompts anywhere) compute the whole prompt's logits bit for bit. (A chunk
+/// that chose by its own size did not: a first chunk of 5 rows took `vec_dot`.)
+#[test]
+fn a_prompt_cut_anywhere_gives_the_whole_prompts_logits_bit_for_bit() {
+    let m = common::gemma_model(1);
+    let cases = common::greedy_cases_of(GREEDY);
+    let case = cases
+        .iter()
+        .find(|c| c.prompt.len() >= 23)
+        .expect("a prompt of 23 tokens");
+    // 23 rows: Q4_K's last 3 take GEMV, every other K-quant the tiled kernel.
+    let prompt = &case.prompt[..23];
+    let logits = |cut: usize| -> Vec<u32> {
+        let mut cache = KvCache::new(m.kv_layout(16, KvDtype::F16), prompt.len() / 16 + 2);
+        cache.add_sequence(1).expect("add");
+        let mut last = Vec::new();
+        let parts: Vec<&[u32]> = prompt.chunks(cut).collect();
+        for (i, part) in parts.iter().enumerate() {
+            let ch = SeqChunk::prompt(1, part, i + 1 == parts.len(), prompt.len());
+            last = m.forward(&mut cache, &[ch]).expect("forward").remove(0);
+        }
+        last.iter().map(|v| v.to_bits()).collect()
+    };
+    let whole = logits(prompt.len());
+    for cut in [5, 3, 1] {
+        assert!(logits(cut) == whole, "chunks of {cut} change the logits");
+    }
 }
 
 /// Teacher-forced along llama.cpp's greedy path (the reference's tokens fed back, so one

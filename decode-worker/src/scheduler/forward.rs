@@ -343,6 +343,12 @@ impl Scheduler {
                     &self.active[i].phase,
                     Phase::Prefill { done, exact_from, .. } if done < exact_from
                 ),
+                prompt_len: match &self.active[i].phase {
+                    Phase::Prefill {
+                        done, exact_from, ..
+                    } if done < exact_from => *exact_from,
+                    _ => 0,
+                },
             })
             .collect();
         // What this step reads: every weight once, and each sequence's whole KV so far.

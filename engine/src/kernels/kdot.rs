@@ -21,7 +21,7 @@
 //! depend on threads or on how rows are grouped.
 
 use super::ggml::hsum8;
-use super::kquant::{KFormat, Unpacked, QK_K};
+use super::kquant::{KFormat, Unpacked};
 use super::q8k::Q8KBlock;
 
 /// Which of llama.cpp's kernels an output is computed as. `Gemv` and `Gemm`
@@ -63,34 +63,55 @@ pub struct Terms {
     /// values, `sc * q * q8` of elements `32c+4l..32c+4l+4` (each product
     /// times its sub-block's scale), Q6_K's offset taken out.
     pub lanes: [i32; 8],
-    /// Each chunk's own lanes (the GEMM adds the chunks' sums in pairs):
-    /// written only when asked for.
-    pub parts: [[i32; 8]; 8],
+    /// Each chunk's scaled sum (the GEMM adds them in pairs): written only when asked for.
+    pub chunks: [i32; 8],
     /// Q4_K/Q5_K: `m_s * (bsums[2s] + bsums[2s+1])` per 32-value sub-block.
     pub mins: [i32; 8],
 }
 
-/// The integer terms of `w` (unpacked) with `a` into `t` (reused across
-/// calls); `t.parts` only with `need_parts` (the GEMM's).
+/// The integer terms of `w` (unpacked) with `a` into `t` (reused across calls);
+/// `t.chunks` only with `need_chunks` (the GEMM's).
 #[inline(always)]
-pub fn terms(fmt: KFormat, w: &Unpacked, a: &Q8KBlock, need_parts: bool, t: &mut Terms) {
+pub fn terms(fmt: KFormat, w: &Unpacked, a: &Q8KBlock, need_chunks: bool, t: &mut Terms) {
+    let (m_pairs, sc6) = match fmt {
+        KFormat::Q4K | KFormat::Q5K => (Some(&w.m_pairs), None),
+        KFormat::Q6K => (None, Some(&w.sc16)),
+    };
     #[cfg(target_arch = "x86_64")]
-    let vector = super::avx2_kquant::kquant_lanes(
+    let vector = super::avx2_kquant::block_terms(
         &w.q,
         &a.qs,
         &w.pair_scales,
+        &a.bsums,
+        m_pairs,
+        sc6,
         &mut t.lanes,
-        need_parts.then_some(&mut t.parts),
+        need_chunks.then_some(&mut t.chunks),
+        &mut t.mins,
     );
     #[cfg(not(target_arch = "x86_64"))]
     let vector = false;
     if !vector {
-        parts_scalar(w, &a.qs, &mut t.parts);
-        t.lanes = [0; 8];
-        for p in &t.parts {
-            for (s, v) in t.lanes.iter_mut().zip(p) {
-                *s += v;
-            }
+        terms_scalar(fmt, w, a, t);
+    }
+}
+
+/// The portable form of [`terms`] (the same integers).
+pub fn terms_scalar(fmt: KFormat, w: &Unpacked, a: &Q8KBlock, t: &mut Terms) {
+    let mut parts = [[0i32; 8]; 8];
+    for (c, out) in parts.iter_mut().enumerate() {
+        let (q, x) = (&w.q[32 * c..32 * c + 32], &a.qs[32 * c..32 * c + 32]);
+        for (l, o) in out.iter_mut().enumerate() {
+            *o = (4 * l..4 * l + 4)
+                .map(|e| w.pair_scales[c][e / 2] as i32 * q[e] as i32 * x[e] as i32)
+                .sum();
+        }
+    }
+    t.lanes = [0; 8];
+    for (c, p) in parts.iter().enumerate() {
+        t.chunks[c] = p.iter().sum();
+        for (s, v) in t.lanes.iter_mut().zip(p) {
+            *s += v;
         }
     }
     match fmt {
@@ -111,29 +132,11 @@ pub fn terms(fmt: KFormat, w: &Unpacked, a: &Q8KBlock, need_parts: bool, t: &mut
     }
 }
 
-/// The portable form of the chunks' lanes (the same integers).
-pub fn parts_scalar(w: &Unpacked, x: &[i8; QK_K], part: &mut [[i32; 8]; 8]) {
-    for (c, out) in part.iter_mut().enumerate() {
-        let (q, x) = (&w.q[32 * c..32 * c + 32], &x[32 * c..32 * c + 32]);
-        for (l, o) in out.iter_mut().enumerate() {
-            *o = (4 * l..4 * l + 4)
-                .map(|e| w.pair_scales[c][e / 2] as i32 * q[e] as i32 * x[e] as i32)
-                .sum();
-        }
-    }
-}
-
 impl Terms {
     /// `s1`: the whole block's scaled sum (Q6_K's offset taken out).
     #[inline(always)]
     fn total(&self) -> i32 {
         self.lanes.iter().sum()
-    }
-
-    /// Chunk `c`'s scaled sum (needs `parts`).
-    #[inline(always)]
-    fn chunk(&self, c: usize) -> i32 {
-        self.parts[c].iter().sum()
     }
 }
 
@@ -184,7 +187,7 @@ impl Acc {
             Kernel::Gemm => {
                 let (ds, dm) = (w.d * a.d, w.dmin * a.d);
                 for sb in 0..4 {
-                    let s = t.chunk(2 * sb) + t.chunk(2 * sb + 1);
+                    let s = t.chunks[2 * sb] + t.chunks[2 * sb + 1];
                     let m = t.mins[2 * sb] + t.mins[2 * sb + 1];
                     self.acc = (s as f32).mul_add(ds, self.acc);
                     self.accm = (m as f32).mul_add(dm, self.accm);
@@ -264,12 +267,18 @@ pub fn dot_rows(
 
 #[cfg(test)]
 mod tests {
+    use super::super::kquant::QK_K;
     use super::*;
 
-    /// The vector and portable integer terms agree, at the extremes of the
-    /// codes (63), activations (-128..=127) and scales too.
+    /// The vector and portable integer terms agree for every format, at the extremes of the
+    /// codes (63), activations (-128..=127), scales, mins and block sums too.
     #[test]
+    #[cfg(target_arch = "x86_64")]
     fn vector_and_scalar_terms_agree() {
+        assert!(
+            super::super::avx2::available(),
+            "this test checks the AVX2 terms: run it on an x86-64-v3 CPU"
+        );
         let q: [u8; QK_K] =
             std::array::from_fn(|i| if i % 7 == 0 { 63 } else { (i * 13 % 64) as u8 });
         let x: [i8; QK_K] = std::array::from_fn(|i| match i % 5 {
@@ -277,30 +286,33 @@ mod tests {
             1 => 127,
             _ => (i as i32 * 37 % 255 - 127) as i8,
         });
-        let mut w = Unpacked {
-            q,
-            ..Unpacked::default()
-        };
-        for (c, p) in w.pair_scales.iter_mut().enumerate() {
-            *p = std::array::from_fn(|j| {
-                (c as i16 * 16 + j as i16) - 128 + if j < 8 { 0 } else { 7 }
-            });
-        }
-        let mut parts = [[0; 8]; 8];
-        parts_scalar(&w, &x, &mut parts);
         let a = Q8KBlock {
             qs: x,
-            ..Q8KBlock::default()
+            d: 0.5,
+            bsums: std::array::from_fn(|s| x[16 * s..16 * s + 16].iter().map(|&v| v as i16).sum()),
         };
-        let mut t = Terms::default();
-        terms(KFormat::Q4K, &w, &a, true, &mut t);
-        for l in 0..8 {
-            assert_eq!(
-                t.lanes[l],
-                parts.iter().map(|p| p[l]).sum::<i32>(),
-                "lane {l}"
-            );
+        for fmt in [KFormat::Q4K, KFormat::Q5K, KFormat::Q6K] {
+            let mut w = Unpacked {
+                q,
+                ..Unpacked::default()
+            };
+            for (c, p) in w.pair_scales.iter_mut().enumerate() {
+                *p = std::array::from_fn(|j| {
+                    (c as i16 * 16 + j as i16) - 128 + if j < 8 { 0 } else { 7 }
+                });
+            }
+            w.sc = std::array::from_fn(|i| i as i32 * 9 - 70);
+            w.m = std::array::from_fn(|i| 63 - 5 * i as i32);
+            w.m_pairs = std::array::from_fn(|i| w.m[i / 2] as i16);
+            w.sc16 = std::array::from_fn(|i| w.sc[i] as i16);
+            let (mut v, mut s) = (Terms::default(), Terms::default());
+            terms(fmt, &w, &a, true, &mut v);
+            terms_scalar(fmt, &w, &a, &mut s);
+            assert_eq!(v.lanes, s.lanes, "{fmt:?} lanes");
+            assert_eq!(v.chunks, s.chunks, "{fmt:?} chunks");
+            if fmt.has_mins() {
+                assert_eq!(v.mins, s.mins, "{fmt:?} mins");
+            }
         }
-        assert_eq!(t.parts, parts, "each chunk's lanes");
     }
 }

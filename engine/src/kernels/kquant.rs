@@ -61,6 +61,11 @@ pub struct Unpacked {
     /// operand of ggml's `vpmaddwd`): chunk `c`'s pairs all have `sc[c]`
     /// (Q4_K/Q5_K), or `sc[2c]` then `sc[2c+1]` (Q6_K).
     pub pair_scales: [[i16; 16]; 8],
+    /// Q4_K/Q5_K: `m[s]` at `2s` and `2s+1` (the 16-bit operand that multiplies the
+    /// activation block's 16 sums into the mins' terms); zero for Q6_K.
+    pub m_pairs: [i16; 16],
+    /// Q6_K: `sc[0..16]` as 16-bit (the operand of its offset's terms); zero otherwise.
+    pub sc16: [i16; 16],
 }
 
 impl Default for Unpacked {
@@ -72,6 +77,8 @@ impl Default for Unpacked {
             sc: [0; 16],
             m: [0; 8],
             pair_scales: [[0; 16]; 8],
+            m_pairs: [0; 16],
+            sc16: [0; 16],
         }
     }
 }
@@ -95,6 +102,7 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (i32, i32) {
 }
 
 /// Unpacks one block (`blk.len() == fmt.block_bytes()`).
+#[inline]
 pub fn unpack(fmt: KFormat, blk: &[u8], out: &mut Unpacked) {
     match fmt {
         KFormat::Q4K | KFormat::Q5K => {
@@ -110,35 +118,10 @@ pub fn unpack(fmt: KFormat, blk: &[u8], out: &mut Unpacked) {
             for (c, p) in out.pair_scales.iter_mut().enumerate() {
                 *p = [out.sc[c] as i16; 16];
             }
-            let (qh, qs) = match fmt {
-                KFormat::Q5K => (Some(&blk[16..48]), &blk[48..176]),
-                _ => (None, &blk[16..144]),
-            };
-            for c in 0..4 {
-                for e in 0..32 {
-                    let b = qs[32 * c + e];
-                    let (mut lo, mut hi) = (b & 0x0f, b >> 4);
-                    if let Some(qh) = qh {
-                        lo |= ((qh[e] >> (2 * c)) & 1) << 4;
-                        hi |= ((qh[e] >> (2 * c + 1)) & 1) << 4;
-                    }
-                    out.q[64 * c + e] = lo;
-                    out.q[64 * c + 32 + e] = hi;
-                }
-            }
+            out.m_pairs = std::array::from_fn(|i| out.m[i / 2] as i16);
+            out.sc16 = [0; 16];
         }
         KFormat::Q6K => {
-            let (ql, qh) = (&blk[0..128], &blk[128..192]);
-            for h in 0..2 {
-                let (ql, qh) = (&ql[64 * h..64 * h + 64], &qh[32 * h..32 * h + 32]);
-                let y = &mut out.q[128 * h..128 * h + 128];
-                for l in 0..32 {
-                    y[l] = (ql[l] & 0x0f) | (qh[l] & 3) << 4;
-                    y[l + 32] = (ql[l + 32] & 0x0f) | ((qh[l] >> 2) & 3) << 4;
-                    y[l + 64] = (ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4;
-                    y[l + 96] = (ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4;
-                }
-            }
             for (s, &b) in out.sc.iter_mut().zip(&blk[192..208]) {
                 *s = (b as i8) as i32;
             }
@@ -146,9 +129,84 @@ pub fn unpack(fmt: KFormat, blk: &[u8], out: &mut Unpacked) {
                 p[..8].fill(out.sc[2 * c] as i16);
                 p[8..].fill(out.sc[2 * c + 1] as i16);
             }
+            out.sc16 = std::array::from_fn(|i| out.sc[i] as i16);
             out.m = [0; 8];
+            out.m_pairs = [0; 16];
             out.d = f16_at(blk, 208);
             out.dmin = 0.0;
+        }
+    }
+    if !codes_vector(fmt, blk, &mut out.q) {
+        codes_scalar(fmt, blk, &mut out.q);
+    }
+}
+
+/// The Q4_K/Q5_K fifth bits and nibbles, or Q6_K's low nibbles and 2-bit pairs, of a block.
+type CodeBytes<'a> = (Option<&'a [u8]>, &'a [u8]);
+
+#[inline]
+fn code_bytes(fmt: KFormat, blk: &[u8]) -> CodeBytes<'_> {
+    match fmt {
+        KFormat::Q4K => (None, &blk[16..144]),
+        KFormat::Q5K => (Some(&blk[16..48]), &blk[48..176]),
+        KFormat::Q6K => (Some(&blk[128..192]), &blk[0..128]),
+    }
+}
+
+/// The block's codes in element order with AVX2 (`false`: not on this CPU).
+#[inline]
+pub(crate) fn codes_vector(fmt: KFormat, blk: &[u8], q: &mut [u8; QK_K]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (hi, lo) = code_bytes(fmt, blk);
+        let Ok(lo) = lo.try_into() else { return false };
+        return match (fmt, hi) {
+            (KFormat::Q6K, Some(h)) => h
+                .try_into()
+                .is_ok_and(|h| super::avx2_kquant::unpack_q6(lo, h, q)),
+            (_, h) => {
+                let h = h.and_then(|h| h.try_into().ok());
+                super::avx2_kquant::unpack_q45(lo, h, q)
+            }
+        };
+    }
+    #[allow(unreachable_code)]
+    {
+        let _ = (fmt, blk, q);
+        false
+    }
+}
+
+/// The block's codes in element order, portably (the vector form's reference).
+pub(crate) fn codes_scalar(fmt: KFormat, blk: &[u8], q: &mut [u8; QK_K]) {
+    let (qh, ql) = code_bytes(fmt, blk);
+    match fmt {
+        KFormat::Q4K | KFormat::Q5K => {
+            for c in 0..4 {
+                for e in 0..32 {
+                    let b = ql[32 * c + e];
+                    let (mut lo, mut hi) = (b & 0x0f, b >> 4);
+                    if let Some(qh) = qh {
+                        lo |= ((qh[e] >> (2 * c)) & 1) << 4;
+                        hi |= ((qh[e] >> (2 * c + 1)) & 1) << 4;
+                    }
+                    q[64 * c + e] = lo;
+                    q[64 * c + 32 + e] = hi;
+                }
+            }
+        }
+        KFormat::Q6K => {
+            let qh = qh.unwrap_or(&[]);
+            for h in 0..2 {
+                let (ql, qh) = (&ql[64 * h..64 * h + 64], &qh[32 * h..32 * h + 32]);
+                let y = &mut q[128 * h..128 * h + 128];
+                for l in 0..32 {
+                    y[l] = (ql[l] & 0x0f) | (qh[l] & 3) << 4;
+                    y[l + 32] = (ql[l + 32] & 0x0f) | ((qh[l] >> 2) & 3) << 4;
+                    y[l + 64] = (ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4;
+                    y[l + 96] = (ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4;
+                }
+            }
         }
     }
 }
@@ -213,6 +271,26 @@ mod tests {
         }
         for j in 0..8 {
             assert_eq!(scale_min_k4(j, &s), (ls[j] as i32, lm[j] as i32), "j {j}");
+        }
+    }
+
+    /// The vector unpacking gives the portable one's codes, every bit of every byte used.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn vector_and_scalar_codes_agree() {
+        if !crate::kernels::avx2::available() {
+            panic!("this test checks the AVX2 unpacking: run it on an x86-64-v3 CPU");
+        }
+        for fmt in [KFormat::Q4K, KFormat::Q5K, KFormat::Q6K] {
+            for seed in 0..16u32 {
+                let blk: Vec<u8> = (0..fmt.block_bytes() as u32)
+                    .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97) >> 13) as u8)
+                    .collect();
+                let (mut v, mut s) = ([0u8; QK_K], [0u8; QK_K]);
+                assert!(codes_vector(fmt, &blk, &mut v));
+                codes_scalar(fmt, &blk, &mut s);
+                assert_eq!(v, s, "{fmt:?} seed {seed}");
+            }
         }
     }
 }
