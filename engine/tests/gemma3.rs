@@ -95,14 +95,7 @@ fn greedy(m: &Model, chunk: usize) -> Vec<Vec<u32>> {
 /// [`NEAR_TIE`], and does not depend on how the prompt is chunked or on the threads.
 #[test]
 fn greedy_follows_llama_cpp_whole_chunked_and_on_two_threads() {
-    // The whole prompts and chunks of 64 at once, on two one-thread models (a model's calls
-    // share its one pool).
-    let other = common::gemma_model_loaded(1);
-    let (whole, chunked) = std::thread::scope(|s| {
-        let b = s.spawn(|| greedy(&other, 64));
-        let whole = greedy(common::gemma_model(1), 0);
-        (whole, b.join().expect("chunks of 64"))
-    });
+    let whole = greedy(common::gemma_model(1), 0);
     let mut report = Vec::new();
     let mut broken = 0;
     for (c, got) in common::greedy_cases_of(GREEDY).iter().zip(&whole) {
@@ -123,12 +116,12 @@ fn greedy_follows_llama_cpp_whole_chunked_and_on_two_threads() {
     assert_eq!(broken, 0, "rule broken:\n{}", report.join("\n"));
     // Each prompt row takes the weight kernels of its row in the whole prompt, however the
     // prompt is cut (`SeqChunk::prompt_len`; bit for bit in
-    // `a_prompt_cut_anywhere_gives_the_whole_prompts_logits_bit_for_bit`).
-    assert_eq!(chunked, whole, "chunks of 64 change the tokens");
+    // `a_prompt_cut_anywhere_gives_the_whole_prompts_logits_bit_for_bit`): chunks of 7 rows,
+    // neither a multiple of 4 nor 8 or more, on 2 threads, across the local window too.
     assert_eq!(
-        greedy(common::gemma_model(2), 8),
+        greedy(common::gemma_model(2), 7),
         whole,
-        "chunks of 8 on 2 threads change the tokens"
+        "chunks of 7 on 2 threads change the tokens"
     );
 }
 
