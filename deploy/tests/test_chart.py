@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -974,6 +975,40 @@ def test_every_duet_variable_is_a_flag(renders):
     unknown = set_by_chart - known - PENDING_ENV - NVIDIA_RUNTIME_ENV
     assert not unknown, f"the chart sets variables duet does not read: {sorted(unknown)}"
     print("not read by the current sources (pending):", sorted((set_by_chart - known) & PENDING_ENV))
+
+
+def duet_binary() -> Path:
+    """The duet binary whose `--help` the chart is checked against: $DUET_BINARY, else the
+    test build's or the release build's (make test builds it before these checks run)."""
+    for p in [os.environ.get("DUET_BINARY"), REPO / "target/debug/duet", REPO / "target/release/duet"]:
+        if p and Path(p).is_file():
+            return Path(p)
+    raise AssertionError("no duet binary: build one (cargo build -p duet) or set DUET_BINARY")
+
+
+def test_every_variable_a_role_gets_is_in_that_roles_help(renders):
+    """The chart starts each duet container as `duet <role>` (its only argument) with
+    DUET_* variables: each of them is a flag of that very role, as `duet <role> --help`
+    prints it (`[env: DUET_...]`). A variable another role reads would be ignored by this
+    one, silently: clap ignores variables it has no flag for."""
+    duet = duet_binary()
+    helps: dict[str, str] = {}
+    wrong = set()
+    checked = 0
+    for name, r in renders.items():
+        for w, c in r.duet_containers():
+            role = c["args"][0]
+            if role not in helps:
+                out = subprocess.run([str(duet), role, "--help"], capture_output=True, text=True, timeout=30)
+                assert out.returncode == 0, out.stderr
+                helps[role] = out.stdout
+            for var in r.env(w, c):
+                if var.startswith("DUET_"):
+                    checked += 1
+                    if f"[env: {var}" not in helps[role]:
+                        wrong.add((role, var))
+    assert checked > 50, checked
+    assert not wrong, f"variables the chart gives a role that `duet <role> --help` lacks: {sorted(wrong)}"
 
 
 def test_bundled_etcd_flags_exist():
