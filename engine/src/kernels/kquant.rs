@@ -141,7 +141,8 @@ pub fn unpack(fmt: KFormat, blk: &[u8], out: &mut Unpacked) {
     }
 }
 
-/// The Q4_K/Q5_K fifth bits and nibbles, or Q6_K's low nibbles and 2-bit pairs, of a block.
+/// A block's code bytes: (the high bits, the nibbles). Q4_K has no high bits, Q5_K's fifth
+/// bits, Q6_K's 2-bit pairs (always there).
 type CodeBytes<'a> = (Option<&'a [u8]>, &'a [u8]);
 
 #[inline]
@@ -154,27 +155,26 @@ fn code_bytes(fmt: KFormat, blk: &[u8]) -> CodeBytes<'_> {
 }
 
 /// The block's codes in element order with AVX2 (`false`: not on this CPU).
+#[cfg(target_arch = "x86_64")]
 #[inline]
 pub(crate) fn codes_vector(fmt: KFormat, blk: &[u8], q: &mut [u8; QK_K]) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let (hi, lo) = code_bytes(fmt, blk);
-        let Ok(lo) = lo.try_into() else { return false };
-        return match (fmt, hi) {
-            (KFormat::Q6K, Some(h)) => h
-                .try_into()
-                .is_ok_and(|h| super::avx2_kquant::unpack_q6(lo, h, q)),
-            (_, h) => {
-                let h = h.and_then(|h| h.try_into().ok());
-                super::avx2_kquant::unpack_q45(lo, h, q)
-            }
-        };
+    let (hi, lo) = code_bytes(fmt, blk);
+    let Ok(lo) = lo.try_into() else { return false };
+    match (fmt, hi) {
+        (KFormat::Q6K, Some(h)) => h
+            .try_into()
+            .is_ok_and(|h| super::avx2_kquant::unpack_q6(lo, h, q)),
+        (_, h) => {
+            let h = h.and_then(|h| h.try_into().ok());
+            super::avx2_kquant::unpack_q45(lo, h, q)
+        }
     }
-    #[allow(unreachable_code)]
-    {
-        let _ = (fmt, blk, q);
-        false
-    }
+}
+
+/// No vector unpacking off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn codes_vector(_: KFormat, _: &[u8], _: &mut [u8; QK_K]) -> bool {
+    false
 }
 
 /// The block's codes in element order, portably (the vector form's reference).
