@@ -995,7 +995,7 @@ def test_every_variable_a_role_gets_is_in_that_roles_help(renders):
     helps: dict[str, str] = {}
     wrong = set()
     checked = 0
-    for name, r in renders.items():
+    for r in renders.values():
         for w, c in r.duet_containers():
             role = c["args"][0]
             if role not in helps:

@@ -331,24 +331,25 @@ impl Scheduler {
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
             .zip(&feeds)
-            .map(|(&(i, n), toks)| SeqChunk {
-                seq: self.active[i].id,
-                tokens: toks,
-                logits: match &self.active[i].phase {
-                    Phase::Decode { .. } => true,
-                    Phase::Prefill { tokens, done, .. } => done + n == tokens.len(),
-                },
-                // Replayed generated tokens were decode steps: they keep the decode order.
-                prompt: matches!(
-                    &self.active[i].phase,
-                    Phase::Prefill { done, exact_from, .. } if done < exact_from
-                ),
-                prompt_len: match &self.active[i].phase {
+            .map(|(&(i, n), toks)| {
+                // The prompt proper's length while a chunk of it is fed; replayed generated
+                // tokens were decode steps: they keep the decode order (0).
+                let prompt_len = match &self.active[i].phase {
                     Phase::Prefill {
                         done, exact_from, ..
                     } if done < exact_from => *exact_from,
                     _ => 0,
-                },
+                };
+                SeqChunk {
+                    seq: self.active[i].id,
+                    tokens: toks,
+                    logits: match &self.active[i].phase {
+                        Phase::Decode { .. } => true,
+                        Phase::Prefill { tokens, done, .. } => done + n == tokens.len(),
+                    },
+                    prompt: prompt_len > 0,
+                    prompt_len,
+                }
             })
             .collect();
         // What this step reads: every weight once, and each sequence's whole KV so far.

@@ -3,7 +3,8 @@
 //! run time before any of them is called.
 //!
 //! Everything here is exact integer arithmetic (or byte shuffling), so its results equal the
-//! portable forms' bit for bit whatever the order of the sums: `kdot`'s tests compare them.
+//! portable forms' bit for bit whatever the order of the sums: `kdot`'s and `kquant`'s tests
+//! compare them.
 
 #![allow(unsafe_code)]
 

@@ -141,16 +141,14 @@ pub fn unpack(fmt: KFormat, blk: &[u8], out: &mut Unpacked) {
     }
 }
 
-/// A block's code bytes: (the high bits, the nibbles). Q4_K has no high bits, Q5_K's fifth
-/// bits, Q6_K's 2-bit pairs (always there).
-type CodeBytes<'a> = (Option<&'a [u8]>, &'a [u8]);
-
+/// A block's code bytes: the 128 bytes of nibbles, then the high bits (Q5_K's 32 bytes of
+/// fifth bits, Q6_K's 64 bytes of 2-bit pairs, none for Q4_K).
 #[inline]
-fn code_bytes(fmt: KFormat, blk: &[u8]) -> CodeBytes<'_> {
+fn code_bytes(fmt: KFormat, blk: &[u8]) -> (&[u8], &[u8]) {
     match fmt {
-        KFormat::Q4K => (None, &blk[16..144]),
-        KFormat::Q5K => (Some(&blk[16..48]), &blk[48..176]),
-        KFormat::Q6K => (Some(&blk[128..192]), &blk[0..128]),
+        KFormat::Q4K => (&blk[16..144], &[]),
+        KFormat::Q5K => (&blk[48..176], &blk[16..48]),
+        KFormat::Q6K => (&blk[0..128], &blk[128..192]),
     }
 }
 
@@ -158,16 +156,13 @@ fn code_bytes(fmt: KFormat, blk: &[u8]) -> CodeBytes<'_> {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub(crate) fn codes_vector(fmt: KFormat, blk: &[u8], q: &mut [u8; QK_K]) -> bool {
-    let (hi, lo) = code_bytes(fmt, blk);
+    use super::avx2_kquant::{unpack_q45, unpack_q6};
+    let (lo, hi) = code_bytes(fmt, blk);
     let Ok(lo) = lo.try_into() else { return false };
-    match (fmt, hi) {
-        (KFormat::Q6K, Some(h)) => h
-            .try_into()
-            .is_ok_and(|h| super::avx2_kquant::unpack_q6(lo, h, q)),
-        (_, h) => {
-            let h = h.and_then(|h| h.try_into().ok());
-            super::avx2_kquant::unpack_q45(lo, h, q)
-        }
+    match fmt {
+        KFormat::Q4K => unpack_q45(lo, None, q),
+        KFormat::Q5K => hi.try_into().is_ok_and(|h| unpack_q45(lo, Some(h), q)),
+        KFormat::Q6K => hi.try_into().is_ok_and(|h| unpack_q6(lo, h, q)),
     }
 }
 
@@ -179,16 +174,16 @@ pub(crate) fn codes_vector(_: KFormat, _: &[u8], _: &mut [u8; QK_K]) -> bool {
 
 /// The block's codes in element order, portably (the vector form's reference).
 pub(crate) fn codes_scalar(fmt: KFormat, blk: &[u8], q: &mut [u8; QK_K]) {
-    let (qh, ql) = code_bytes(fmt, blk);
+    let (ql, qh) = code_bytes(fmt, blk);
     match fmt {
         KFormat::Q4K | KFormat::Q5K => {
             for c in 0..4 {
                 for e in 0..32 {
                     let b = ql[32 * c + e];
                     let (mut lo, mut hi) = (b & 0x0f, b >> 4);
-                    if let Some(qh) = qh {
-                        lo |= ((qh[e] >> (2 * c)) & 1) << 4;
-                        hi |= ((qh[e] >> (2 * c + 1)) & 1) << 4;
+                    if let Some(&h) = qh.get(e) {
+                        lo |= ((h >> (2 * c)) & 1) << 4;
+                        hi |= ((h >> (2 * c + 1)) & 1) << 4;
                     }
                     q[64 * c + e] = lo;
                     q[64 * c + 32 + e] = hi;
@@ -196,7 +191,6 @@ pub(crate) fn codes_scalar(fmt: KFormat, blk: &[u8], q: &mut [u8; QK_K]) {
             }
         }
         KFormat::Q6K => {
-            let qh = qh.unwrap_or(&[]);
             for h in 0..2 {
                 let (ql, qh) = (&ql[64 * h..64 * h + 64], &qh[32 * h..32 * h + 32]);
                 let y = &mut q[128 * h..128 * h + 128];
@@ -278,9 +272,10 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn vector_and_scalar_codes_agree() {
-        if !crate::kernels::avx2::available() {
-            panic!("this test checks the AVX2 unpacking: run it on an x86-64-v3 CPU");
-        }
+        assert!(
+            crate::kernels::avx2::available(),
+            "this test checks the AVX2 unpacking: run it on an x86-64-v3 CPU"
+        );
         for fmt in [KFormat::Q4K, KFormat::Q5K, KFormat::Q6K] {
             for seed in 0..16u32 {
                 let blk: Vec<u8> = (0..fmt.block_bytes() as u32)
