@@ -67,7 +67,7 @@ fn cache(model: &EngineModel) -> KvCacheConfig {
         64 << 20,
         BLOCK_SIZE,
         KvDtype::F16,
-        (c.n_layers, c.n_kv_heads, c.head_dim),
+        (c.layers_per_kv_block(), c.n_kv_heads, c.head_dim),
     )
 }
 

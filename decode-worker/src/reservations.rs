@@ -179,8 +179,11 @@ impl<C> Reservations<C> {
             _ => PrefixHit::default(),
         };
         let cached = hit.blocks() * bs;
+        // A local layer group allocates only the blocks the whole prompt keeps; what
+        // arrives for the others is not kept.
         let blocks = match cache
-            .prepare_append(id, arriving - cached)
+            .expect_prompt(id, arriving)
+            .and_then(|_| cache.prepare_append(id, arriving - cached))
             .and_then(|_| cache.sequence_blocks(id).map(|b| b[cached / bs..].to_vec()))
         {
             Ok(b) => b,
@@ -234,11 +237,22 @@ impl<C> Reservations<C> {
             return;
         };
         r.expires = now + r.ttl;
+        let first = r.cached / cache.block_size();
+        let own_group = cache.layout().groups.group_of(layer) == 0;
         for (block, kind, data) in regions {
-            if !r.blocks.contains(block) {
+            let Some(at) = r.blocks.iter().position(|b| b == block) else {
                 continue;
-            }
-            let dst = cache.region_bytes_mut(*block, layer, *kind);
+            };
+            let dst = match own_group {
+                true => cache.region_bytes_mut(*block, layer, *kind),
+                // Another layer group (a full-attention prompt, whose listed blocks are its
+                // logical blocks from `first`): the region at the same logical index, if
+                // that group keeps it.
+                false => match cache.sequence_region_mut(id, first + at, layer, *kind) {
+                    Ok(Some(dst)) => dst,
+                    _ => continue,
+                },
+            };
             let data = data.as_ref();
             if dst.len() == data.len() {
                 dst.copy_from_slice(data);

@@ -29,6 +29,7 @@ fn cache() -> KvCache {
         head_dim: 4,
         block_size: BS,
         dtype: KvDtype::F16,
+        groups: duet_engine::KvGroups::single(2),
     };
     KvCache::new(layout, TOTAL)
 }

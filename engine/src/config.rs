@@ -141,6 +141,16 @@ impl ModelConfig {
     }
 
     /// Query heads that share one KV head.
+    /// How the KV cache groups this model's layers (`kv::groups`).
+    pub fn kv_groups(&self) -> crate::kv::KvGroups {
+        crate::kv::KvGroups::for_layers(&self.arch.layers)
+    }
+
+    /// Layers one KV block holds: a layer group's.
+    pub fn layers_per_kv_block(&self) -> usize {
+        self.kv_groups().per_group
+    }
+
     pub fn group_size(&self) -> usize {
         self.n_heads / self.n_kv_heads
     }

@@ -72,7 +72,6 @@ pub(crate) struct Row {
     /// The position its query and key are rotated at: `pos`, or `pos + shift` in a
     /// SnapKV-compressed sequence (`kv::snapkv`).
     rope_pos: usize,
-    block: BlockId,
     slot: usize,
     /// The sequence's local window when this row's view is masked by it (`kv::window`):
     /// the row attends to the sinks with its query rotated at the cache position, and to
@@ -199,10 +198,14 @@ impl Model {
             starts.push(cache.prepare_append(ch.seq, ch.tokens.len())?);
         }
         let bs = layout.block_size;
-        let tables: Vec<Vec<BlockId>> = batch
+        // `tables[group][chunk]`: each layer indexes its group's table (`kv::groups`).
+        let per_chunk: Vec<Vec<Vec<BlockId>>> = batch
             .iter()
-            .map(|ch| cache.logical_table(ch.seq))
+            .map(|ch| cache.logical_tables(ch.seq))
             .collect::<Result<_>>()?;
+        let tables: Vec<Vec<Vec<BlockId>>> = (0..layout.groups.n_groups())
+            .map(|g| per_chunk.iter().map(|t| t[g].clone()).collect())
+            .collect();
         let windows: Vec<Option<Window>> = batch
             .iter()
             .map(|ch| cache.window(ch.seq))
@@ -221,7 +224,6 @@ impl Model {
                     prompt: ch.prompt,
                     pos,
                     rope_pos: pos + shifts[i],
-                    block: tables[i][pos / bs],
                     slot: pos % bs,
                     masked: windows[i].filter(|w| w.masks(pos)),
                 });
@@ -311,7 +313,7 @@ impl Model {
         batch: &[SeqChunk<'_>],
         rows: &[Row],
         tokens: &[u32],
-        tables: &[Vec<BlockId>],
+        tables: &[Vec<Vec<BlockId>>],
         (kernel_rows, every_row, observe): (KernelRows, bool, &mut [Observation]),
         on_layer: &mut LayerHook<'_>,
     ) -> Result<Vec<Vec<f32>>> {
@@ -387,9 +389,11 @@ impl Model {
                 rope(q, hd, arch.rope, cs, sn);
                 rope(&mut kv[..kv_dim], hd, arch.rope, cs, sn);
             }
+            let tables = &tables[cache.layout().groups.group_of(l)];
+            let bs = cache.block_size();
             for (row, r) in qkv.chunks_exact(stride).zip(rows) {
                 let (k, v) = (&row[q_dim..q_dim + kv_dim], &row[q_dim + kv_dim..]);
-                cache.write_token(r.block, r.slot, l, k, v);
+                cache.write_token(tables[r.chunk][r.pos / bs], r.slot, l, k, v);
             }
             for obs in observe.iter_mut() {
                 for (q, r) in qkv.chunks_exact(stride).zip(rows) {

@@ -68,8 +68,8 @@ pub use generate::{
 };
 pub use kv::{
     reusable_tokens, AttentionPolicy, BlockHash, KvCache, KvCacheConfig, KvDtype, KvEvent,
-    KvExport, KvKind, KvLayout, KvTier, PrefixCacheConfig, PrefixHasher, PrefixHit, SeqId, SnapKv,
-    TierCounts, Window, WINDOWED_MAX_TOKENS,
+    KvExport, KvGroups, KvKind, KvLayout, KvTier, PrefixCacheConfig, PrefixHasher, PrefixHit,
+    SeqId, SnapKv, TierCounts, Window, WINDOWED_MAX_TOKENS,
 };
 pub use linear::WeightMode;
 pub use model::{LoadOptions, Model, TextFrontend};

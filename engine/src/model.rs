@@ -350,6 +350,7 @@ impl Model {
             head_dim: self.config.head_dim,
             block_size,
             dtype,
+            groups: self.config.kv_groups(),
         }
     }
 

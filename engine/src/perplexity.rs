@@ -193,14 +193,16 @@ pub fn perplexity_in_transit(
     let mut kv_peak = 0;
     // SnapKV compacts into fresh blocks while the prompt's are held.
     let compacted = cfg.attention.snapkv().map_or(0, |p| p.budget.div_ceil(16));
-    let mut cache = KvCache::new(layout, cfg.ctx.div_ceil(16) + compacted);
+    // Every layer group's blocks of a whole window (a local group's peak is at most that).
+    let blocks = layout.groups.n_groups() * cfg.ctx.div_ceil(16);
+    let mut cache = KvCache::new(layout, blocks + compacted);
     for &(start, first) in &wins {
         let mut window = tokens[start..start + cfg.ctx].to_vec();
         if let Some(b) = bos {
             window[0] = b;
         }
         cache.add_sequence(0)?;
-        let block_bytes = cache.layout().n_layers * 2 * cache.layout().region_bytes();
+        let block_bytes = cache.layout().block_elems() * cache.layout().dtype.size();
         let mut held = |used: usize| kv_peak = kv_peak.max(used * block_bytes);
         let logits = if cfg.attention.snapkv().is_some() || transit.is_some() {
             let prompt = Prompt {

@@ -33,6 +33,7 @@ fn tiny_layout() -> KvLayout {
         head_dim: 4,
         block_size: 4,
         dtype: KvDtype::F32,
+        groups: duet_engine::KvGroups::single(2),
     }
 }
 

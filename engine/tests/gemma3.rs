@@ -70,6 +70,14 @@ fn reference_prompts_tokenize_with_bos_as_llama_cpp() {
     }
 }
 
+/// A pool with room for a sequence of `tokens` tokens in every layer group (local groups
+/// drop blocks as it grows, so they need less).
+fn pool(m: &Model, tokens: usize) -> KvCache {
+    let layout = m.kv_layout(16, KvDtype::F16);
+    let blocks = layout.groups.n_groups() * (tokens.div_ceil(16) + 1);
+    KvCache::new(layout, blocks)
+}
+
 /// Greedy tokens of every reference prompt, the prompt prefilled in chunks of `chunk`
 /// (0: whole).
 fn greedy(m: &Model, chunk: usize) -> Vec<Vec<u32>> {
@@ -77,8 +85,7 @@ fn greedy(m: &Model, chunk: usize) -> Vec<Vec<u32>> {
         .into_iter()
         .map(|c| {
             let steps = c.want.len();
-            let blocks = (c.prompt.len() + steps).div_ceil(16) + 1;
-            let mut cache = KvCache::new(m.kv_layout(16, KvDtype::F16), blocks);
+            let mut cache = pool(m, c.prompt.len() + steps);
             let params = GenerationParams {
                 max_tokens: steps,
                 ..Default::default()
@@ -141,7 +148,7 @@ fn a_prompt_cut_anywhere_gives_the_whole_prompts_logits_bit_for_bit() {
     // 23 rows: Q4_K's last 3 take GEMV, every other K-quant the tiled kernel.
     let prompt = &case.prompt[..23];
     let logits = |cut: usize| -> Vec<u32> {
-        let mut cache = KvCache::new(m.kv_layout(16, KvDtype::F16), prompt.len() / 16 + 2);
+        let mut cache = pool(m, prompt.len() + 16);
         cache.add_sequence(1).expect("add");
         let mut last = Vec::new();
         let parts: Vec<&[u32]> = prompt.chunks(cut).collect();
@@ -167,8 +174,7 @@ fn along_llama_cpps_path_every_clear_step_picks_llama_cpps_token() {
     let m = common::gemma_model(2);
     let mut checked = 0;
     for c in common::greedy_cases_of(GREEDY) {
-        let blocks = (c.prompt.len() + c.want.len()).div_ceil(16) + 1;
-        let mut cache = KvCache::new(m.kv_layout(16, KvDtype::F16), blocks);
+        let mut cache = pool(m, c.prompt.len() + c.want.len());
         let seq = 1;
         cache.add_sequence(seq).expect("sequence");
         let mut logits = m
@@ -204,7 +210,7 @@ fn first_step_top5_is_llama_cpps() {
     let mut worst = (0f64, String::new());
     for line in common::reference(GREEDY) {
         let prompt = common::ids(&line["prompt_ids"]);
-        let mut cache = KvCache::new(m.kv_layout(16, KvDtype::F16), prompt.len() / 16 + 2);
+        let mut cache = pool(m, prompt.len() + 16);
         let seq = 1;
         cache.add_sequence(seq).expect("sequence");
         let logits = m

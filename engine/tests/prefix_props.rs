@@ -39,6 +39,7 @@ fn layout() -> KvLayout {
         head_dim: 4,
         block_size: BS,
         dtype: KvDtype::F32,
+        groups: duet_engine::KvGroups::single(2),
     }
 }
 

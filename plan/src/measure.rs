@@ -186,7 +186,11 @@ pub fn measure(
         g.kv_pool_bytes,
         BLOCK_SIZE,
         g.kv_dtype,
-        (config.n_layers, config.n_kv_heads, config.head_dim),
+        (
+            config.layers_per_kv_block(),
+            config.n_kv_heads,
+            config.head_dim,
+        ),
     );
     let f = |v: &[usize]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     Ok(ProfileFile {

@@ -27,10 +27,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use duet_engine::{
-    AttentionPolicy, EngineModel, KvCache, KvCacheConfig, KvKind, Observation, PrefixHasher,
+    AttentionPolicy, EngineModel, KvCache, KvCacheConfig, Observation, PrefixHasher,
 };
 use duet_kv_transfer::backend::shm::SendArena;
-use duet_kv_transfer::{Connector, TransferDesc};
+use duet_kv_transfer::Connector;
 use duet_worker_common::engine_thread::{EngineLoop, Wait};
 use duet_worker_common::kv_events::KvEventHub;
 use duet_worker_common::prefix_cache::PrefixCacheBook;
@@ -39,13 +39,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::PrefillError;
 use crate::handle::{Cmd, Pending, PrefillConfig, PrefillJob, PrefillStatus};
-use crate::layer_buffer::layer_bytes;
 use crate::metrics::PrefillMetrics;
 use crate::policy;
 use crate::queue::{Queue, Waiting};
 use crate::transfer::{self, Msg, Reply};
 
 mod forward;
+mod send;
 
 /// What the engine thread shares with its handle.
 pub(crate) struct Shared {
@@ -310,14 +310,20 @@ impl Engine {
         }
     }
 
-    /// The blocks `job` holds here at most and sends: every block of its prompt; under a
+    /// The blocks `job` holds here at most and sends: every block of its prompt (every
+    /// layer group's, a local group's bounded by its window and a chunk); under a
     /// local window what its window bounds (its chunks drop blocks as they go); under SnapKV
     /// the prompt's and the compacted slots' (held together while it compacts), and the
     /// latter sent.
     fn job_blocks(&self, tokens: usize, attention: AttentionPolicy) -> policy::JobBlocks {
         let bs = self.cache.block_size();
         match attention {
-            AttentionPolicy::Full => policy::JobBlocks::full(tokens, bs),
+            // Every layer group's peak (a local group holds its window and a chunk); the
+            // decode worker lists one block per prompt block.
+            AttentionPolicy::Full => policy::JobBlocks {
+                peak: self.cache.peak_blocks(tokens, self.cfg.max_batch_tokens),
+                sent: policy::JobBlocks::full(tokens, bs).sent,
+            },
             AttentionPolicy::Window(w) => policy::JobBlocks {
                 peak: w.peak_blocks(tokens, self.cfg.max_batch_tokens, bs),
                 sent: w.kept_blocks(tokens, bs).iter().map(|r| r.len()).sum(),
@@ -339,10 +345,7 @@ impl Engine {
             .iter()
             .filter(|r| r.job.request_id != id)
             .map(|r| {
-                let have = self
-                    .cache
-                    .sequence_blocks(r.job.request_id)
-                    .map_or(0, |b| b.len());
+                let have = self.cache.held_blocks(r.job.request_id).unwrap_or(0);
                 self.job_blocks(r.job.prompt.len(), r.job.attention)
                     .peak
                     .saturating_sub(have)
@@ -410,89 +413,6 @@ impl Engine {
             return Ok(None);
         }
         Ok(Some(cached))
-    }
-
-    /// Sends the KV of tokens `from..to` (whole blocks, already in the cache) to `r`'s
-    /// decode worker as one transfer of every layer.
-    fn send_cached(&self, r: &Running, from: usize, to: usize) {
-        let bs = self.cache.block_size();
-        let Ok(blocks) = self.cache.sequence_blocks(r.job.request_id) else {
-            return;
-        };
-        let (first, last) = (from / bs, to / bs);
-        let dst0 = r.job.dst_start / bs;
-        let dst = &r.job.dst_blocks[first - dst0..last - dst0];
-        self.send_blocks(r, &blocks[first..last], from..to, dst);
-    }
-
-    /// Sends a windowed prompt's kept blocks ([`duet_engine::Window::kept_blocks`]), once it
-    /// is computed and its dropped blocks are gone: its sink blocks, then the blocks of the
-    /// next query's window, each run as one transfer into the destinations listed in that
-    /// order; or a SnapKV prompt's compacted slots. Returns false when the sequence does not
-    /// hold exactly the blocks [`Self::job_blocks`] says it sends.
-    fn send_kept(&self, r: &Running) -> bool {
-        let (bs, len) = (self.cache.block_size(), r.job.prompt.len());
-        let Ok(blocks) = self.cache.sequence_blocks(r.job.request_id) else {
-            return false;
-        };
-        let sent = self.job_blocks(len, r.job.attention).sent;
-        if blocks.len() != sent || blocks.len() != r.job.dst_blocks.len() {
-            return false;
-        }
-        let runs = match r.job.attention {
-            // The compacted slots, in slot order, as one transfer.
-            AttentionPolicy::SnapKv(p) => {
-                self.send_blocks(r, blocks, 0..p.kept(len), &r.job.dst_blocks);
-                return true;
-            }
-            AttentionPolicy::Window(w) => w.kept_blocks(len, bs),
-            AttentionPolicy::Full => return false,
-        };
-        let mut at = 0;
-        for run in runs.into_iter().filter(|x| !x.is_empty()) {
-            let n = run.len();
-            let tokens = run.start * bs..(run.end * bs).min(len);
-            self.send_blocks(
-                r,
-                &blocks[at..at + n],
-                tokens,
-                &r.job.dst_blocks[at..at + n],
-            );
-            at += n;
-        }
-        true
-    }
-
-    /// One transfer of every layer of `blocks` (holding `tokens`) into `dst`.
-    fn send_blocks(
-        &self,
-        r: &Running,
-        blocks: &[u32],
-        tokens: std::ops::Range<usize>,
-        dst: &[u32],
-    ) {
-        let desc = TransferDesc {
-            request_id: r.job.request_id,
-            token_start: tokens.start as u32,
-            token_count: tokens.len() as u32,
-            dst_blocks: dst.to_vec(),
-        };
-        let _ = r.tx.send(Msg::Begin(desc));
-        for layer in 0..self.cache.layout().n_layers {
-            let regions = |kind| -> Vec<&[u8]> {
-                blocks
-                    .iter()
-                    .map(|&b| self.cache.region_bytes(b, layer, kind))
-                    .collect()
-            };
-            let (k, v) = layer_bytes(r.arena.as_ref(), &regions(KvKind::K), &regions(KvKind::V));
-            let _ = r.tx.send(Msg::Layer {
-                layer: layer as u32,
-                k,
-                v,
-            });
-        }
-        let _ = r.tx.send(Msg::Finish);
     }
 
     fn start_queued(&mut self) {

@@ -23,7 +23,7 @@ use crate::config::RouterConfig;
 use crate::error::RouterError;
 use crate::frontend::Prepared;
 use crate::kv_index::KvIndex;
-use crate::placement::{decide, Decision, Placement, Policy, Request, RouterView};
+use crate::placement::{decide, never_fits, Decision, Placement, Policy, Request, RouterView};
 use crate::prompt_prefix::PromptPrefix;
 use crate::request_metrics::RequestMetrics;
 use crate::worker_calls::{
@@ -201,8 +201,7 @@ async fn wait_for_placement(
         };
         // A prompt no decode worker could ever hold fails at once instead of waiting.
         if let Some(largest) = largest {
-            let need = prompt_len + 1;
-            if need as u64 > largest {
+            if never_fits(prompt_len, largest) {
                 return Err(RouterError::PromptExceedsPools {
                     tokens: prompt_len,
                     headroom: 1,

@@ -115,10 +115,11 @@ fn round_trip(codec: Compression, cache: &mut KvCache, seq: SeqId) -> duet_engin
     let wire = |e: duet_kv_transfer::Error| EngineError::invalid("kv_in_flight", e.to_string());
     let layout = transfer_layout(cache.layout()).map_err(wire)?;
     let codec = codec.effective(layout.dtype());
-    let blocks = cache.sequence_blocks(seq)?.to_vec();
     let mut encoded = Vec::new();
-    for b in blocks {
-        for layer in 0..cache.layout().n_layers {
+    for layer in 0..cache.layout().n_layers {
+        // The blocks of the layer's group (`duet_engine::KvGroups`).
+        let group = cache.layout().groups.group_of(layer);
+        for b in cache.group_blocks(seq, group)?.to_vec() {
             for kind in [KvKind::K, KvKind::V] {
                 encoded.clear();
                 encode_region(

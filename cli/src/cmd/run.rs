@@ -109,7 +109,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 None => {
                     params.validate(native.config.context_length)?;
                     let compacted = a.attention.snapkv().map_or(0, |s| s.budget.div_ceil(bs));
-                    (prompt.len() + a.max_tokens).div_ceil(bs) + compacted
+                    // Every layer group's (the prompt is one forward).
+                    let total = prompt.len() + a.max_tokens;
+                    layout.groups.peak_blocks(total, prompt.len(), bs) + compacted
                 }
             };
             cache = KvCache::new(layout, blocks);

@@ -39,7 +39,10 @@ impl Scheduler {
             return 1;
         };
         match s.attention {
-            AttentionPolicy::Full => self.cache.blocks_for(tokens.len() + 1),
+            // Every layer group's (a local group's bounded by its window and a chunk).
+            AttentionPolicy::Full => self
+                .cache
+                .peak_blocks(tokens.len() + 1, self.cfg.prefill_chunk_tokens),
             AttentionPolicy::Window(w) => w.peak_blocks(
                 tokens.len() + 1,
                 self.cfg.prefill_chunk_tokens,

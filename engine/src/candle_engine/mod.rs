@@ -198,6 +198,8 @@ impl CandleModel {
             head_dim: self.config.head_dim,
             block_size,
             dtype: KvDtype::F16,
+            // Loads only llama's graph (see `load`), whose layers are all global: one group.
+            groups: crate::kv::KvGroups::single(self.config.n_layers),
         }
     }
 

@@ -2,15 +2,17 @@
 //! per-sequence block tables, and export / import of a sequence's KV in a
 //! described layout (what kv-transfer moves between workers).
 //!
-//! Storage order: `[block][layer][K|V][kv_head][slot][head_dim]`, so the K (or
-//! V) of one layer of one block is one contiguous *region*. A layer's export
-//! frame is the K regions of the sequence's blocks in table order, then the V
-//! regions in the same order.
+//! Storage order: `[block][member][K|V][kv_head][slot][head_dim]`, so the K (or
+//! V) of one layer of one block is one contiguous *region*. A block holds the layers of one
+//! group (`super::groups`: every layer, unless the model mixes global and local attention);
+//! `member` is the layer's place in its group. A layer's export frame is the K regions of
+//! the sequence's logical blocks in order, then the V regions in the same order.
 //!
 //! Invariants: a sequence of `len` tokens owns exactly `ceil(len / block_size)`
 //! blocks (plus those reserved ahead of a write), less the blocks a windowed sequence
 //! dropped (`super::window`: they sit right after its sink blocks, in logical order, and
-//! are never referenced again); a block shared by several
+//! are never referenced again), and less a local layer group's blocks out of its window
+//! (`super::group_tables`); a block shared by several
 //! sequences, or indexed by the prefix cache, is copied before anyone writes into it
 //! (copy-on-write), so a block's content never changes while its hash names it.
 
@@ -21,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use super::allocator::{BlockAllocator, BlockId};
 use super::device_sync::DeviceSync;
+use super::groups::KvGroups;
 use super::prefix::BlockHash;
 use super::prefix_cache::PrefixState;
 use super::window::Window;
@@ -76,9 +79,16 @@ pub struct KvLayout {
     pub head_dim: usize,
     pub block_size: usize,
     pub dtype: KvDtype,
+    /// Which layers share a block table (`super::groups`).
+    pub groups: KvGroups,
 }
 
 impl KvLayout {
+    /// Elements of one whole block: its group's layers, K and V.
+    pub fn block_elems(&self) -> usize {
+        self.groups.per_group * 2 * self.region_elems()
+    }
+
     /// Elements in one (block, layer, K-or-V) region.
     pub fn region_elems(&self) -> usize {
         self.n_kv_heads * self.block_size * self.head_dim
@@ -113,6 +123,13 @@ impl KvLayout {
                 diffs.push(format!("{name} {a} vs {b}"));
             }
         }
+        if self.groups != other.groups {
+            diffs.push(format!(
+                "layer groups {} vs {}",
+                self.groups.n_groups(),
+                other.groups.n_groups()
+            ));
+        }
         match diffs.is_empty() {
             true => Ok(()),
             false => Err(EngineError::LayoutMismatch(diffs.join(", "))),
@@ -137,7 +154,8 @@ pub struct KvCacheConfig {
 }
 
 impl KvCacheConfig {
-    /// As many blocks as fit in `budget_bytes`.
+    /// As many blocks as fit in `budget_bytes`; `geometry` = (layers a block holds, KV
+    /// heads, head dim).
     pub fn from_budget(
         budget_bytes: usize,
         block_size: usize,
@@ -159,6 +177,21 @@ pub(crate) enum Storage {
     F16(Vec<f16>),
 }
 
+/// The table of one layer group after the first (`super::groups`).
+#[derive(Debug, Clone, Default)]
+pub(super) struct GroupTable {
+    pub(super) blocks: Vec<BlockId>,
+    /// Leading logical blocks out of every later query's window (local groups only).
+    pub(super) dropped: usize,
+}
+
+impl GroupTable {
+    /// Where logical block `i` sits in `blocks` (`None`: dropped).
+    pub(super) fn physical(&self, i: usize) -> Option<usize> {
+        i.checked_sub(self.dropped)
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub(super) struct Sequence {
     pub(super) blocks: Vec<BlockId>,
@@ -173,11 +206,13 @@ pub(super) struct Sequence {
     /// Positions a SnapKV-compressed sequence's tokens sit ahead of their slots: the next
     /// token goes in slot `len` and is rotated at position `len + shift` (`super::snapkv`).
     pub(super) shift: usize,
+    /// The tables of layer groups 1.. (group 0's are `blocks` and `dropped`).
+    pub(super) groups: Vec<GroupTable>,
 }
 
 impl Sequence {
     /// Where logical block `i` sits in `blocks` (`None`: dropped).
-    fn physical(&self, i: usize, block_size: usize) -> Option<usize> {
+    pub(super) fn physical(&self, i: usize, block_size: usize) -> Option<usize> {
         let sinks = self
             .window
             .map_or(usize::MAX, |w| w.sink_blocks(block_size));
@@ -204,8 +239,11 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// A pool of `num_blocks` blocks (plus, for a grouped layout, the null block that
+    /// stands for a local group's dropped blocks: zeroed, never written).
     pub fn new(layout: KvLayout, num_blocks: usize) -> Self {
-        let n = num_blocks * layout.n_layers * 2 * layout.region_elems();
+        let null = usize::from(layout.groups.is_grouped());
+        let n = (num_blocks + null) * layout.block_elems();
         // Zeroed allocations are lazy: pages become resident when written.
         let storage = match layout.dtype {
             KvDtype::F32 => Storage::F32(vec![0f32; n]),
@@ -232,7 +270,7 @@ impl KvCache {
 
     /// Bytes of the block pool.
     pub fn pool_bytes(&self) -> usize {
-        self.total_blocks() * self.layout.n_layers * 2 * self.layout.region_bytes()
+        self.total_blocks() * self.layout.block_elems() * self.layout.dtype.size()
     }
 
     pub fn layout(&self) -> &KvLayout {
@@ -311,7 +349,14 @@ impl KvCache {
                 format!("sequence {id} exists"),
             ));
         }
-        self.seqs.insert(id, Sequence::default());
+        let groups = vec![GroupTable::default(); self.layout.groups.n_groups() - 1];
+        self.seqs.insert(
+            id,
+            Sequence {
+                groups,
+                ..Sequence::default()
+            },
+        );
         Ok(())
     }
 
@@ -321,6 +366,15 @@ impl KvCache {
     /// (a prefix whose first block is gone cannot be found at all).
     pub fn free_sequence(&mut self, id: SeqId) {
         if let Some(s) = self.seqs.remove(&id) {
+            // Other groups' blocks first: a global prefix outlives their windows.
+            for b in s
+                .groups
+                .into_iter()
+                .rev()
+                .flat_map(|g| g.blocks.into_iter().rev())
+            {
+                self.alloc.release(b);
+            }
             for b in s.blocks.into_iter().rev() {
                 self.alloc.release(b);
             }
@@ -336,7 +390,11 @@ impl KvCache {
             ));
         }
         let s = self.seq(src)?.clone();
-        for &b in &s.blocks {
+        for &b in s
+            .blocks
+            .iter()
+            .chain(s.groups.iter().flat_map(|g| &g.blocks))
+        {
             self.alloc.retain(b);
         }
         self.seqs.insert(dst, s);
@@ -347,46 +405,77 @@ impl KvCache {
     /// is not taken again; the copy of a shared last block aside).
     pub fn blocks_to_append(&self, id: SeqId, n: usize) -> Result<usize> {
         let s = self.seq(id)?;
-        Ok(self
-            .blocks_for(s.len + n)
-            .saturating_sub(s.blocks.len() + s.dropped))
+        let end = self.blocks_for(s.len + n);
+        // A local group's drops keep its logical length: what it drops is not taken again.
+        let local = s
+            .groups
+            .iter()
+            .map(|t| end.saturating_sub(t.dropped + t.blocks.len()))
+            .sum::<usize>();
+        Ok(end.saturating_sub(s.blocks.len() + s.dropped) + local)
     }
 
-    /// Make room for `n` more tokens: allocates blocks (all or none) and
-    /// copies a shared partially-filled last block before it is written.
-    /// Returns the position of the first new token.
+    /// Make room for `n` more tokens: allocates blocks (all or none, every layer group's)
+    /// and copies a shared partially-filled last block before it is written. A local
+    /// group first gives back the blocks out of its window. Returns the position of the
+    /// first new token.
     pub fn prepare_append(&mut self, id: SeqId, n: usize) -> Result<usize> {
+        self.drop_out_of_local_windows(id);
         let bs = self.layout.block_size;
         let s = self.seq(id)?;
-        let (len, have) = (s.len, s.blocks.len());
-        let need = self.blocks_for(len + n).saturating_sub(have + s.dropped);
+        let len = s.len;
+        let end = self.blocks_for(len + n);
+        let shared = |b: BlockId| self.alloc.refcount(b) > 1 || self.alloc.is_cacheable(b);
+        let partial = len % bs != 0 && n > 0;
+        // Per table (group 0 first): fresh blocks, and the index of a shared last block.
+        let mut plans = Vec::with_capacity(1 + s.groups.len());
         let last = s.physical(len / bs, bs);
-        let cow = len % bs != 0
-            && n > 0
-            && last.is_some_and(|i| {
-                let b = s.blocks[i];
-                self.alloc.refcount(b) > 1 || self.alloc.is_cacheable(b)
-            });
-        let fresh = self.allocate_blocks(need + usize::from(cow))?;
-        // The copy (first) is written whole; the last new block may end partly filled.
-        if let (true, Some(&b)) = (need > 0, fresh.last()) {
-            self.zero_if_partial(b, len + n);
+        plans.push((
+            end.saturating_sub(s.blocks.len() + s.dropped),
+            last.filter(|&i| partial && shared(s.blocks[i])),
+        ));
+        for t in &s.groups {
+            let last = t.physical(len / bs).filter(|&i| i < t.blocks.len());
+            plans.push((
+                end.saturating_sub(t.blocks.len() + t.dropped),
+                last.filter(|&i| partial && shared(t.blocks[i])),
+            ));
         }
-        let mut fresh = fresh.into_iter();
-        if let (true, Some(idx)) = (cow, last) {
-            if let Some(copy) = fresh.next() {
-                let old = self.seqs[&id].blocks[idx];
-                self.copy_block(old, copy);
-                self.alloc.release(old);
-                if let Some(s) = self.seqs.get_mut(&id) {
-                    s.blocks[idx] = copy;
+        let total = plans
+            .iter()
+            .map(|(need, cow)| need + usize::from(cow.is_some()))
+            .sum();
+        let mut fresh = self.allocate_blocks(total)?.into_iter();
+        for (g, (need, cow)) in plans.into_iter().enumerate() {
+            if let Some(idx) = cow {
+                if let Some(copy) = fresh.next() {
+                    let old = self.table_mut(id, g).map_or(copy, |t| t[idx]);
+                    self.copy_block(old, copy);
+                    self.alloc.release(old);
+                    if let Some(t) = self.table_mut(id, g) {
+                        t[idx] = copy;
+                    }
                 }
             }
-        }
-        if let Some(s) = self.seqs.get_mut(&id) {
-            s.blocks.extend(fresh);
+            let new: Vec<BlockId> = fresh.by_ref().take(need).collect();
+            // The copy is written whole; the last new block may end partly filled.
+            if let Some(&b) = new.last() {
+                self.zero_if_partial(b, len + n);
+            }
+            if let Some(t) = self.table_mut(id, g) {
+                t.extend(new);
+            }
         }
         Ok(len)
+    }
+
+    /// The blocks of layer group `g` of sequence `id`.
+    fn table_mut(&mut self, id: SeqId, g: usize) -> Option<&mut Vec<BlockId>> {
+        let s = self.seqs.get_mut(&id)?;
+        match g {
+            0 => Some(&mut s.blocks),
+            _ => s.groups.get_mut(g - 1).map(|t| &mut t.blocks),
+        }
     }
 
     /// Record that `n` tokens prepared with [`Self::prepare_append`] now hold KV.
@@ -396,7 +485,11 @@ impl KvCache {
             .seqs
             .get_mut(&id)
             .ok_or(EngineError::UnknownSequence(id))?;
-        if (s.len + n).div_ceil(bs) > s.blocks.len() + s.dropped {
+        let end = (s.len + n).div_ceil(bs);
+        let short = |have: usize| end > have;
+        if short(s.blocks.len() + s.dropped)
+            || s.groups.iter().any(|t| short(t.blocks.len() + t.dropped))
+        {
             return Err(EngineError::invalid(
                 "tokens",
                 "commit beyond reserved blocks",
@@ -404,6 +497,11 @@ impl KvCache {
         }
         s.len += n;
         self.drop_out_of_window(id);
+        // With a prefix cache, local blocks go once registered (`register_blocks`), or
+        // before the next append.
+        if self.prefix.is_none() {
+            self.drop_out_of_local_windows(id);
+        }
         Ok(())
     }
 
@@ -417,15 +515,19 @@ impl KvCache {
         if len > s.len {
             return Err(EngineError::invalid("len", "truncate beyond the sequence"));
         }
-        if s.dropped > 0 {
+        if s.dropped > 0 || s.groups.iter().any(|t| t.dropped > 0) {
             return Err(EngineError::invalid(
                 "len",
-                "a windowed sequence that dropped blocks cannot be truncated",
+                "a windowed sequence, or a local layer group, that dropped blocks cannot be \
+                 truncated",
             ));
         }
         s.len = len;
         s.hashes.truncate(len / self.layout.block_size);
-        let dropped: Vec<BlockId> = s.blocks.drain(keep.min(s.blocks.len())..).collect();
+        let mut dropped: Vec<BlockId> = s.blocks.drain(keep.min(s.blocks.len())..).collect();
+        for t in &mut s.groups {
+            dropped.extend(t.blocks.drain(keep.min(t.blocks.len())..));
+        }
         for b in dropped {
             self.alloc.release(b);
         }
@@ -457,13 +559,14 @@ impl KvCache {
         }
     }
 
-    /// Elements of one whole block (every layer, K and V), and where it starts.
+    /// Elements of one whole block (its group's layers, K and V), and where it starts.
     fn block_span(&self, b: BlockId) -> (usize, usize) {
-        let n = self.layout.n_layers * 2 * self.layout.region_elems();
-        (self.region_offset(b, 0, KvKind::K), n)
+        let n = self.layout.block_elems();
+        (b as usize * n, n)
     }
 
-    /// The bytes of one whole block (every layer, K and V): what the lower tiers hold.
+    /// The bytes of one whole block (its group's layers, K and V): what the lower tiers
+    /// hold.
     pub(super) fn block_bytes(&self, b: BlockId) -> &[u8] {
         let (o, n) = self.block_span(b);
         match &self.storage {
@@ -481,8 +584,10 @@ impl KvCache {
         }
     }
 
+    /// Where the region of `layer` (which must be of `block`'s group) starts.
     pub(crate) fn region_offset(&self, block: BlockId, layer: usize, kind: KvKind) -> usize {
-        ((block as usize * self.layout.n_layers + layer) * 2 + kind as usize)
+        let member = self.layout.groups.member_of(layer);
+        ((block as usize * self.layout.groups.per_group + member) * 2 + kind as usize)
             * self.layout.region_elems()
     }
 
@@ -492,11 +597,8 @@ impl KvCache {
 
     fn copy_block(&mut self, from: BlockId, to: BlockId) {
         self.device.host_wrote(to);
-        let n = self.layout.n_layers * 2 * self.layout.region_elems();
-        let (a, b) = (
-            self.region_offset(from, 0, KvKind::K),
-            self.region_offset(to, 0, KvKind::K),
-        );
+        let (a, n) = self.block_span(from);
+        let (b, _) = self.block_span(to);
         match &mut self.storage {
             Storage::F32(v) => v.copy_within(a..a + n, b),
             Storage::F16(v) => v.copy_within(a..a + n, b),

@@ -1,11 +1,13 @@
 //! Export and import of a sequence's KV in its described layout (what kv-transfer moves
-//! between workers): a layer's frame is the K regions of the sequence's blocks in table
-//! order, then the V regions in the same order. Import converts between element types.
+//! between workers): a layer's frame is the K regions of the sequence's logical blocks in
+//! order, then the V regions in the same order. A block a local layer group dropped travels
+//! as zeros and is not kept on import (`super::group_tables`). Import converts between
+//! element types.
 
 use half::f16;
 
 use super::allocator::BlockId;
-use super::cache::{KvCache, KvDtype, KvExport, KvKind, KvLayout, SeqId, Storage};
+use super::cache::{KvCache, KvDtype, KvExport, KvKind, KvLayout, SeqId};
 use crate::error::{EngineError, Result};
 
 impl KvCache {
@@ -25,10 +27,11 @@ impl KvCache {
                 format!("{layer} out of range"),
             ));
         }
-        let mut out = Vec::with_capacity(2 * s.blocks.len() * self.layout.region_bytes());
+        let n = s.blocks.len();
+        let mut out = Vec::with_capacity(2 * n * self.layout.region_bytes());
         for kind in [KvKind::K, KvKind::V] {
-            for &b in &s.blocks {
-                out.extend_from_slice(self.region_bytes(b, layer, kind));
+            for i in 0..n {
+                out.extend_from_slice(self.sequence_region(id, i, layer, kind)?);
             }
         }
         Ok(out)
@@ -47,11 +50,15 @@ impl KvCache {
         })
     }
 
-    /// Reserve blocks for a sequence whose KV will arrive from elsewhere.
-    /// The sequence exists with length 0 until [`Self::commit_append`].
+    /// Reserve blocks for a sequence whose KV will arrive from elsewhere (a local layer
+    /// group only those it keeps). The sequence exists with length 0 until
+    /// [`Self::commit_append`]. Returns group 0's blocks: the frame's block order.
     pub fn reserve_sequence(&mut self, id: SeqId, tokens: usize) -> Result<Vec<BlockId>> {
         self.add_sequence(id)?;
-        if let Err(e) = self.prepare_append(id, tokens) {
+        if let Err(e) = self
+            .expect_prompt(id, tokens)
+            .and_then(|_| self.prepare_append(id, tokens))
+        {
             self.seqs.remove(&id);
             return Err(e);
         }
@@ -92,11 +99,10 @@ impl KvCache {
             } else {
                 KvKind::V
             };
-            let b = blocks[i % blocks.len()];
-            self.device.host_wrote(b);
-            let o = self.region_offset(b, layer, kind);
-            let n = self.layout.region_elems();
-            write_converted(&mut self.storage, o, n, chunk, src.dtype);
+            let dtype = self.layout.dtype;
+            if let Some(dst) = self.sequence_region_mut(id, i % blocks.len(), layer, kind)? {
+                write_converted((dst, dtype), chunk, src.dtype);
+            }
         }
         Ok(())
     }
@@ -124,22 +130,19 @@ impl KvCache {
     }
 }
 
-fn write_converted(storage: &mut Storage, o: usize, n: usize, src: &[u8], dtype: KvDtype) {
-    match (storage, dtype) {
-        (Storage::F32(d), KvDtype::F32) => {
-            bytemuck::cast_slice_mut::<f32, u8>(&mut d[o..o + n]).copy_from_slice(src)
-        }
-        (Storage::F16(d), KvDtype::F16) => {
-            bytemuck::cast_slice_mut::<f16, u8>(&mut d[o..o + n]).copy_from_slice(src)
-        }
-        (Storage::F32(d), KvDtype::F16) => {
-            for (x, c) in d[o..o + n].iter_mut().zip(src.chunks_exact(2)) {
-                *x = f16::from_le_bytes([c[0], c[1]]).to_f32();
+/// Writes `src` (elements of `dtype`) into the region `dst` (bytes of `dst_dtype`).
+fn write_converted(dst: (&mut [u8], KvDtype), src: &[u8], dtype: KvDtype) {
+    match (dst.1, dtype) {
+        (a, b) if a == b => dst.0.copy_from_slice(src),
+        (_, KvDtype::F16) => {
+            for (x, c) in dst.0.chunks_exact_mut(4).zip(src.chunks_exact(2)) {
+                x.copy_from_slice(&f16::from_le_bytes([c[0], c[1]]).to_f32().to_le_bytes());
             }
         }
-        (Storage::F16(d), KvDtype::F32) => {
-            for (x, c) in d[o..o + n].iter_mut().zip(src.chunks_exact(4)) {
-                *x = f16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        (_, KvDtype::F32) => {
+            for (x, c) in dst.0.chunks_exact_mut(2).zip(src.chunks_exact(4)) {
+                let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                x.copy_from_slice(&f16::from_f32(v).to_le_bytes());
             }
         }
     }

@@ -13,6 +13,9 @@
 //! - Every change is recorded as a [`KvEvent`]; the worker publishes them so that a
 //!   router can track what each worker holds.
 //!
+//! A cache with layer groups keys each group's blocks apart and hits only where every
+//! group can serve the prefix (`super::prefix_groups`).
+//!
 //! Invariants: `by_hash[h] == b` iff `hash_of[b] == Some(h)` iff the allocator marks `b`
 //! cacheable; an indexed block's content never changes (copy-on-write in
 //! [`KvCache::prepare_append`]); a hash is held by at most one tier.
@@ -23,6 +26,7 @@ use std::path::PathBuf;
 use super::allocator::BlockId;
 use super::cache::KvCache;
 use super::prefix::{BlockHash, KvEvent, KvTier, PrefixHasher, PrefixHit};
+use super::prefix_groups::group_key;
 use super::tiers::TierStore;
 use crate::error::{EngineError, Result};
 use crate::kv::SeqId;
@@ -78,7 +82,7 @@ impl PrefixState {
         }
     }
 
-    fn tier_of(&self, h: BlockHash) -> Option<KvTier> {
+    pub(super) fn tier_of(&self, h: BlockHash) -> Option<KvTier> {
         if self.by_hash.contains_key(&h) {
             Some(KvTier::Device)
         } else if self.host.as_ref().is_some_and(|t| t.contains(h)) {
@@ -173,6 +177,12 @@ impl KvCache {
         let Some(p) = &self.prefix else {
             return hit;
         };
+        if self.layout.groups.is_grouped() {
+            self.grouped_hit(hashes, hashes.len())
+                .into_iter()
+                .for_each(|t| hit.count(t));
+            return hit;
+        }
         for &h in hashes {
             match p.tier_of(h) {
                 Some(t) => hit.count(t),
@@ -206,6 +216,9 @@ impl KvCache {
         }
         let mut hit = PrefixHit::default();
         let limit = hashes.len().min(max_tokens / self.layout.block_size);
+        if self.layout.groups.is_grouped() {
+            return Ok(self.attach_grouped(id, hashes, limit));
+        }
         let mut blocks = Vec::with_capacity(limit);
         for &h in &hashes[..limit] {
             let Some((b, tier)) = self.bring_up(h) else {
@@ -227,7 +240,7 @@ impl KvCache {
     /// it was found in (host and disk blocks move up into a fresh device block). A lower
     /// tier's block is taken out before the device block is allocated, so the eviction that
     /// allocation may cause cannot push it further down.
-    fn bring_up(&mut self, h: BlockHash) -> Option<(BlockId, KvTier)> {
+    pub(super) fn bring_up(&mut self, h: BlockHash) -> Option<(BlockId, KvTier)> {
         let p = self.prefix.as_ref()?;
         if let Some(&b) = p.by_hash.get(&h) {
             return self.alloc.retain(b).then_some((b, KvTier::Device));
@@ -272,8 +285,16 @@ impl KvCache {
     /// Registers the full blocks of sequence `id` whose KV is complete: `tokens` are the
     /// sequence's tokens from position 0 (at least its length; extra ones are ignored). A
     /// block whose content another block already holds stays private (freed with the
-    /// sequence). Returns the blocks newly indexed.
+    /// sequence). Every layer group's blocks are indexed, each under its group's key; then
+    /// local groups give back what is out of their window (cached, so later prompts can
+    /// still hit them). Returns the blocks newly indexed.
     pub fn register_blocks(&mut self, id: SeqId, tokens: &[u32]) -> Result<usize> {
+        let added = self.register_group_blocks(id, tokens)?;
+        self.drop_out_of_local_windows(id);
+        Ok(added)
+    }
+
+    fn register_group_blocks(&mut self, id: SeqId, tokens: &[u32]) -> Result<usize> {
         let Some(hasher) = self.prefix.as_ref().map(|p| p.hasher) else {
             return Ok(0);
         };
@@ -288,22 +309,33 @@ impl KvCache {
             return Ok(0);
         }
         let hashes = hasher.extend(&s.hashes, &tokens[..full * self.layout.block_size]);
-        let blocks = s.blocks.clone();
         let known = s.hashes.len();
+        // Per group, its blocks at logical indexes `known..full` (`None`: dropped).
+        let mut tables: Vec<Vec<Option<BlockId>>> =
+            vec![s.blocks[known..full].iter().copied().map(Some).collect()];
+        for t in &s.groups {
+            tables.push(
+                (known..full)
+                    .map(|i| t.physical(i).and_then(|j| t.blocks.get(j).copied()))
+                    .collect(),
+            );
+        }
         let mut added = 0;
-        for (i, &h) in hashes.iter().enumerate().skip(known) {
-            let b = blocks[i];
-            let Some(p) = self.prefix.as_mut() else {
-                break;
-            };
-            let indexed = p.hash_of.get(b as usize).copied().flatten().is_some();
-            if indexed || p.by_hash.contains_key(&h) {
-                continue;
+        for (g, table) in tables.into_iter().enumerate() {
+            for (&h, b) in hashes[known..].iter().zip(table) {
+                let (Some(b), Some(p)) = (b, self.prefix.as_mut()) else {
+                    continue;
+                };
+                let h = group_key(h, g);
+                let indexed = p.hash_of.get(b as usize).copied().flatten().is_some();
+                if indexed || p.by_hash.contains_key(&h) {
+                    continue;
+                }
+                // Tiers are exclusive: the device copy is the one kept.
+                p.forget_below(h);
+                self.index_block(b, h);
+                added += 1;
             }
-            // Tiers are exclusive: the device copy is the one kept.
-            p.forget_below(h);
-            self.index_block(b, h);
-            added += 1;
         }
         if let Some(s) = self.seqs.get_mut(&id) {
             s.hashes = hashes;

@@ -249,6 +249,7 @@ mod tests {
             head_dim: 2,
             block_size: 4,
             dtype: KvDtype::F16,
+            groups: crate::kv::KvGroups::single(2),
         };
         let mut c = KvCache::new(layout, 8);
         c.add_sequence(1).unwrap();

@@ -13,7 +13,8 @@ use std::collections::VecDeque;
 use duet_bench::record::RequestError;
 use duet_discovery::{Capacity, Role, Snapshot, WorkerRecord};
 use duet_router::placement::{
-    decide, CachedTokens, Decision, NoCache, Placement, Policy, Request, RouterLoad, RouterView,
+    decide, never_fits, CachedTokens, Decision, NoCache, Placement, Policy, Request, RouterLoad,
+    RouterView,
 };
 
 use super::{ClusterSpec, Worker};
@@ -158,7 +159,8 @@ impl Sim<'_> {
             Decision::Wait {
                 largest_pool_tokens,
             } => {
-                if largest_pool_tokens.is_none_or(|t| (t as usize) < self.reqs[r].spec.prompt_len) {
+                let prompt = self.reqs[r].spec.prompt_len;
+                if largest_pool_tokens.is_none_or(|t| never_fits(prompt, t)) {
                     let why = "the prompt does not fit any decode worker's KV pool";
                     self.end_request(r, Some(RequestError::new("grpc:RESOURCE_EXHAUSTED", why)));
                     return true;

@@ -157,19 +157,17 @@ impl Engine {
         let t0 = Instant::now();
         let mut hook = |layer: usize, cache: &KvCache| {
             for (tx, seq, first, last, arena) in &outs {
-                let Ok(blocks) = cache.sequence_blocks(*seq) else {
-                    continue;
-                };
-                let Some(blocks) = blocks.get(*first..*last) else {
-                    continue;
-                };
-                let regions = |kind| -> Vec<&[u8]> {
-                    blocks
-                        .iter()
-                        .map(|&b| cache.region_bytes(b, layer, kind))
+                // The chunk's logical blocks in this layer's group (all held during the
+                // forward: a local group drops only after it).
+                let regions = |kind| -> Option<Vec<&[u8]>> {
+                    (*first..*last)
+                        .map(|i| cache.sequence_region(*seq, i, layer, kind).ok())
                         .collect()
                 };
-                let (k, v) = layer_bytes(arena.as_ref(), &regions(KvKind::K), &regions(KvKind::V));
+                let (Some(k), Some(v)) = (regions(KvKind::K), regions(KvKind::V)) else {
+                    continue;
+                };
+                let (k, v) = layer_bytes(arena.as_ref(), &k, &v);
                 let _ = tx.send(Msg::Layer {
                     layer: layer as u32,
                     k,
@@ -236,6 +234,13 @@ impl Engine {
                 let _ = r.tx.send(Msg::Finish);
             }
             r.done = start + n;
+            if self.book.is_some() && r.job.attention == AttentionPolicy::Full {
+                // Indexed chunk by chunk: a local layer group gives back the blocks out of
+                // its window once they are, before the next chunk.
+                let _ = self
+                    .cache
+                    .register_blocks(r.job.request_id, &r.job.prompt[..r.done]);
+            }
             if r.done < r.job.prompt.len() {
                 continue;
             }

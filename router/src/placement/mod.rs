@@ -194,6 +194,15 @@ pub enum Decision {
     },
 }
 
+/// Whether a prompt of `prompt_tokens` tokens can never be placed where the largest decode
+/// pool holds `largest_pool_tokens` ([`Decision::Wait`]): a sequence needs room for its
+/// prompt and its first generated token. The router fails such a request at once, and the
+/// planner's simulator with it (one rule: a prompt of exactly a pool's size would otherwise
+/// wait out the queue and hold up every request behind it).
+pub fn never_fits(prompt_tokens: usize, largest_pool_tokens: u64) -> bool {
+    prompt_tokens as u64 + 1 > largest_pool_tokens
+}
+
 /// Places `req` on `view` by `policy` (the rules are in this module's docs).
 pub fn decide(view: &RouterView<'_>, req: &Request, policy: &Policy) -> Decision {
     let snap = view.snapshot;

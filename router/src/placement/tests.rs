@@ -401,3 +401,11 @@ fn a_placement_lists_the_cheapest_sixteen_of_a_large_cluster() {
     assert_eq!(pair(0), ("d00".into(), Some("p3".into())));
     assert_eq!(pair(1), ("d01".into(), Some("p1".into())));
 }
+
+#[test]
+fn a_prompt_of_exactly_a_pools_size_never_fits_it() {
+    // Room for the prompt and its first generated token.
+    assert!(never_fits(1600, 1600));
+    assert!(!never_fits(1599, 1600));
+    assert!(never_fits(5000, 1600));
+}

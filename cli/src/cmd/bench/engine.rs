@@ -106,6 +106,7 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
         anyhow::bail!("--kv-dtype: the candle engine keeps an f16 KV pool");
     }
     let model = a.model.load_engine(&a.engine)?;
+    let groups = model.kv_layout(16, a.kv_dtype)?.groups;
     let new_cache = |blocks: usize| -> anyhow::Result<KvCache> {
         Ok(KvCache::new(model.kv_layout(16, a.kv_dtype)?, blocks))
     };
@@ -114,7 +115,7 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
     for &n in &a.prefill {
         let mut runs = Vec::new();
         for i in 0..4 {
-            let mut store = new_cache(n.div_ceil(16))?;
+            let mut store = new_cache(groups.peak_blocks(n, n, 16))?;
             store.add_sequence(0)?;
             let t = Instant::now();
             model.forward(&mut store, &[SeqChunk::new(0, &tokens(n, 0))])?;
@@ -138,7 +139,7 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
             // SnapKV compacts into fresh blocks while the context's are held.
             None => {
                 let compacted = a.attention.snapkv().map_or(0, |p| p.budget.div_ceil(16));
-                (context + a.steps + 1).div_ceil(16) + compacted
+                groups.peak_blocks(context + a.steps + 1, CONTEXT_CHUNK, 16) + compacted
             }
         };
         for &b in &a.batch {
@@ -157,7 +158,11 @@ pub fn run(a: EngineBenchArgs) -> anyhow::Result<()> {
         a.kv_pool_bytes,
         16,
         a.kv_dtype,
-        (config.n_layers, config.n_kv_heads, config.head_dim),
+        (
+            config.layers_per_kv_block(),
+            config.n_kv_heads,
+            config.head_dim,
+        ),
     );
     // Held until the report is written: its resident memory is measured.
     let mut pool = new_cache(sized.num_blocks)?;

@@ -249,7 +249,7 @@ impl KvArgs {
             self.kv_pool as usize,
             BLOCK_SIZE,
             self.kv_dtype,
-            (c.n_layers, c.n_kv_heads, c.head_dim),
+            (c.layers_per_kv_block(), c.n_kv_heads, c.head_dim),
         )
     }
 
@@ -266,7 +266,7 @@ impl KvArgs {
             return Ok(None);
         }
         let l = model.kv_layout(BLOCK_SIZE, self.kv_dtype)?;
-        let block_bytes = (2 * l.n_layers * l.region_bytes()) as u64;
+        let block_bytes = (l.block_elems() * l.dtype.size()) as u64;
         let disk = match &self.kv_disk_dir {
             Some(dir) => {
                 std::fs::create_dir_all(dir)
