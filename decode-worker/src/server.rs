@@ -262,5 +262,6 @@ fn capacity(h: &DecodeHandle) -> Capacity {
         queued_prefill_tokens: 0,
         max_batch: s.max_batch,
         tokens_per_second: s.tokens_per_second,
+        kv_groups: s.kv_groups,
     }
 }

@@ -33,8 +33,8 @@ pub use error::{BoxError, Error, ErrorClass, Result};
 pub use etcd::{EtcdCredentials, EtcdOptions, EtcdRegistry};
 pub use memory::{MemoryRegistry, DEFAULT_HISTORY_LIMIT};
 pub use record::{
-    now_ms, parse_worker_key, role_prefix, worker_key, workers_prefix, Capacity, KvEndpoint, Role,
-    WorkerRecord, RECORD_VERSION,
+    now_ms, parse_worker_key, role_prefix, worker_key, workers_prefix, Capacity, KvEndpoint,
+    KvGroupShape, Role, WorkerRecord, RECORD_VERSION,
 };
 pub use registration::{Registration, RegistrationOptions, RegistrationStatus};
 pub use registry::{

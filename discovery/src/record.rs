@@ -93,6 +93,60 @@ pub struct Capacity {
     pub max_batch: u32,
     /// Recent throughput estimate.
     pub tokens_per_second: f64,
+    /// How the KV blocks hold tokens when the model mixes global and local layers (`None`:
+    /// a block holds `block_size` tokens of every layer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_groups: Option<KvGroupShape>,
+}
+
+/// A KV cache with layer groups (the engine's `KvGroups`): each group has its own blocks,
+/// and a local group holds only its window plus a chunk being computed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvGroupShape {
+    /// Groups of layers that see every position.
+    pub global: u32,
+    /// Groups of local (sliding-window) layers.
+    pub local: u32,
+    /// The local layers' window, in tokens.
+    pub window: u32,
+    /// Most prompt tokens the worker computes in one forward of a sequence.
+    pub chunk: u32,
+}
+
+impl Capacity {
+    /// The most blocks a sequence of `tokens` tokens takes in this worker's cache: one per
+    /// `block_size` tokens, in every layer group; a local group's bounded by its window and
+    /// a chunk (the engine's `KvGroups::peak_blocks`, the same formula).
+    pub fn blocks_for_tokens(&self, tokens: u64) -> u64 {
+        let bs = u64::from(self.block_size.max(1));
+        let all = tokens.div_ceil(bs);
+        match self.kv_groups {
+            None => all,
+            Some(g) => {
+                let span = u64::from(g.window.max(1)) - 1 + u64::from(g.chunk.max(1));
+                let local = (span.div_ceil(bs) + 1).min(all);
+                u64::from(g.global.max(1)) * all + u64::from(g.local) * local
+            }
+        }
+    }
+
+    /// The longest sequence `blocks` blocks hold ([`Self::blocks_for_tokens`] inverted).
+    pub fn tokens_in_blocks(&self, blocks: u64) -> u64 {
+        let bs = u64::from(self.block_size.max(1));
+        let (mut lo, mut hi) = (0u64, blocks.saturating_mul(bs));
+        if self.kv_groups.is_none() {
+            return hi;
+        }
+        // The largest `t` with `blocks_for_tokens(t) <= blocks` (monotone in `t`).
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            match self.blocks_for_tokens(mid) <= blocks {
+                true => lo = mid,
+                false => hi = mid - 1,
+            }
+        }
+        lo
+    }
 }
 
 /// What a worker publishes about itself (schema version 1).
@@ -345,5 +399,35 @@ mod tests {
         let mut r = sample();
         r.capacity.kv_blocks_free = 101;
         assert!(r.validate().is_err());
+    }
+
+    #[test]
+    fn grouped_caches_count_a_block_per_group_and_only_a_window_for_local_groups() {
+        let mut c = Capacity {
+            block_size: 16,
+            ..Capacity::default()
+        };
+        assert_eq!(c.blocks_for_tokens(100), 7);
+        assert_eq!(c.tokens_in_blocks(7), 112);
+        // Gemma 3 270M: one global group, five local of window 512, chunks of 256.
+        c.kv_groups = Some(KvGroupShape {
+            global: 1,
+            local: 5,
+            window: 512,
+            chunk: 256,
+        });
+        assert_eq!(c.blocks_for_tokens(100), 6 * 7);
+        // cdiv(511 + 256, 16) + 1 = 49 blocks per local group at most.
+        assert_eq!(c.blocks_for_tokens(4096), 256 + 5 * 49);
+        for blocks in [0, 5, 6, 42, 300, 501, 5000] {
+            let t = c.tokens_in_blocks(blocks);
+            assert!(c.blocks_for_tokens(t) <= blocks, "{blocks}");
+            assert!(c.blocks_for_tokens(t + 1) > blocks, "{blocks}");
+        }
+        // A record without the field (an older worker) reads as one group.
+        let json = r#"{"kv_blocks_total":8,"kv_blocks_free":8,"block_size":16,"running":0,
+            "waiting":0,"queued_prefill_tokens":0,"max_batch":1,"tokens_per_second":0.0}"#;
+        let old: Capacity = serde_json::from_str(json).unwrap();
+        assert_eq!(old.kv_groups, None);
     }
 }

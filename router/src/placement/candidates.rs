@@ -3,7 +3,7 @@
 //! sent each worker since (records lag a little).
 //!
 //! Decode worker: same model, not draining, enough free KV blocks for the prompt plus
-//! some generated tokens; cheapest first, where a running or waiting sequence costs
+//! some generated tokens (as the worker's cache counts them: `Capacity::blocks_for_tokens`); cheapest first, where a running or waiting sequence costs
 //! `seq_cost_tokens` and every prompt token the worker would still have to prefill locally
 //! (the prompt minus the prefix its cache holds) costs one. Prefill worker: same model
 //! fingerprint as the chosen decode worker; cheapest first, where the cost is its queued
@@ -32,13 +32,14 @@ pub fn decode_candidates<'a>(
         .enumerate()
         .filter(|(_, w)| !w.draining && w.model == model)
         .filter(|(_, w)| {
-            let bs = u64::from(w.capacity.block_size.max(1));
+            let c = &w.capacity;
             // Room for the prompt and some generated tokens, but never more than the pool
-            // (a long prompt still fits an empty worker).
+            // (a long prompt still fits an empty worker), in the worker's blocks (a cache
+            // with layer groups takes a block per group).
             let need = ((prompt_tokens + headroom_tokens) as u64)
-                .min(w.capacity.kv_blocks_total * bs)
+                .min(c.tokens_in_blocks(c.kv_blocks_total))
                 .max(prompt_tokens as u64 + 1);
-            w.capacity.kv_blocks_free * bs >= need
+            c.kv_blocks_free >= c.blocks_for_tokens(need)
         })
         .map(|(i, w)| {
             let mine = u64::from(inflight.get(&w.id).copied().unwrap_or(0));
@@ -133,6 +134,35 @@ mod tests {
         let c = decode_candidates(&s, "m", 100, 16, &inflight, &NoCache, 256);
         assert_eq!(c[0].id, "a");
         assert!(decode_candidates(&s, "other", 1, 0, &InFlight::new(), &NoCache, 256).is_empty());
+    }
+
+    #[test]
+    fn a_grouped_cache_needs_a_block_per_group_but_only_a_window_of_local_ones() {
+        let grouped = |id: &str, free: u64| {
+            let mut w = worker(Role::Decode, id, free, 0, 0);
+            w.capacity.kv_blocks_total = 1000;
+            w.capacity.kv_groups = Some(duet_discovery::KvGroupShape {
+                global: 1,
+                local: 5,
+                window: 512,
+                chunk: 256,
+            });
+            w
+        };
+        // 100 prompt tokens + 16: 8 blocks in each of 6 groups.
+        let s = snap(vec![grouped("short", 47), grouped("room", 48)]);
+        let c = decode_candidates(&s, "m", 100, 16, &InFlight::new(), &NoCache, 256);
+        assert_eq!(
+            c.iter().map(|w| w.id.as_str()).collect::<Vec<_>>(),
+            ["room"]
+        );
+        // 4,000 + 16 tokens: 251 global blocks, 49 per local group (not 6 x 251).
+        let s = snap(vec![grouped("short", 495), grouped("room", 496)]);
+        let c = decode_candidates(&s, "m", 4000, 16, &InFlight::new(), &NoCache, 256);
+        assert_eq!(
+            c.iter().map(|w| w.id.as_str()).collect::<Vec<_>>(),
+            ["room"]
+        );
     }
 
     #[test]

@@ -221,7 +221,7 @@ pub fn decide(view: &RouterView<'_>, req: &Request, policy: &Policy) -> Decision
         let largest_pool_tokens = snap
             .workers(Role::Decode)
             .filter(|w| w.model == policy.model)
-            .map(|w| w.capacity.kv_blocks_total * u64::from(w.capacity.block_size.max(1)))
+            .map(|w| w.capacity.tokens_in_blocks(w.capacity.kv_blocks_total))
             .max();
         return Decision::Wait {
             largest_pool_tokens,
