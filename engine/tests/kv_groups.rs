@@ -169,12 +169,30 @@ fn tokens(range: std::ops::Range<u32>) -> Vec<u32> {
     range.collect()
 }
 
-#[test]
-fn a_prefix_hit_attaches_each_local_window_and_never_outruns_a_missing_one() {
+/// A prompt of `shared` tokens (another prompt's prefix) and a `tail` of its own.
+fn prompt(shared: std::ops::Range<u32>, tail: std::ops::Range<u32>) -> Vec<u32> {
+    shared.chain(tail).collect()
+}
+
+/// `times` appends of `n` tokens to sequence `id`, registering none of them.
+fn grow(c: &mut KvCache, id: u64, n: usize, times: usize) {
+    for _ in 0..times {
+        c.prepare_append(id, n).unwrap();
+        c.commit_append(id, n).unwrap();
+    }
+}
+
+/// A pool of 400 blocks with a prefix cache, and the hasher of its keys.
+fn cached_pool() -> (KvCache, PrefixHasher) {
     let mut c = KvCache::new(layout(), 400);
     c.enable_prefix_cache(&PrefixCacheConfig::default())
         .unwrap();
-    let hasher = PrefixHasher::new("groups", BS);
+    (c, PrefixHasher::new("groups", BS))
+}
+
+#[test]
+fn a_prefix_hit_attaches_each_local_window_and_never_outruns_a_missing_one() {
+    let (mut c, hasher) = cached_pool();
     let a = tokens(0..80);
     c.add_sequence(1).unwrap();
     // 40 tokens, registered; 40 more, registered: every block of every group is indexed
@@ -189,8 +207,7 @@ fn a_prefix_hit_attaches_each_local_window_and_never_outruns_a_missing_one() {
     c.free_sequence(1);
     c.check_prefix_cache().unwrap();
     // B shares 12 blocks (48 tokens) with A.
-    let mut b = tokens(0..48);
-    b.extend(500..530);
+    let b = prompt(0..48, 500..530);
     let hashes = hasher.hashes(&b);
     assert_eq!(c.lookup_prefix(&hashes).blocks(), 12);
     c.add_sequence(2).unwrap();
@@ -209,23 +226,18 @@ fn a_prefix_hit_attaches_each_local_window_and_never_outruns_a_missing_one() {
     // drop blocks 0..8 unindexed before the next append.
     let cc = tokens(1000..1080);
     c.add_sequence(3).unwrap();
-    for _ in 0..2 {
-        c.prepare_append(3, 40).unwrap();
-        c.commit_append(3, 40).unwrap();
-    }
+    grow(&mut c, 3, 40, 2);
     c.register_blocks(3, &cc).unwrap();
     c.free_sequence(3);
     // D shares 8 blocks with C: the global group holds them, but no local group holds the
     // window of any prefix of them, so nothing is attached.
-    let mut d = tokens(1000..1032);
-    d.extend(2000..2010);
+    let d = prompt(1000..1032, 2000..2010);
     let hashes = hasher.hashes(&d);
     c.add_sequence(4).unwrap();
     assert_eq!(c.attach_prefix(4, &hashes, d.len()).unwrap().blocks(), 0);
     assert_eq!(c.held_blocks(4).unwrap(), 0);
     // E shares 16 blocks: the windows from block 8 on are indexed, so the hit is 16.
-    let mut e = tokens(1000..1064);
-    e.extend(3000..3010);
+    let e = prompt(1000..1064, 3000..3010);
     let hashes = hasher.hashes(&e);
     c.add_sequence(5).unwrap();
     assert_eq!(c.attach_prefix(5, &hashes, e.len()).unwrap().blocks(), 16);
@@ -243,15 +255,11 @@ fn a_prefix_hit_attaches_each_local_window_and_never_outruns_a_missing_one() {
 /// windows are all there, not the global run, and not nothing.
 #[test]
 fn a_gap_in_the_local_windows_lowers_the_hit_to_below_it() {
-    let mut c = KvCache::new(layout(), 400);
-    c.enable_prefix_cache(&PrefixCacheConfig::default())
-        .unwrap();
-    let hasher = PrefixHasher::new("groups", BS);
+    let (mut c, hasher) = cached_pool();
     let a = tokens(0..80);
     // A1: 40 tokens, registered: every group indexes blocks 0..10.
     c.add_sequence(1).unwrap();
-    c.prepare_append(1, 40).unwrap();
-    c.commit_append(1, 40).unwrap();
+    grow(&mut c, 1, 40, 1);
     c.register_blocks(1, &a[..40]).unwrap();
     c.free_sequence(1);
     // A2 attaches A1's 10 blocks, then computes 20 and 20 more tokens, registering only at
@@ -260,15 +268,11 @@ fn a_gap_in_the_local_windows_lowers_the_hit_to_below_it() {
     c.add_sequence(2).unwrap();
     let hit = c.attach_prefix(2, &hasher.hashes(&a), 80).unwrap();
     assert_eq!(hit.blocks(), 10);
-    for _ in 0..2 {
-        c.prepare_append(2, 20).unwrap();
-        c.commit_append(2, 20).unwrap();
-    }
+    grow(&mut c, 2, 20, 2);
     c.register_blocks(2, &a).unwrap();
     c.free_sequence(2);
     // F shares 13 blocks: 13, 12 and 11 need a local block in 10..13; 10 needs 8 and 9.
-    let mut f = tokens(0..52);
-    f.extend(900..910);
+    let f = prompt(0..52, 900..910);
     let hashes = hasher.hashes(&f);
     assert_eq!(c.lookup_prefix(&hashes).blocks(), 10);
     c.add_sequence(3).unwrap();
