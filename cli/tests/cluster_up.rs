@@ -177,6 +177,49 @@ fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
             let held = u64::from(t.kv_reused_tokens) / 16;
             assert_eq!(t.kv_bytes, (blocks - held) * 16 * 18 * 2 * 256 * 2, "{t:?}");
         }
+        // A prompt sharing the longest reference prompt's first three quarters. The prefill
+        // worker registered every block chunk by chunk, so it computes only the rest; the
+        // decode worker imported that prompt's local layers only from its last window on
+        // (`KvCache::expect_prompt`), so it has no window at this earlier branch point and
+        // receives the whole prompt (SGLang's decode side keeps the same window tail). The
+        // tokens equal an uncached `duet run`'s.
+        let long = cases.iter().max_by_key(|c| c.prompt_ids.len()).unwrap();
+        let chars = long.prompt.chars().count();
+        let (cut, _) = long.prompt.char_indices().nth(chars * 3 / 4).unwrap();
+        let b = format!(
+            "{} Then the story took a turn nobody expected.",
+            &long.prompt[..cut]
+        );
+        let got = generate(&mut c, greedy(text(&b), 8)).await.unwrap();
+        let t = got.timings();
+        let cached = got
+            .fin
+            .clone()
+            .and_then(|f| f.usage)
+            .unwrap_or_default()
+            .cached_tokens;
+        assert!(cached >= 800, "{cached} cached tokens: {t:?}");
+        assert_eq!(t.kv_reused_tokens, 0, "{t:?}");
+        let prompt_tokens = got
+            .fin
+            .clone()
+            .and_then(|f| f.usage)
+            .unwrap_or_default()
+            .prompt_tokens;
+        let blocks = u64::from(prompt_tokens).div_ceil(16);
+        assert_eq!(t.kv_bytes, blocks * 16 * 18 * 2 * 256 * 2, "{t:?}");
+        let run = support::run_json(
+            "native",
+            &[
+                "--model",
+                gemma.to_str().unwrap(),
+                "--prompt",
+                &b,
+                "--max-tokens",
+                "8",
+            ],
+        );
+        assert_eq!(got.ids, support::ids_of(&run, "ids"), "{t:?}");
         // A local window on a model whose own layers attend locally: refused as a failed
         // precondition (issue 26), never served as full attention.
         let mut req = greedy(support::tokens(&cases[0].prompt_ids), 4);

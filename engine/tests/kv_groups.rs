@@ -282,3 +282,25 @@ fn a_gap_in_the_local_windows_lowers_the_hit_to_below_it() {
     c.check_prefix_cache().unwrap();
     assert_eq!(c.free_blocks(), c.total_blocks());
 }
+
+/// With a prefix cache, a local group gives back what falls out of its window before the
+/// next append allocates: `blocks_to_append` counts the free blocks that append needs,
+/// which is what a scheduler compares with the pool's free blocks.
+#[test]
+fn blocks_to_append_counts_what_a_local_group_gives_back_first() {
+    let (mut c, _) = cached_pool();
+    c.add_sequence(1).unwrap();
+    grow(&mut c, 1, 40, 1);
+    // Nothing registered: every local group still holds blocks 0..10.
+    assert_eq!(c.held_blocks(1).unwrap(), 6 * 10);
+    let need = c.blocks_to_append(1, 40).unwrap();
+    let free = c.free_blocks();
+    c.prepare_append(1, 40).unwrap();
+    assert_eq!(free - c.free_blocks(), need);
+    // 10 fresh blocks in each of 6 groups, less the 8 each local group drops first.
+    assert_eq!(need, 6 * 10 - 5 * 8);
+    // Once indexed and dropped, one more token takes a block in every group.
+    c.commit_append(1, 40).unwrap();
+    c.register_blocks(1, &tokens(0..80)).unwrap();
+    assert_eq!(c.blocks_to_append(1, 1).unwrap(), 6);
+}

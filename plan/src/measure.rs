@@ -51,7 +51,9 @@ impl Bench<'_> {
     /// resident: page faults are not part of a forward's cost).
     fn cache(&self, tokens: usize, seqs: usize) -> Result<KvCache> {
         let layout = self.model.kv_layout(BLOCK_SIZE, self.dtype)?;
-        let mut c = KvCache::new(layout, seqs * tokens.div_ceil(BLOCK_SIZE) + seqs);
+        // Every layer group's blocks of a whole forward over `tokens`.
+        let per_seq = layout.groups.peak_blocks(tokens, tokens, BLOCK_SIZE);
+        let mut c = KvCache::new(layout, seqs * per_seq + seqs);
         c.prefault();
         Ok(c)
     }
@@ -186,11 +188,9 @@ pub fn measure(
         g.kv_pool_bytes,
         BLOCK_SIZE,
         g.kv_dtype,
-        (
-            config.layers_per_kv_block(),
-            config.n_kv_heads,
-            config.head_dim,
-        ),
+        // Blocks of every layer: the simulator counts one per 16 tokens (it models no
+        // layer groups, so a grouped model's pool reads as an ungrouped one's).
+        (config.n_layers, config.n_kv_heads, config.head_dim),
     );
     let f = |v: &[usize]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     Ok(ProfileFile {

@@ -155,6 +155,14 @@ pub async fn worker_path(opts: WorkerPathOptions) -> Result<WorkerPathReport> {
     let model = Model::load(&opts.model, LoadOptions::default())
         .map_err(|e| Error::InvalidArgument(format!("{}: {e}", opts.model.display())))?;
     let layout = model.kv_layout(16, KvDtype::F16);
+    if layout.groups.is_grouped() {
+        // Its pools and sends below address one block table for every layer.
+        return Err(Error::InvalidArgument(format!(
+            "{}: --end-to-end measures models whose layers share one block table; this \
+             model's local layers keep their own (layer groups)",
+            opts.model.display()
+        )));
+    }
     let model = Arc::new(EngineModel::from(model));
     let block_bytes = (layout.region_bytes() * 2 * layout.n_layers) as u64;
     let max = opts.sizes.iter().copied().max().unwrap_or(0);

@@ -432,11 +432,14 @@ impl Scheduler {
                     ..
                 } => {
                     *done += n;
+                    if self.book.is_some() {
+                        // Chunk by chunk: a local layer group gives back the blocks out of
+                        // its window once they are indexed, before the next chunk.
+                        // (Only the blocks the sequence holds whole so far are indexed.)
+                        let _ = self.cache.register_blocks(s.id, &s.prompt[..s.cacheable]);
+                    }
                     if *done < tokens.len() {
                         continue;
-                    }
-                    if self.book.is_some() {
-                        let _ = self.cache.register_blocks(s.id, &s.prompt[..s.cacheable]);
                     }
                     if let Some(started) = s.prefill_started {
                         s.prefill_seconds += secs(started);

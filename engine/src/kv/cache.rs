@@ -401,18 +401,21 @@ impl KvCache {
         Ok(())
     }
 
-    /// The fresh blocks [`Self::prepare_append`] takes for `n` more tokens (a dropped block
-    /// is not taken again; the copy of a shared last block aside).
+    /// The free blocks [`Self::prepare_append`] needs for `n` more tokens: the fresh blocks
+    /// it takes (a dropped block is not taken again; the copy of a shared last block aside),
+    /// less those a local layer group gives back before it allocates.
     pub fn blocks_to_append(&self, id: SeqId, n: usize) -> Result<usize> {
         let s = self.seq(id)?;
-        let end = self.blocks_for(s.len + n);
-        // A local group's drops keep its logical length: what it drops is not taken again.
-        let local = s
-            .groups
-            .iter()
-            .map(|t| end.saturating_sub(t.dropped + t.blocks.len()))
-            .sum::<usize>();
-        Ok(end.saturating_sub(s.blocks.len() + s.dropped) + local)
+        let (end, bs) = (self.blocks_for(s.len + n), self.layout.block_size);
+        let (mut fresh, mut freed) = (end.saturating_sub(s.blocks.len() + s.dropped), 0);
+        for (g, t) in s.groups.iter().enumerate() {
+            // A local group's drops keep its logical length: what it drops is not taken
+            // again, and what it still holds below its window comes back first.
+            fresh += end.saturating_sub(t.dropped + t.blocks.len());
+            let below = self.layout.groups.droppable_below(g + 1, s.len, bs);
+            freed += below.saturating_sub(t.dropped).min(t.blocks.len());
+        }
+        Ok(fresh.saturating_sub(freed))
     }
 
     /// Make room for `n` more tokens: allocates blocks (all or none, every layer group's)
