@@ -199,13 +199,12 @@ impl Model {
         }
         let bs = layout.block_size;
         // `tables[group][chunk]`: each layer indexes its group's table (`kv::groups`).
-        let per_chunk: Vec<Vec<Vec<BlockId>>> = batch
-            .iter()
-            .map(|ch| cache.logical_tables(ch.seq))
-            .collect::<Result<_>>()?;
-        let tables: Vec<Vec<Vec<BlockId>>> = (0..layout.groups.n_groups())
-            .map(|g| per_chunk.iter().map(|t| t[g].clone()).collect())
-            .collect();
+        let mut tables: Vec<Vec<Vec<BlockId>>> = vec![Vec::new(); layout.groups.n_groups()];
+        for ch in batch {
+            for (g, t) in cache.logical_tables(ch.seq)?.into_iter().enumerate() {
+                tables[g].push(t);
+            }
+        }
         let windows: Vec<Option<Window>> = batch
             .iter()
             .map(|ch| cache.window(ch.seq))
