@@ -67,9 +67,10 @@ pub use generate::{
     generate, generate_in, FinishReason, Generation, GenerationOutput, GenerationParams, TokenStep,
 };
 pub use kv::{
-    reusable_tokens, AttentionPolicy, BlockHash, KvCache, KvCacheConfig, KvDtype, KvEvent,
-    KvExport, KvGroups, KvKind, KvLayout, KvTier, PrefixCacheConfig, PrefixHasher, PrefixHit,
-    SeqId, SnapKv, TierCounts, Window, WINDOWED_MAX_TOKENS,
+    group_key, reusable_tokens, servable_prefix, AttentionPolicy, BlockHash, KvCache,
+    KvCacheConfig, KvDtype, KvEvent, KvExport, KvGroups, KvKind, KvLayout, KvTier,
+    PrefixCacheConfig, PrefixHasher, PrefixHit, SeqId, SnapKv, TierCounts, Window,
+    WINDOWED_MAX_TOKENS,
 };
 pub use linear::WeightMode;
 pub use model::{LoadOptions, Model, TextFrontend};

@@ -232,6 +232,10 @@ impl Engine {
                 kv_blocks_free: self.cache.free_blocks() as u64,
                 kv_blocks_cached: self.cache.allocator().cached_blocks() as u64,
                 tokens_per_second: self.tokens_per_second,
+                kv_groups: duet_worker_common::kv_shape::kv_group_shape(
+                    &self.cache.layout().groups,
+                    self.cfg.max_batch_tokens,
+                ),
             };
         }
         if let Some(b) = &self.book {

@@ -90,6 +90,8 @@ pub struct PrefillStatus {
     pub kv_blocks_cached: u64,
     /// Prompt tokens per second, exponentially averaged over forwards.
     pub tokens_per_second: f64,
+    /// The cache's layer groups, when the model mixes global and local layers.
+    pub kv_groups: Option<duet_discovery::KvGroupShape>,
 }
 
 /// Prefills sent to the engine thread that it has not taken from its channel yet (they

@@ -153,7 +153,6 @@ fn capacity(h: &PrefillHandle, block_size: u32) -> Capacity {
         queued_prefill_tokens: s.queued_prefill_tokens,
         max_batch: 0,
         tokens_per_second: s.tokens_per_second,
-        // The router places by decode workers' room only.
-        kv_groups: None,
+        kv_groups: s.kv_groups,
     }
 }

@@ -100,6 +100,19 @@ impl KvIndex {
 
     /// The leading blocks of `hashes` worker `key` holds.
     pub fn matched(&self, key: &str, hashes: &[BlockHash]) -> PrefixMatch {
+        self.matched_grouped(key, hashes, None)
+    }
+
+    /// [`Self::matched`] for a worker whose cache has layer groups (`groups`: each group's
+    /// window, `None` for a global one, and the block size): the prefix every group serves,
+    /// as the worker's cache decides it (`duet_engine::servable_prefix` over the keys it
+    /// reported), not just the run of global blocks.
+    pub fn matched_grouped(
+        &self,
+        key: &str,
+        hashes: &[BlockHash],
+        groups: Option<(&[Option<usize>], usize)>,
+    ) -> PrefixMatch {
         let mut out = PrefixMatch::default();
         let Ok(m) = self.workers.read() else {
             return out;
@@ -107,14 +120,20 @@ impl KvIndex {
         let Some(w) = m.get(key) else {
             return out;
         };
-        for h in hashes {
-            match w.blocks.get(h) {
-                Some(t) => {
-                    out.blocks += 1;
-                    out.lower += usize::from(*t != KvTier::Device);
-                }
-                None => break,
+        let n = match groups {
+            Some((windows, bs)) => {
+                let held = |k: BlockHash| w.blocks.contains_key(&k);
+                duet_engine::servable_prefix(windows, bs, hashes, hashes.len(), held)
             }
+            None => hashes
+                .iter()
+                .take_while(|h| w.blocks.contains_key(h))
+                .count(),
+        };
+        for h in &hashes[..n] {
+            out.blocks += 1;
+            let lower = w.blocks.get(h).is_some_and(|t| *t != KvTier::Device);
+            out.lower += usize::from(lower);
         }
         out
     }
@@ -152,6 +171,26 @@ mod tests {
                 .collect(),
             block_size: 16,
         }
+    }
+
+    /// A worker with one global and one local group (window 8, blocks of 4) that holds the
+    /// global blocks 0..10 but its local group's only from 8: it serves the whole 10-block
+    /// prefix, not a 6-block prefix of it (no window there), though every global block of
+    /// that prefix is cached.
+    #[test]
+    fn a_grouped_worker_matches_only_where_its_local_windows_are() {
+        let ix = KvIndex::new();
+        let hashes: Vec<u64> = (100..110).collect();
+        let mut keys = hashes.clone();
+        keys.extend(hashes[8..].iter().map(|&h| duet_engine::group_key(h, 1)));
+        let dev = pb::KvTier::Device;
+        ix.apply("w", &batch(1, true, vec![(true, dev, keys)]));
+        let groups: &[Option<usize>] = &[None, Some(8)];
+        let full = ix.matched_grouped("w", &hashes, Some((groups, 4)));
+        assert_eq!(full.blocks, 10);
+        let branch = &hashes[..6];
+        assert_eq!(ix.matched("w", branch).blocks, 6, "the global run");
+        assert_eq!(ix.matched_grouped("w", branch, Some((groups, 4))).blocks, 0);
     }
 
     #[test]

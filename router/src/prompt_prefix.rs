@@ -59,7 +59,16 @@ impl<'a> PromptPrefix<'a> {
         if !self.routing || self.prompt.len() < Self::block_size(w) {
             return PrefixMatch::default();
         }
-        self.index.matched(&w.key(), &self.hashes(w))
+        let hashes = self.hashes(w);
+        let Some(g) = w.capacity.kv_groups else {
+            return self.index.matched(&w.key(), &hashes);
+        };
+        // Layer groups: global ones first, then local ones (`duet_engine::KvGroups`).
+        let window = g.window as usize;
+        let mut windows = vec![None; g.global as usize];
+        windows.extend(std::iter::repeat_n(Some(window), g.local as usize));
+        let groups = (windows.as_slice(), Self::block_size(w));
+        self.index.matched_grouped(&w.key(), &hashes, Some(groups))
     }
 }
 

@@ -5,6 +5,7 @@
 //! - [`prefix_cache`]: the prefix cache's metrics and the flushing of its events;
 //! - [`kv_events`]: a worker's prefix-cache events for routers (`duet.v1.KvCache`);
 //! - [`transfer_layout`]: the engine's KV layout as kv-transfer describes it;
+//! - [`kv_shape`]: the cache's layer groups as a worker's record describes them;
 //! - [`server`]: registering with live capacity, the peers' view, and serving behind the
 //!   cluster token with the shutdown order both workers keep.
 //!
@@ -19,6 +20,7 @@
 pub mod device_memory;
 pub mod engine_thread;
 pub mod kv_events;
+pub mod kv_shape;
 pub mod prefix_cache;
 pub mod server;
 mod transfer_layout;

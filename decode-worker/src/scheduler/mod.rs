@@ -189,7 +189,7 @@ impl Scheduler {
                 reservations: self.reservations.len() as u32,
                 max_batch: self.cfg.max_batch as u32,
                 tokens_per_second: self.tokens_per_second,
-                kv_groups: crate::handle::kv_group_shape(
+                kv_groups: duet_worker_common::kv_shape::kv_group_shape(
                     &self.cache.layout().groups,
                     self.cfg.prefill_chunk_tokens,
                 ),

@@ -10,7 +10,7 @@ pub mod groups;
 mod lru;
 pub mod prefix;
 pub mod prefix_cache;
-mod prefix_groups;
+pub mod prefix_groups;
 pub mod snapkv;
 pub mod tiers;
 pub mod window;
@@ -20,5 +20,6 @@ pub use cache::{KvCache, KvCacheConfig, KvDtype, KvExport, KvKind, KvLayout, Seq
 pub use groups::KvGroups;
 pub use prefix::{reusable_tokens, BlockHash, KvEvent, KvTier, PrefixHasher, PrefixHit};
 pub use prefix_cache::{PrefixCacheConfig, TierCounts};
+pub use prefix_groups::{group_key, servable_prefix};
 pub use snapkv::SnapKv;
 pub use window::{AttentionPolicy, Window, WINDOWED_MAX_TOKENS};

@@ -17,7 +17,7 @@ use crate::kv::SeqId;
 
 /// The key of group `g`'s block whose chained hash is `h` (group 0: `h` itself, so the
 /// hashes a router computes name the global group's blocks).
-pub(super) fn group_key(h: BlockHash, g: usize) -> BlockHash {
+pub fn group_key(h: BlockHash, g: usize) -> BlockHash {
     if g == 0 {
         return h;
     }
@@ -28,6 +28,42 @@ pub(super) fn group_key(h: BlockHash, g: usize) -> BlockHash {
     z ^ (z >> 31)
 }
 
+/// The longest prefix of `hashes` (at most `limit` blocks) that every layer group serves,
+/// by the rule of the module docs, where group `g` has window `windows[g]` (`None`: global)
+/// and `held(key)` says whether a group's block is cached ([`group_key`]). One rule for the
+/// cache that attaches the prefix and for a router that tracks the keys a worker reports.
+pub fn servable_prefix(
+    windows: &[Option<usize>],
+    block_size: usize,
+    hashes: &[BlockHash],
+    limit: usize,
+    held: impl Fn(BlockHash) -> bool,
+) -> usize {
+    let bs = block_size.max(1);
+    let has = |i: usize, g: usize| held(group_key(hashes[i], g));
+    let groups = 0..windows.len();
+    let mut n = 0;
+    while n < limit.min(hashes.len())
+        && groups
+            .clone()
+            .filter(|&g| windows[g].is_none())
+            .all(|g| has(n, g))
+    {
+        n += 1;
+    }
+    while n > 0 {
+        let serves = |g: usize| {
+            let from = windows[g].map_or(0, |w| (n * bs + 1).saturating_sub(w) / bs);
+            (from..n).rev().all(|i| has(i, g))
+        };
+        if groups.clone().filter(|&g| windows[g].is_some()).all(serves) {
+            break;
+        }
+        n -= 1;
+    }
+    n
+}
+
 impl KvCache {
     /// The longest prefix of `hashes` (at most `limit` blocks) every group can serve, and
     /// the tier of each of group 0's blocks in it.
@@ -36,34 +72,14 @@ impl KvCache {
             return Vec::new();
         };
         let groups = &self.layout.groups;
-        let bs = self.layout.block_size;
-        let held = |i: usize, g: usize| p.tier_of(group_key(hashes[i], g));
-        let global: Vec<usize> = (0..groups.n_groups())
-            .filter(|&g| groups.window(g).is_none())
-            .collect();
-        let mut tiers = Vec::new();
-        for i in 0..limit.min(hashes.len()) {
-            if global.iter().any(|&g| held(i, g).is_none()) {
-                break;
-            }
-            tiers.extend(held(i, 0));
-        }
-        let mut n = tiers.len();
-        while n > 0 {
-            let serves = |g: usize| {
-                let from = groups.droppable_below(g, n * bs, bs);
-                (from..n).rev().all(|i| held(i, g).is_some())
-            };
-            if (0..groups.n_groups())
-                .filter(|&g| groups.window(g).is_some())
-                .all(serves)
-            {
-                break;
-            }
-            n -= 1;
-        }
-        tiers.truncate(n);
-        tiers
+        let n = servable_prefix(
+            &groups.windows,
+            self.layout.block_size,
+            hashes,
+            limit,
+            |k| p.tier_of(k).is_some(),
+        );
+        hashes[..n].iter().filter_map(|&h| p.tier_of(h)).collect()
     }
 
     /// [`KvCache::attach_prefix`] for a grouped cache: attaches every group's part of the
