@@ -192,21 +192,11 @@ fn up_serves_gemma3_by_the_reference_rule_with_remote_prefill() {
         );
         let got = generate(&mut c, greedy(text(&b), 8)).await.unwrap();
         let t = got.timings();
-        let cached = got
-            .fin
-            .clone()
-            .and_then(|f| f.usage)
-            .unwrap_or_default()
-            .cached_tokens;
+        let usage = got.fin.clone().and_then(|f| f.usage).unwrap_or_default();
+        let cached = usage.cached_tokens;
         assert!(cached >= 800, "{cached} cached tokens: {t:?}");
         assert_eq!(t.kv_reused_tokens, 0, "{t:?}");
-        let prompt_tokens = got
-            .fin
-            .clone()
-            .and_then(|f| f.usage)
-            .unwrap_or_default()
-            .prompt_tokens;
-        let blocks = u64::from(prompt_tokens).div_ceil(16);
+        let blocks = u64::from(usage.prompt_tokens).div_ceil(16);
         assert_eq!(t.kv_bytes, blocks * 16 * 18 * 2 * 256 * 2, "{t:?}");
         let run = support::run_json(
             "native",
