@@ -113,6 +113,19 @@ pub struct KvGroupShape {
     pub chunk: u32,
 }
 
+impl KvGroupShape {
+    /// Each group's window, `None` for a global one: the global groups first, as the
+    /// engine orders them (`duet_engine::KvGroups`).
+    pub fn windows(&self) -> Vec<Option<usize>> {
+        let mut w = vec![None; self.global as usize];
+        w.extend(std::iter::repeat_n(
+            Some(self.window as usize),
+            self.local as usize,
+        ));
+        w
+    }
+}
+
 impl Capacity {
     /// The most blocks a sequence of `tokens` tokens takes in this worker's cache: one per
     /// `block_size` tokens, in every layer group; a local group's bounded by its window and

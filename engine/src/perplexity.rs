@@ -202,7 +202,7 @@ pub fn perplexity_in_transit(
             window[0] = b;
         }
         cache.add_sequence(0)?;
-        let block_bytes = cache.layout().block_elems() * cache.layout().dtype.size();
+        let block_bytes = cache.layout().block_bytes();
         let mut held = |used: usize| kv_peak = kv_peak.max(used * block_bytes);
         let logits = if cfg.attention.snapkv().is_some() || transit.is_some() {
             let prompt = Prompt {

@@ -63,10 +63,7 @@ impl<'a> PromptPrefix<'a> {
         let Some(g) = w.capacity.kv_groups else {
             return self.index.matched(&w.key(), &hashes);
         };
-        // Layer groups: global ones first, then local ones (`duet_engine::KvGroups`).
-        let window = g.window as usize;
-        let mut windows = vec![None; g.global as usize];
-        windows.extend(std::iter::repeat_n(Some(window), g.local as usize));
+        let windows = g.windows();
         let groups = (windows.as_slice(), Self::block_size(w));
         self.index.matched_grouped(&w.key(), &hashes, Some(groups))
     }

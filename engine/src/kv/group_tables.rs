@@ -11,8 +11,50 @@
 //! ignored.
 
 use super::allocator::BlockId;
-use super::cache::{KvCache, KvKind, SeqId, Storage};
+use super::cache::{KvCache, KvKind, SeqId, Sequence};
 use crate::error::{EngineError, Result};
+
+/// The table of one layer group after the first (`super::groups`).
+#[derive(Debug, Clone, Default)]
+pub(super) struct GroupTable {
+    pub(super) blocks: Vec<BlockId>,
+    /// Leading logical blocks out of every later query's window (local groups only).
+    pub(super) dropped: usize,
+}
+
+impl GroupTable {
+    /// Where logical block `i` sits in `blocks` (`None`: dropped).
+    pub(super) fn physical(&self, i: usize) -> Option<usize> {
+        i.checked_sub(self.dropped)
+    }
+}
+
+/// Where a logical block of one layer group of a sequence is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Slot {
+    Held(BlockId),
+    /// Out of every later query's view (a window's or a local group's).
+    Dropped,
+    /// Past the sequence's blocks (or no such group).
+    Missing,
+}
+
+impl Sequence {
+    /// Where logical block `i` of layer group `g` is.
+    pub(super) fn slot(&self, g: usize, i: usize, block_size: usize) -> Slot {
+        let (blocks, at) = match g {
+            0 => (&self.blocks, self.physical(i, block_size)),
+            _ => match self.groups.get(g - 1) {
+                Some(t) => (&t.blocks, t.physical(i)),
+                None => return Slot::Missing,
+            },
+        };
+        match at {
+            None => Slot::Dropped,
+            Some(j) => blocks.get(j).map_or(Slot::Missing, |&b| Slot::Held(b)),
+        }
+    }
+}
 
 impl KvCache {
     /// The null block: zeroed, never written, read where a local group dropped a block
@@ -121,29 +163,20 @@ impl KvCache {
     /// The block of logical index `index` of `id` in `layer`'s group (`None`: dropped).
     fn block_at(&self, id: SeqId, index: usize, layer: usize) -> Result<Option<BlockId>> {
         let s = self.seq(id)?;
-        let bs = self.layout.block_size;
-        let out_of_range = || {
-            EngineError::invalid(
-                "block",
-                format!("logical block {index} of sequence {id} out of range"),
-            )
-        };
         if layer >= self.layout.n_layers {
             return Err(EngineError::invalid(
                 "layer",
                 format!("{layer} out of range"),
             ));
         }
-        let (blocks, at) = match self.layout.groups.group_of(layer) {
-            0 => (&s.blocks, s.physical(index, bs)),
-            g => {
-                let t = s.groups.get(g - 1).ok_or_else(out_of_range)?;
-                (&t.blocks, t.physical(index))
-            }
-        };
-        match at {
-            Some(i) => blocks.get(i).copied().map(Some).ok_or_else(out_of_range),
-            None => Ok(None),
+        let g = self.layout.groups.group_of(layer);
+        match s.slot(g, index, self.layout.block_size) {
+            Slot::Held(b) => Ok(Some(b)),
+            Slot::Dropped => Ok(None),
+            Slot::Missing => Err(EngineError::invalid(
+                "block",
+                format!("logical block {index} of sequence {id} out of range"),
+            )),
         }
     }
 
@@ -187,14 +220,7 @@ impl KvCache {
 
     /// Checks that the null block is still all zeros (tests).
     pub fn null_block_is_zero(&self) -> bool {
-        if !self.layout.groups.is_grouped() {
-            return true;
-        }
-        let n = self.layout.block_elems();
-        let o = self.null_block() as usize * n;
-        match &self.storage {
-            Storage::F32(d) => d[o..o + n].iter().all(|x| x.to_bits() == 0),
-            Storage::F16(d) => d[o..o + n].iter().all(|x| x.to_bits() == 0),
-        }
+        !self.layout.groups.is_grouped()
+            || self.block_bytes(self.null_block()).iter().all(|&b| b == 0)
     }
 }

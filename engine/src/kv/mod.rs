@@ -2,6 +2,7 @@
 //! (content-addressed blocks, LRU eviction, host and disk tiers).
 
 pub mod allocator;
+mod append;
 pub mod cache;
 mod device_sync;
 mod export;

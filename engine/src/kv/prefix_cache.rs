@@ -25,6 +25,7 @@ use std::path::PathBuf;
 
 use super::allocator::BlockId;
 use super::cache::KvCache;
+use super::group_tables::Slot;
 use super::prefix::{BlockHash, KvEvent, KvTier, PrefixHasher, PrefixHit};
 use super::prefix_groups::group_key;
 use super::tiers::TierStore;
@@ -309,33 +310,28 @@ impl KvCache {
             return Ok(0);
         }
         let hashes = hasher.extend(&s.hashes, &tokens[..full * self.layout.block_size]);
-        let known = s.hashes.len();
-        // Per group, its blocks at logical indexes `known..full` (`None`: dropped).
-        let mut tables: Vec<Vec<Option<BlockId>>> =
-            vec![s.blocks[known..full].iter().copied().map(Some).collect()];
-        for t in &s.groups {
-            tables.push(
-                (known..full)
-                    .map(|i| t.physical(i).and_then(|j| t.blocks.get(j).copied()))
-                    .collect(),
-            );
-        }
+        let (known, bs) = (s.hashes.len(), self.layout.block_size);
+        // Every group's blocks at logical indexes `known..full` it still holds, with their keys.
+        let held: Vec<(BlockId, BlockHash)> = (0..self.layout.groups.n_groups())
+            .flat_map(|g| (known..full).map(move |i| (g, i)))
+            .filter_map(|(g, i)| match s.slot(g, i, bs) {
+                Slot::Held(b) => Some((b, group_key(hashes[i], g))),
+                Slot::Dropped | Slot::Missing => None,
+            })
+            .collect();
         let mut added = 0;
-        for (g, table) in tables.into_iter().enumerate() {
-            for (&h, b) in hashes[known..].iter().zip(table) {
-                let (Some(b), Some(p)) = (b, self.prefix.as_mut()) else {
-                    continue;
-                };
-                let h = group_key(h, g);
-                let indexed = p.hash_of.get(b as usize).copied().flatten().is_some();
-                if indexed || p.by_hash.contains_key(&h) {
-                    continue;
-                }
-                // Tiers are exclusive: the device copy is the one kept.
-                p.forget_below(h);
-                self.index_block(b, h);
-                added += 1;
+        for (b, h) in held {
+            let Some(p) = self.prefix.as_mut() else {
+                break;
+            };
+            let indexed = p.hash_of.get(b as usize).copied().flatten().is_some();
+            if indexed || p.by_hash.contains_key(&h) {
+                continue;
             }
+            // Tiers are exclusive: the device copy is the one kept.
+            p.forget_below(h);
+            self.index_block(b, h);
+            added += 1;
         }
         if let Some(s) = self.seqs.get_mut(&id) {
             s.hashes = hashes;

@@ -266,7 +266,7 @@ impl KvArgs {
             return Ok(None);
         }
         let l = model.kv_layout(BLOCK_SIZE, self.kv_dtype)?;
-        let block_bytes = (l.block_elems() * l.dtype.size()) as u64;
+        let block_bytes = l.block_bytes() as u64;
         let disk = match &self.kv_disk_dir {
             Some(dir) => {
                 std::fs::create_dir_all(dir)
