@@ -6,16 +6,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use duet_engine::{
-    AttentionPolicy, BlockHash, EngineModel, FinishReason, GenerationParams, KvKind,
-};
+use duet_engine::{AttentionPolicy, BlockHash, EngineModel, FinishReason, GenerationParams};
 use duet_worker_common::kv_events::KvEventHub;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::DecodeConfig;
 use crate::error::DecodeError;
+use crate::leases::Leases;
 use crate::scheduler::Scheduler;
 
 /// Scheduling class: batch sequences are preempted first and admitted last.
@@ -106,10 +104,9 @@ pub(crate) enum Cmd {
         request_id: u64,
         reply: Option<oneshot::Sender<bool>>,
     },
-    Import {
+    /// A layer of a transfer was written into the request's reserved blocks.
+    LayerArrived {
         request_id: u64,
-        layer: usize,
-        regions: Vec<(u32, KvKind, Bytes)>,
     },
     TransferDone {
         request_id: u64,
@@ -134,10 +131,6 @@ pub struct Reserved {
     pub blocks: Vec<u32>,
 }
 
-/// Blocks reserved for in-flight transfers: block id -> request id. Written by the engine
-/// thread, read by KV receivers to accept or refuse a transfer header.
-pub(crate) type ReservedBlocks = Arc<Mutex<std::collections::HashMap<u32, u64>>>;
-
 /// Who waits to hear that a request's transfer failed: request id -> the waiter. Filled by
 /// [`DecodeHandle::watch_transfer`], emptied when the failure is told or the waiter leaves.
 type TransferWatchers = Arc<Mutex<std::collections::HashMap<u64, oneshot::Sender<String>>>>;
@@ -147,7 +140,7 @@ type TransferWatchers = Arc<Mutex<std::collections::HashMap<u64, oneshot::Sender
 pub struct DecodeHandle {
     tx: std_mpsc::Sender<Cmd>,
     status: Arc<Mutex<DecodeStatus>>,
-    reserved: ReservedBlocks,
+    leases: Leases,
     layout: duet_engine::KvLayout,
     context_length: usize,
     vocab_size: usize,
@@ -172,7 +165,7 @@ impl DecodeHandle {
         let vocab_size = model.config().vocab_size;
         let (tx, rx) = std_mpsc::channel();
         let status = Arc::new(Mutex::new(DecodeStatus::default()));
-        let reserved: ReservedBlocks = Arc::default();
+        let leases: Leases = Arc::default();
         let stopped = Arc::new(AtomicBool::new(false));
         let kv_events = KvEventHub::new(cfg.id.clone(), kv.block_size);
         let sched = Scheduler::new(
@@ -180,7 +173,7 @@ impl DecodeHandle {
             kv,
             cfg.clone(),
             status.clone(),
-            reserved.clone(),
+            leases.clone(),
             kv_events.clone(),
         )?;
         // Started from the worker's runtime, cancellation wakes an idle engine at once;
@@ -209,7 +202,7 @@ impl DecodeHandle {
         Ok(DecodeHandle {
             tx,
             status,
-            reserved,
+            leases,
             layout,
             context_length,
             vocab_size,
@@ -324,12 +317,8 @@ impl DecodeHandle {
         self.stopped.load(Ordering::SeqCst)
     }
 
-    pub(crate) fn import(&self, request_id: u64, layer: usize, regions: Vec<(u32, KvKind, Bytes)>) {
-        let _ = self.send(Cmd::Import {
-            request_id,
-            layer,
-            regions,
-        });
+    pub(crate) fn layer_arrived(&self, request_id: u64) {
+        let _ = self.send(Cmd::LayerArrived { request_id });
     }
 
     pub(crate) fn transfer_done(&self, request_id: u64, token_end: usize) {
@@ -371,10 +360,13 @@ impl DecodeHandle {
     }
 
     pub(crate) fn is_reserved(&self, request_id: u64, block: u32) -> bool {
-        self.reserved
-            .lock()
-            .map(|m| m.get(&block) == Some(&request_id))
-            .unwrap_or(false)
+        crate::leases::is_reserved(&self.leases, request_id, block)
+    }
+
+    /// Takes `request_id`'s lease for a receiver (`None`: no such reservation, or another
+    /// receiver holds it).
+    pub(crate) fn take_lease(&self, request_id: u64) -> Option<crate::leases::Held> {
+        crate::leases::Held::take(&self.leases, request_id)
     }
 }
 

@@ -1,19 +1,23 @@
 //! Receiving KV from prefill workers.
 //!
 //! Each authenticated connection runs [`receive_loop`]: transfer after transfer, a
-//! [`StagingSink`] accepts a header only for blocks the engine reserved for that request,
-//! collects one layer frame's regions, and at the end of each layer hands them to the
-//! engine thread, which copies them into the reserved blocks between two steps (the
-//! engine thread is the only writer of the pool). A layer is therefore copied once from the
-//! connection into the pool; the sequence's KV is never assembled anywhere else.
+//! [`PoolSink`] accepts a header only for blocks the engine reserved for that request,
+//! takes the reservation's lease ([`crate::leases`]) for the span of the transfer and hands
+//! the transport the reserved regions of the engine's own pool to fill: a tcp read lands in
+//! the pool, an shm pull is one memcpy from the sender's arena into it. No staging buffer,
+//! no second copy on the engine thread. The engine reads the blocks only once the whole
+//! transfer arrived and every MAC checked (they belong to no sequence before), so a
+//! corrupted or cut transfer never reaches a token.
 //!
 //! When a transfer completes, the engine learns how many prompt tokens are now present;
 //! when it fails after its header was accepted, the engine marks the reservation failed
-//! (the router retries elsewhere, the blocks are freed).
+//! (the router retries elsewhere, the blocks are freed once the lease is back).
 
-use bytes::Bytes;
+use duet_engine::{LeasedRegion, RegionLease};
 use duet_kv_transfer::backend::shm::ShmPulls;
-use duet_kv_transfer::{AnyReceiver, Inbound, KvKind as WireKind, KvReceiver, KvSink, SinkError};
+use duet_kv_transfer::{
+    AnyReceiver, ErrorClass, Inbound, KvKind as WireKind, KvReceiver, KvSink, SinkError,
+};
 use duet_telemetry::names::{
     KV_TRANSFER_BYTES_TOTAL, KV_TRANSFER_FAILURES_TOTAL, KV_TRANSFER_SHM_PULLS_TOTAL,
     KV_TRANSFER_TRANSFERS_TOTAL, KV_TRANSFER_WIRE_BYTES_TOTAL,
@@ -21,14 +25,15 @@ use duet_telemetry::names::{
 use tokio_util::sync::CancellationToken;
 
 use crate::handle::DecodeHandle;
+use crate::leases::Held;
 
-/// Collects the regions of the layer frame being received.
-pub struct StagingSink {
+/// Writes arriving regions into the reserved blocks of the transfer's request.
+pub struct PoolSink {
     handle: DecodeHandle,
-    layer: Option<u32>,
-    regions: Vec<(u32, duet_engine::KvKind, Vec<u8>)>,
-    adopted: Vec<(u32, duet_engine::KvKind, Bytes)>,
-    region_bytes: usize,
+    /// The lease of the transfer being received.
+    held: Option<Held>,
+    /// Where the regions of blocks a local layer group does not keep are read and dropped.
+    discard: Vec<u8>,
 }
 
 fn kind(k: WireKind) -> duet_engine::KvKind {
@@ -38,79 +43,86 @@ fn kind(k: WireKind) -> duet_engine::KvKind {
     }
 }
 
-impl StagingSink {
+fn no_lease() -> SinkError {
+    SinkError::new(ErrorClass::Internal, "no transfer holds a lease")
+}
+
+impl PoolSink {
     /// A sink writing into `handle`'s reserved blocks.
-    pub fn new(handle: DecodeHandle) -> StagingSink {
-        let region_bytes = handle.layout().region_bytes();
-        StagingSink {
+    pub fn new(handle: DecodeHandle) -> PoolSink {
+        PoolSink {
             handle,
-            layer: None,
-            regions: Vec::new(),
-            adopted: Vec::new(),
-            region_bytes,
+            held: None,
+            discard: Vec::new(),
         }
     }
 
-    fn start_layer(&mut self, layer: u32) {
-        if self.layer != Some(layer) {
-            self.layer = Some(layer);
-            self.regions.clear();
-            self.adopted.clear();
-        }
+    /// Gives the current transfer's lease back (its end, success or not).
+    pub fn release(&mut self) {
+        self.held = None;
+    }
+
+    fn lease(&mut self) -> Result<&mut RegionLease, SinkError> {
+        self.held
+            .as_mut()
+            .and_then(Held::lease)
+            .ok_or_else(no_lease)
     }
 }
 
-impl KvSink for StagingSink {
+impl KvSink for PoolSink {
     fn is_reserved(&self, request_id: u64, block: u32) -> bool {
         self.handle.is_reserved(request_id, block)
     }
 
+    fn begin_transfer(&mut self, request_id: u64) -> Result<(), SinkError> {
+        self.held = None;
+        self.held = Some(self.handle.take_lease(request_id).ok_or_else(|| {
+            SinkError::new(
+                ErrorClass::NotFound,
+                format!("request {request_id}'s reservation is gone or being written by another transfer"),
+            )
+        })?);
+        Ok(())
+    }
+
     fn region_mut(&mut self, layer: u32, k: WireKind, block: u32) -> Result<&mut [u8], SinkError> {
-        self.start_layer(layer);
-        self.regions
-            .push((block, kind(k), vec![0u8; self.region_bytes]));
-        // The receiver fills the whole region it is handed.
-        crate::copies::staged(self.region_bytes);
-        match self.regions.last_mut() {
-            Some(r) => Ok(&mut r.2),
-            None => Err(SinkError::new(
-                duet_kv_transfer::ErrorClass::Internal,
-                "staging region vanished",
+        let n = self.handle.layout().region_bytes();
+        let PoolSink { held, discard, .. } = self;
+        let lease = held.as_mut().and_then(Held::lease).ok_or_else(no_lease)?;
+        match lease.region_mut(layer as usize, kind(k), block) {
+            LeasedRegion::Write(r) => {
+                crate::copies::into_pool(r.len());
+                Ok(r)
+            }
+            LeasedRegion::Dropped => {
+                discard.resize(n, 0);
+                Ok(discard)
+            }
+            LeasedRegion::Outside => Err(SinkError::new(
+                ErrorClass::Internal,
+                format!("block {block}, layer {layer} is not leased to this transfer"),
             )),
         }
     }
 
-    fn adopt_region(
-        &mut self,
+    fn regions_mut<'a>(
+        &'a mut self,
         layer: u32,
         k: WireKind,
-        block: u32,
-        data: Bytes,
-    ) -> Result<(), SinkError> {
-        self.start_layer(layer);
-        if data.len() != self.region_bytes {
-            return Err(SinkError::new(
-                duet_kv_transfer::ErrorClass::Internal,
-                format!(
-                    "region of {} bytes, expected {}",
-                    data.len(),
-                    self.region_bytes
-                ),
-            ));
+        blocks: &[u32],
+        out: &mut Vec<&'a mut [u8]>,
+    ) -> Result<bool, SinkError> {
+        let lease = self.lease()?;
+        let done = lease.regions_mut(layer as usize, kind(k), blocks, out);
+        if done {
+            crate::copies::into_pool(out.iter().map(|r| r.len()).sum());
         }
-        self.adopted.push((block, kind(k), data));
-        Ok(())
+        Ok(done)
     }
 
-    fn layer_done(&mut self, request_id: u64, layer: u32) {
-        let mut regions: Vec<(u32, duet_engine::KvKind, Bytes)> = std::mem::take(&mut self.adopted);
-        regions.extend(
-            self.regions
-                .drain(..)
-                .map(|(b, k, v)| (b, k, Bytes::from(v))),
-        );
-        self.layer = None;
-        self.handle.import(request_id, layer as usize, regions);
+    fn layer_done(&mut self, request_id: u64, _layer: u32) {
+        self.handle.layer_arrived(request_id);
     }
 }
 
@@ -135,7 +147,7 @@ fn record_shm_pulls(before: &ShmPulls, now: &ShmPulls) {
 /// Receives transfers on one connection until the peer closes, stays idle past the
 /// configured timeout, or `cancel` fires.
 pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: CancellationToken) {
-    let mut sink = StagingSink::new(handle.clone());
+    let mut sink = PoolSink::new(handle.clone());
     let transport = rx.kind().as_str();
     let mut pulls = rx.shm_pulls().unwrap_or_default();
     loop {
@@ -143,6 +155,9 @@ pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: Can
             _ = cancel.cancelled() => return,
             r = rx.receive(&mut sink) => r,
         };
+        // The lease goes back before the engine hears the outcome: it commits or frees the
+        // blocks only with the lease in hand.
+        sink.release();
         if let Some(now) = rx.shm_pulls() {
             record_shm_pulls(&pulls, &now);
             pulls = now;

@@ -8,6 +8,9 @@
 //!   forward planning, preemption choice), unit-tested without a model.
 //! - `reservations`: the model-free table of blocks held for KV a prefill worker sends
 //!   (expiry, claims, block accounting), unit-tested over a real KV cache.
+//! - `leases`: the reserved blocks' regions lent to the KV receivers, which write arriving
+//!   KV straight into the pool; a reservation ending mid-write is parked until the lease is
+//!   back.
 //! - `waiting`: the model-free queue of sequences waiting for admission (order, bound,
 //!   preempted sequences back in front), unit-tested.
 //! - [`handle`]: the cloneable async handle (commands over a channel, oneshot replies).
@@ -16,8 +19,8 @@
 //! - [`service`]: the internal `duet.v1.Decode` gRPC service.
 //! - [`via_prefill`]: a `ViaPrefill` request's call to the prefill worker the router picked.
 //!
-//! Invariant: KV blocks are only ever held by a live sequence or by a reservation with a
-//! deadline; every path that ends a request (finish, error, cancel, client gone, expiry)
+//! Invariant: KV blocks are only ever held by a live sequence, by a reservation with a
+//! deadline, or parked behind a receiver's lease (bounded by its link timeout); every path that ends a request (finish, error, cancel, client gone, expiry)
 //! frees them in the engine thread.
 
 #![forbid(unsafe_code)]
@@ -28,6 +31,7 @@ pub mod door;
 pub mod error;
 pub mod handle;
 pub mod kv_inbound;
+mod leases;
 mod metrics;
 pub mod policy;
 mod reservations;

@@ -3,8 +3,9 @@
 //! depends on time takes `now`), driven by the scheduler and unit-tested here.
 //!
 //! Life of a reservation: [`Reservations::reserve`] allocates the fresh blocks after the
-//! cached prefix (the KV receivers may write only those, see [`ReservedBlocks`]); arriving
-//! KV ([`Reservations::import`], [`Reservations::received`]) extends its lifetime; the
+//! cached prefix and leases their regions to the KV receivers, which write arriving KV
+//! straight into them (see [`crate::leases`]); arriving KV ([`Reservations::touch`],
+//! [`Reservations::received`]) extends its lifetime; the
 //! request's `Generate` claims it ([`Reservations::claim`]); once claimed and complete it
 //! leaves the table as a running sequence ([`Reservations::take_ready`]). Otherwise it ends
 //! in [`Reservations::expire`] or [`Reservations::drop`].
@@ -13,20 +14,21 @@
 //! - a reservation owns exactly the blocks of its cache sequence: every path out of the
 //!   table either hands the sequence on (`take_ready`) or frees it, so
 //!   every block is free or held by a live sequence (`free + held == total`) and no block
-//!   outlives its reservation;
+//!   outlives its reservation, except while a receiver still holds the ended reservation's
+//!   lease: then its blocks stay parked until the lease is back ([`Reservations::reclaim`]);
 //! - an unclaimed reservation lives at most `ttl` (capped by the worker's maximum) after
 //!   its last piece of KV; a claimed one at most `kv_wait_timeout` after its claim;
-//! - the shared block map lists exactly the blocks of the reservations in the table.
+//! - the shared lease map lists exactly the reservations in the table;
+//! - a reservation's KV is committed and run only with its lease in hand.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use duet_engine::{
-    reusable_tokens, AttentionPolicy, BlockHash, EngineError, KvCache, KvKind, PrefixHit,
-};
+use duet_engine::{reusable_tokens, AttentionPolicy, BlockHash, EngineError, KvCache, PrefixHit};
 
 use crate::error::DecodeError;
-use crate::handle::{Reserved, ReservedBlocks};
+use crate::handle::Reserved;
+use crate::leases::{LeaseCell, Leases, Parked};
 
 /// The claim of a reservation by its request's `Generate`.
 pub(crate) struct Claim<C> {
@@ -37,8 +39,6 @@ pub(crate) struct Claim<C> {
 }
 
 struct Reservation<C> {
-    /// The fresh blocks the KV arrives in (the cached prefix's blocks are not listed).
-    blocks: Vec<u32>,
     prompt_tokens: usize,
     /// Tokens of KV that arrive: the prompt's, or the slots SnapKV kept of it.
     arriving: usize,
@@ -104,17 +104,29 @@ pub(crate) struct Ready<C> {
 
 pub(crate) struct Reservations<C> {
     table: HashMap<u64, Reservation<C>>,
-    reserved: ReservedBlocks,
+    leases: Leases,
+    parked: Parked,
     max_ttl: Duration,
 }
 
 impl<C> Reservations<C> {
-    pub(crate) fn new(reserved: ReservedBlocks, max_ttl: Duration) -> Self {
+    pub(crate) fn new(leases: Leases, max_ttl: Duration) -> Self {
         Reservations {
             table: HashMap::new(),
-            reserved,
+            leases,
+            parked: Parked::default(),
             max_ttl,
         }
+    }
+
+    /// Ended reservations whose blocks wait for a receiver to let their lease go.
+    pub(crate) fn parked(&self) -> usize {
+        self.parked.len()
+    }
+
+    /// Frees the parked reservations whose lease is back; returns how many still wait.
+    pub(crate) fn reclaim(&mut self, cache: &mut KvCache) -> usize {
+        self.parked.reclaim(cache)
     }
 
     pub(crate) fn contains(&self, id: u64) -> bool {
@@ -181,28 +193,26 @@ impl<C> Reservations<C> {
         let cached = hit.blocks() * bs;
         // A local layer group allocates only the blocks the whole prompt keeps; what
         // arrives for the others is not kept.
-        let blocks = match cache
+        let leased = cache
             .expect_prompt(id, arriving)
             .and_then(|_| cache.prepare_append(id, arriving - cached))
             .and_then(|_| cache.sequence_blocks(id).map(|b| b[cached / bs..].to_vec()))
-        {
+            .and_then(|b| cache.lease_regions(id, cached / bs, &b).map(|l| (b, l)));
+        let (blocks, lease) = match leased {
             Ok(b) => b,
             Err(e) => {
                 cache.free_sequence(id);
                 return Err(e.into());
             }
         };
-        if let Ok(mut m) = self.reserved.lock() {
-            for &b in &blocks {
-                m.insert(b, id);
-            }
+        if let Ok(mut m) = self.leases.lock() {
+            m.insert(id, std::sync::Arc::new(LeaseCell::new(lease)));
         }
         let ttl = ttl.min(self.max_ttl);
         let cached_hashes = hashes.map_or_else(Vec::new, |h| h[..cached / bs].to_vec());
         self.table.insert(
             id,
             Reservation {
-                blocks: blocks.clone(),
                 prompt_tokens: tokens,
                 arriving,
                 cached,
@@ -223,41 +233,11 @@ impl<C> Reservations<C> {
         ))
     }
 
-    /// Copies arriving KV regions into the reservation's own blocks (regions for any other
-    /// block, or of the wrong size, are ignored) and extends its lifetime.
-    pub(crate) fn import<D: AsRef<[u8]>>(
-        &mut self,
-        cache: &mut KvCache,
-        id: u64,
-        layer: usize,
-        regions: &[(u32, KvKind, D)],
-        now: Instant,
-    ) {
-        let Some(r) = self.table.get_mut(&id) else {
-            return;
-        };
-        r.expires = now + r.ttl;
-        let first = r.cached / cache.block_size();
-        let own_group = cache.layout().groups.group_of(layer) == 0;
-        for (block, kind, data) in regions {
-            let Some(at) = r.blocks.iter().position(|b| b == block) else {
-                continue;
-            };
-            let dst = match own_group {
-                true => cache.region_bytes_mut(*block, layer, *kind),
-                // Another layer group (a full-attention prompt, whose listed blocks are its
-                // logical blocks from `first`): the region at the same logical index, if
-                // that group keeps it.
-                false => match cache.sequence_region_mut(id, first + at, layer, *kind) {
-                    Ok(Some(dst)) => dst,
-                    _ => continue,
-                },
-            };
-            let data = data.as_ref();
-            if dst.len() == data.len() {
-                dst.copy_from_slice(data);
-                crate::copies::imported(data.len());
-            }
+    /// A layer of KV arrived for reservation `id` (written into its blocks by a receiver):
+    /// its lifetime is extended.
+    pub(crate) fn touch(&mut self, id: u64, now: Instant) {
+        if let Some(r) = self.table.get_mut(&id) {
+            r.expires = now + r.ttl;
         }
     }
 
@@ -304,10 +284,11 @@ impl<C> Reservations<C> {
     }
 
     /// Ends reservation `id`: its blocks go back to the pool; returns its claimant, if any.
+    /// (If a receiver is still writing into them, they are parked until it stops.)
     pub(crate) fn drop(&mut self, cache: &mut KvCache, id: u64) -> Option<Option<C>> {
         let r = self.table.remove(&id)?;
-        self.unlist(&r.blocks);
-        cache.free_sequence(id);
+        let cell = self.unlist(id);
+        self.parked.end(cache, id, cell);
         Some(r.claim.map(|c| c.seq))
     }
 
@@ -358,10 +339,16 @@ impl<C> Reservations<C> {
             .collect();
         let mut out = Vec::with_capacity(ready.len());
         for id in ready {
+            // Only with the lease in hand: a receiver still holding it (a second transfer for
+            // a complete reservation) may be writing; wait for it to let go.
+            let lease = self.cell(id).map(|c| c.take());
+            if matches!(lease, Some(None)) {
+                continue;
+            }
             let Some(r) = self.table.remove(&id) else {
                 continue;
             };
-            self.unlist(&r.blocks);
+            self.unlist(id);
             let Some(claim) = r.claim else {
                 cache.free_sequence(id);
                 continue;
@@ -393,12 +380,13 @@ impl<C> Reservations<C> {
             .collect()
     }
 
-    fn unlist(&self, blocks: &[u32]) {
-        if let Ok(mut m) = self.reserved.lock() {
-            for b in blocks {
-                m.remove(b);
-            }
-        }
+    fn cell(&self, id: u64) -> Option<std::sync::Arc<LeaseCell>> {
+        self.leases.lock().ok()?.get(&id).cloned()
+    }
+
+    /// Takes `id` out of the shared map; returns its cell.
+    fn unlist(&self, id: u64) -> Option<std::sync::Arc<LeaseCell>> {
+        self.leases.lock().ok()?.remove(&id)
     }
 }
 

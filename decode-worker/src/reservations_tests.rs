@@ -4,10 +4,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use duet_engine::{KvCache, KvDtype, KvKind, KvLayout, PrefixCacheConfig};
+use duet_engine::{KvCache, KvDtype, KvKind, KvLayout, LeasedRegion, PrefixCacheConfig};
 use proptest::prelude::*;
 
 use super::*;
+use crate::leases::{Held, Leases};
 
 const BS: usize = 16;
 const TOTAL: usize = 32;
@@ -34,15 +35,15 @@ fn cache() -> KvCache {
     KvCache::new(layout, TOTAL)
 }
 
-fn table() -> (Reservations<Client>, ReservedBlocks) {
-    let reserved = ReservedBlocks::default();
-    (Reservations::new(Arc::clone(&reserved), TTL * 2), reserved)
+fn table() -> (Reservations<Client>, Leases) {
+    let leases = Leases::default();
+    (Reservations::new(Arc::clone(&leases), TTL * 2), leases)
 }
 
-/// Every block is free or held by a live sequence (a reservation's, or one of `running`):
-/// `free + held == total`, nothing leaked; the allocator is consistent; and the shared map
-/// lists exactly the reserved blocks.
-fn check(cache: &KvCache, t: &Reservations<Client>, reserved: &ReservedBlocks, running: &[u64]) {
+/// Every block is free, held by a live sequence (a reservation's, or one of `running`) or
+/// parked behind a lease: `free + held + parked == total`, nothing leaked; the allocator is
+/// consistent; and the shared map lists exactly the reservations, each with its blocks.
+fn check(cache: &KvCache, t: &Reservations<Client>, leases: &Leases, running: &[u64]) {
     let held: usize = t
         .table
         .keys()
@@ -50,14 +51,35 @@ fn check(cache: &KvCache, t: &Reservations<Client>, reserved: &ReservedBlocks, r
         .map(|&id| cache.sequence_blocks(id).map_or(0, |b| b.len()))
         .sum();
     assert_eq!(
-        cache.free_blocks() + held,
+        cache.free_blocks() + held + t.parked.blocks(cache),
         cache.total_blocks(),
-        "a block is neither free nor held by a live sequence"
+        "a block is neither free nor held by a live or parked sequence"
     );
     assert_eq!(cache.allocator().check(), Ok(()));
-    let listed = reserved.lock().map(|m| m.len()).unwrap_or(usize::MAX);
-    let fresh: usize = t.table.values().map(|r| r.blocks.len()).sum();
-    assert_eq!(listed, fresh);
+    let m = leases.lock().unwrap();
+    assert_eq!(m.len(), t.table.len());
+    for (id, r) in &t.table {
+        let fresh = cache.sequence_blocks(*id).unwrap().len() - r.cached / BS;
+        assert_eq!(m[id].block_count(), fresh);
+    }
+}
+
+/// Writes `byte` into every region of `blocks` in `layer` through reservation `id`'s lease,
+/// as a receiver does; `false` when the lease cannot be taken.
+fn write(leases: &Leases, id: u64, layer: usize, blocks: &[u32], byte: u8) -> bool {
+    let Some(mut held) = Held::take(leases, id) else {
+        return false;
+    };
+    let lease = held.lease().unwrap();
+    for &b in blocks {
+        for kind in [KvKind::K, KvKind::V] {
+            match lease.region_mut(layer, kind, b) {
+                LeasedRegion::Write(r) => r.fill(byte),
+                other => panic!("block {b} layer {layer}: {other:?}"),
+            }
+        }
+    }
+    true
 }
 
 fn claim(seq: Client, at: Instant) -> Claim<Client> {
@@ -82,12 +104,7 @@ fn a_windowed_reservation_holds_only_the_blocks_its_prompt_keeps() {
     assert_eq!((r.cached_tokens, r.blocks.len(), hit.blocks()), (0, 3, 0));
     check(&c, &t, &reserved, &[]);
     for layer in 0..2 {
-        let regions: Vec<(u32, KvKind, Vec<u8>)> = r
-            .blocks
-            .iter()
-            .map(|&b| (b, KvKind::K, vec![1u8; c.layout().region_bytes()]))
-            .collect();
-        t.import(&mut c, 1, layer, &regions, t0);
+        assert!(write(&reserved, 1, layer, &r.blocks, 1));
     }
     t.received(1, 2000, t0);
     assert_eq!(t.check_claim(1, 2000, |h| h.is_empty()), ClaimCheck::Free);
@@ -109,8 +126,9 @@ fn a_reservation_holds_the_blocks_of_its_prompt_and_lists_them_for_the_receivers
     assert_eq!(r.cached_tokens, 0);
     assert_eq!(r.blocks.len(), 3);
     assert_eq!(c.used_blocks(), 3);
-    for b in &r.blocks {
-        assert_eq!(reserved.lock().unwrap().get(b), Some(&1));
+    for &b in &r.blocks {
+        assert!(crate::leases::is_reserved(&reserved, 1, b));
+        assert!(!crate::leases::is_reserved(&reserved, 2, b));
     }
     check(&c, &t, &reserved, &[]);
     assert!(matches!(
@@ -258,28 +276,87 @@ fn claims_are_checked_against_the_prompt() {
 }
 
 #[test]
-fn import_writes_only_the_reservations_own_blocks() {
+fn a_lease_writes_only_the_reservations_own_blocks_and_one_receiver_at_a_time() {
     let (mut c, t0) = (cache(), Instant::now());
-    let (mut t, _) = table();
+    let (mut t, leases) = table();
     let (r, _) = t.reserve(&mut c, 1, 20, TTL, None, FULL, t0).unwrap();
     let mine = r.blocks[0];
     let other = (0..TOTAL as u32).find(|b| !r.blocks.contains(b)).unwrap();
-    let n = c.layout().region_bytes();
-    let data = vec![0xabu8; n];
-    t.import(
-        &mut c,
-        1,
-        1,
-        &[
-            (mine, KvKind::V, data.clone()),
-            (other, KvKind::V, data.clone()),
-            (mine, KvKind::K, vec![1u8; n - 1]),
-        ],
-        t0,
-    );
-    assert_eq!(c.region_bytes(mine, 1, KvKind::V), &data[..]);
+    let mut held = Held::take(&leases, 1).unwrap();
+    assert!(Held::take(&leases, 1).is_none(), "a second receiver");
+    assert!(Held::take(&leases, 2).is_none(), "no such reservation");
+    let lease = held.lease().unwrap();
+    match lease.region_mut(1, KvKind::V, mine) {
+        LeasedRegion::Write(dst) => dst.fill(0xab),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        lease.region_mut(1, KvKind::V, other),
+        LeasedRegion::Outside
+    ));
+    assert!(matches!(
+        lease.region_mut(2, KvKind::V, mine),
+        LeasedRegion::Outside
+    ));
+    {
+        let mut out = Vec::new();
+        let twice = lease.regions_mut(1, KvKind::K, &[mine, mine], &mut out);
+        assert!(!twice && out.is_empty(), "a block twice");
+    }
+    let mut out = Vec::new();
+    assert!(lease.regions_mut(1, KvKind::K, &r.blocks, &mut out));
+    assert_eq!(out.len(), r.blocks.len());
+    drop(out);
+    drop(held);
+    assert!(Held::take(&leases, 1).is_some(), "given back when dropped");
+    assert!(c
+        .region_bytes(mine, 1, KvKind::V)
+        .iter()
+        .all(|&b| b == 0xab));
     assert!(c.region_bytes(other, 1, KvKind::V).iter().all(|&b| b == 0));
     assert!(c.region_bytes(mine, 1, KvKind::K).iter().all(|&b| b == 0));
+}
+
+#[test]
+fn a_reservation_ending_while_a_receiver_writes_keeps_its_blocks_until_the_lease_is_back() {
+    let (mut c, t0) = (cache(), Instant::now());
+    let (mut t, leases) = table();
+    let (r, _) = t.reserve(&mut c, 1, 40, TTL, None, FULL, t0).unwrap();
+    let held = Held::take(&leases, 1).unwrap();
+    t.drop(&mut c, 1);
+    assert_eq!(t.parked(), 1);
+    assert_eq!(
+        c.free_blocks(),
+        TOTAL - r.blocks.len(),
+        "not free while leased"
+    );
+    check(&c, &t, &leases, &[]);
+    // The request id is free again for a retry while the old blocks stay parked.
+    let (again, _) = t.reserve(&mut c, 1, 40, TTL, None, FULL, t0).unwrap();
+    assert!(again.blocks.iter().all(|b| !r.blocks.contains(b)));
+    assert_eq!(t.reclaim(&mut c), 1);
+    drop(held);
+    assert_eq!(t.reclaim(&mut c), 0);
+    check(&c, &t, &leases, &[]);
+    t.drop(&mut c, 1);
+    assert_eq!(c.free_blocks(), TOTAL);
+}
+
+#[test]
+fn complete_kv_runs_only_once_the_receiver_let_the_lease_go() {
+    let (mut c, t0) = (cache(), Instant::now());
+    let (mut t, leases) = table();
+    t.reserve(&mut c, 1, 20, TTL, None, FULL, t0).unwrap();
+    t.received(1, 20, t0);
+    assert!(t.claim(1, claim(Client { gone: false }, t0)).is_ok());
+    let held = Held::take(&leases, 1).unwrap();
+    assert!(
+        t.take_ready(&mut c).is_empty(),
+        "a receiver may still be writing"
+    );
+    drop(held);
+    assert_eq!(t.take_ready(&mut c).len(), 1);
+    check(&c, &t, &leases, &[1]);
 }
 
 #[test]
@@ -300,7 +377,7 @@ fn a_cached_prefix_is_not_reserved_again_and_stays_cached_after_the_reservation_
         .reserve(&mut c, 1, 40, TTL, Some(&hashes), FULL, t0)
         .unwrap();
     assert_eq!((r.cached_tokens, r.blocks.len(), hit.blocks()), (32, 1, 2));
-    assert_eq!(reserved.lock().unwrap().len(), 1);
+    assert_eq!(reserved.lock().unwrap()[&1].block_count(), 1);
     t.drop(&mut c, 1);
     check(&c, &t, &reserved, &[]);
     assert_eq!(c.allocator().cached_blocks(), 2);
@@ -310,6 +387,9 @@ fn a_cached_prefix_is_not_reserved_again_and_stays_cached_after_the_reservation_
 #[derive(Debug, Clone)]
 enum Op {
     Reserve(u64, usize),
+    /// A receiver takes the reservation's lease (and holds it until `LetGo`).
+    Hold(u64),
+    LetGo,
     Receive(u64, usize),
     Claim(u64, bool),
     Fail(u64),
@@ -322,6 +402,8 @@ fn op() -> impl Strategy<Value = Op> {
     let id = 0u64..6;
     prop_oneof![
         (id.clone(), 1usize..200).prop_map(|(i, n)| Op::Reserve(i, n)),
+        id.clone().prop_map(Op::Hold),
+        Just(Op::LetGo),
         (id.clone(), 0usize..200).prop_map(|(i, n)| Op::Receive(i, n)),
         (id.clone(), any::<bool>()).prop_map(|(i, g)| Op::Claim(i, g)),
         id.clone().prop_map(Op::Fail),
@@ -332,8 +414,8 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 proptest! {
-    /// Whatever happens to reservations, `free + held == total`, the receivers' map lists
-    /// exactly the reserved blocks, and once every reservation and sequence has ended the
+    /// Whatever happens to reservations and their leases, `free + held + parked == total`,
+    /// the receivers' map lists exactly the reservations, and once every reservation and sequence has ended the
     /// whole pool is free.
     #[test]
     fn block_accounting_holds_under_any_sequence_of_events(ops in prop::collection::vec(op(), 1..60)) {
@@ -341,8 +423,14 @@ proptest! {
         let (mut t, reserved) = table();
         let mut now = t0;
         let mut running = Vec::new();
+        let mut held = Vec::new();
         for o in ops {
             match o {
+                Op::Hold(id) => held.extend(Held::take(&reserved, id)),
+                Op::LetGo => {
+                    held.clear();
+                    t.reclaim(&mut c);
+                }
                 Op::Reserve(id, n) => {
                     if !running.contains(&id) {
                         let _ = t.reserve(&mut c, id, n, TTL, None, FULL, now);
@@ -370,6 +458,8 @@ proptest! {
         }
         t.drain(&mut c);
         prop_assert!(t.is_empty());
+        drop(held);
+        t.reclaim(&mut c);
         for id in running {
             c.free_sequence(id);
         }

@@ -15,7 +15,7 @@ use crate::forward::{Row, SeqChunk};
 use crate::kernels;
 use crate::kernels::ggml::DotOrder;
 use crate::kv::cache::Storage;
-use crate::kv::{BlockId, KvCache, KvKind};
+use crate::kv::{BlockId, KvCache, KvKind, KvView};
 use crate::model::Model;
 
 /// A KV storage element, and how llama.cpp's attention treats that storage.
@@ -53,7 +53,7 @@ impl KvElem for f16 {
 pub(crate) fn accumulate<T: KvElem>(
     row: &mut [f32],
     terms: impl Iterator<Item = (usize, f32)>,
-    data: &[T],
+    data: KvView<'_, T>,
     buf: &mut [f32],
 ) {
     let hd = row.len();
@@ -77,9 +77,9 @@ impl Model {
     ) -> Result<Vec<f32>> {
         let data = match cache.storage() {
             Storage::F16(data) => {
-                return Ok(self.attention_t(cache, data, layer, q, rows, tables, &[]))
+                return Ok(self.attention_t(cache, data.view(), layer, q, rows, tables, &[]))
             }
-            Storage::F32(data) => data,
+            Storage::F32(data) => data.view(),
         };
         // Prompt rows that see many keys go through matrix products; the rest per row. Rows
         // a window masks go per row whatever their chunk.
@@ -130,7 +130,7 @@ impl Model {
     fn attention_t<T: KvElem>(
         &self,
         cache: &KvCache,
-        data: &[T],
+        data: KvView<'_, T>,
         layer: usize,
         queries: &Queries<'_>,
         rows: &[Row],

@@ -15,7 +15,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::Result;
-use crate::kv::{BlockId, KvCache, KvKind};
+use crate::kv::{BlockId, KvCache, KvKind, KvView};
 
 /// Rows at positions `MIN_ROWS - 1` and later (those that see at least `MIN_ROWS` keys)
 /// take the GEMM path.
@@ -48,7 +48,7 @@ pub struct Dims {
 /// Gather one KV head's keys or values for positions `0..n`, row-major.
 fn gather(
     cache: &KvCache,
-    data: &[f32],
+    data: KvView<'_, f32>,
     layer: usize,
     kind: KvKind,
     g: usize,
@@ -68,7 +68,7 @@ fn gather(
 #[allow(clippy::too_many_arguments)]
 pub fn chunk_attention(
     cache: &KvCache,
-    data: &[f32],
+    data: KvView<'_, f32>,
     layer: usize,
     qkv: &[f32],
     stride: usize,

@@ -8,7 +8,7 @@ use half::f16;
 use crate::attention::{accumulate, KvElem};
 use crate::kernels;
 use crate::kernels::ggml::DotOrder;
-use crate::kv::{KvKind, Window};
+use crate::kv::{KvKind, KvView, Window};
 
 /// A layer's queries: `qkv` rows of `stride` (queries, then keys and values, rotated at the
 /// rows' positions), and for rows a window masks their queries rotated at the cache
@@ -26,7 +26,7 @@ pub(crate) struct Queries<'a> {
 /// through the same vector kernel as full attention's.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn windowed_row<T: KvElem>(
-    data: &[T],
+    data: KvView<'_, T>,
     q: &[f32],
     q_sink: &[f32],
     w: Window,
@@ -45,7 +45,8 @@ pub(crate) fn windowed_row<T: KvElem>(
         while t < to {
             // The run of positions from `t` to the end of its block (or of the range).
             let end = to.min((t / block_size + 1) * block_size);
-            let k = &data[at(t, KvKind::K)..][..(end - t) * hd];
+            let k0 = at(t, KvKind::K);
+            let k = &data[k0..k0 + (end - t) * hd];
             if !kernels::attention_scores(DotOrder::Lanes64, q, k, scale, &mut scores) {
                 for k in k.chunks_exact(hd) {
                     scores.push(DotOrder::Lanes64.dot(q, T::as_f32(k, &mut buf)) * scale);
@@ -92,7 +93,17 @@ mod tests {
         let scale = 0.5;
         let mut out = vec![f32::NAN; hd];
         // Blocks of 8 positions: the runs split at 8, 16, ... as in the pool.
-        windowed_row::<f32>(&data, &q, &q_sink, w, pos, scale, 8, &at, &mut out);
+        windowed_row::<f32>(
+            KvView::of(&data),
+            &q,
+            &q_sink,
+            w,
+            pos,
+            scale,
+            8,
+            &at,
+            &mut out,
+        );
 
         let visible: Vec<usize> = (0..=pos).filter(|&t| w.sees(pos, t)).collect();
         assert_eq!(visible, vec![0, 1, 35, 36, 37, 38, 39]);

@@ -68,9 +68,9 @@ pub use generate::{
 };
 pub use kv::{
     group_key, reusable_tokens, servable_prefix, AttentionPolicy, BlockHash, KvCache,
-    KvCacheConfig, KvDtype, KvEvent, KvExport, KvGroups, KvKind, KvLayout, KvTier,
-    PrefixCacheConfig, PrefixHasher, PrefixHit, SeqId, SnapKv, TierCounts, Window,
-    WINDOWED_MAX_TOKENS,
+    KvCacheConfig, KvDtype, KvEvent, KvExport, KvGroups, KvKind, KvLayout, KvTier, KvView,
+    LeasedRegion, PrefixCacheConfig, PrefixHasher, PrefixHit, RegionLease, SeqId, SnapKv,
+    TierCounts, Window, WINDOWED_MAX_TOKENS,
 };
 pub use linear::WeightMode;
 pub use model::{LoadOptions, Model, TextFrontend};

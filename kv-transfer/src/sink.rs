@@ -20,6 +20,15 @@ pub trait KvSink {
     /// True when `block` is reserved at this receiver for `request_id`.
     fn is_reserved(&self, request_id: u64, block: u32) -> bool;
 
+    /// A transfer for `request_id` was accepted (its header checked against
+    /// [`KvSink::is_reserved`]); regions of it are asked for next. A sink that lends its
+    /// blocks to one transfer at a time takes them here, and refuses (failing the transfer)
+    /// when it cannot. The default accepts.
+    fn begin_transfer(&mut self, request_id: u64) -> Result<(), SinkError> {
+        let _ = request_id;
+        Ok(())
+    }
+
     /// The `(layer, kind, block)` region to fill; must be exactly `region_bytes()` long.
     fn region_mut(&mut self, layer: u32, kind: KvKind, block: u32) -> Result<&mut [u8], SinkError>;
 
@@ -73,6 +82,9 @@ pub trait KvSink {
 impl<S: KvSink + ?Sized> KvSink for &mut S {
     fn is_reserved(&self, request_id: u64, block: u32) -> bool {
         (**self).is_reserved(request_id, block)
+    }
+    fn begin_transfer(&mut self, request_id: u64) -> Result<(), SinkError> {
+        (**self).begin_transfer(request_id)
     }
     fn region_mut(&mut self, layer: u32, kind: KvKind, block: u32) -> Result<&mut [u8], SinkError> {
         (**self).region_mut(layer, kind, block)

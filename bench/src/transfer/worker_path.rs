@@ -7,13 +7,13 @@
 //! `duet prefill` does with its default 256 MiB arena) and sends them with `send_layer_bytes`;
 //! the receiving side is a real decode worker engine (`DecodeHandle` over the model) behind
 //! `kv_inbound::serve`, the function `duet decode` runs: the header is checked against the
-//! engine's reservations, regions are staged, MACs verified, and the engine thread imports
-//! them into its pool. Only the prefill's forward pass is left out (its cost is the engine
+//! engine's reservations, the regions are written straight into the reserved blocks of the
+//! engine's pool under the reservation's lease, MACs verified. Only the prefill's forward pass is left out (its cost is the engine
 //! benchmark's).
 //!
 //! Invariant: a point's time runs from the first `begin` to the moment a `release` of the
-//! last request, queued behind every import on the engine thread's channel, is answered: by
-//! then every byte is in the decode worker's pool. Reservations are made before the clock
+//! last request is answered; the sender's `finish` returns only on the receiver's verdict,
+//! sent once the last byte is in the decode worker's pool and checked. Reservations are made before the clock
 //! starts, as the decode worker makes them before it asks for the prefill.
 
 use std::path::PathBuf;
@@ -68,8 +68,8 @@ pub struct WorkerPathPoint {
     pub memcpy_gbps: f64,
     pub ratio_to_memcpy: f64,
     /// Copies of each payload byte, counted by the workers' code over the measured runs:
-    /// the prefill worker's into its send buffer, the decode worker's into staging and from
-    /// staging into its pool (`duet_decode_worker::copies`).
+    /// the prefill worker's into its send buffer and the decode worker's into its pool
+    /// (`duet_decode_worker::copies`).
     pub copies_per_byte: f64,
 }
 
@@ -262,13 +262,13 @@ pub async fn worker_path(opts: WorkerPathOptions) -> Result<WorkerPathReport> {
 
 /// Payload bytes the workers' code copied so far in this process, every stage together.
 fn copied_so_far() -> u64 {
-    let r = duet_decode_worker::copies::snapshot();
-    duet_prefill_worker::layer_buffer::copied_bytes() + r.staged + r.imported
+    duet_prefill_worker::layer_buffer::copied_bytes()
+        + duet_decode_worker::copies::into_pool_bytes()
 }
 
 /// Reserves `requests` prompts of `per` tokens at the decode worker, then sends each from
-/// the prefill pool as the prefill worker does and waits until the decode engine imported
-/// the last byte. Returns the time from the first `begin`.
+/// the prefill pool as the prefill worker does and waits until the last byte is in the
+/// decode worker's pool. Returns the time from the first `begin`.
 async fn one_round(
     decode: &DecodeHandle,
     prefill: &KvCache,
@@ -320,7 +320,7 @@ async fn one_round(
         }
         tx.finish().await?;
     }
-    // Queued behind every import of the engine thread: answered once they are all done.
+    // Every transfer's verdict came after its bytes were placed; the releases end the round.
     for (id, _) in &reserved {
         if !decode.release(*id).await {
             return Err(Error::Internal(format!("request {id} was not held")));

@@ -52,9 +52,8 @@ use tokio::sync::mpsc;
 
 use crate::config::DecodeConfig;
 use crate::error::DecodeError;
-use crate::handle::{
-    secs, Cmd, DecodeStatus, Done, Event, GenerateJob, PrefillSource, Reserved, ReservedBlocks,
-};
+use crate::handle::{secs, Cmd, DecodeStatus, Done, Event, GenerateJob, PrefillSource, Reserved};
+use crate::leases::Leases;
 use crate::metrics::DecodeMetrics;
 use crate::reservations::{Claim, ClaimCheck, Ending, Reservations};
 use crate::waiting::WaitingQueue;
@@ -75,7 +74,10 @@ impl EngineLoop for Scheduler {
     fn idle_wait(&self) -> Wait {
         if !self.active.is_empty() || self.can_admit() {
             Wait::Busy
-        } else if self.waiting.is_empty() && self.reservations.is_empty() {
+        } else if self.waiting.is_empty()
+            && self.reservations.is_empty()
+            && self.reservations.parked() == 0
+        {
             Wait::Forever
         } else {
             Wait::At(IDLE_POLL)
@@ -123,7 +125,7 @@ impl Scheduler {
         kv: KvCacheConfig,
         cfg: DecodeConfig,
         status: Arc<Mutex<DecodeStatus>>,
-        reserved: ReservedBlocks,
+        leases: Leases,
         hub: KvEventHub,
     ) -> Result<Scheduler, DecodeError> {
         let layout = model.kv_layout(kv.block_size, kv.dtype)?;
@@ -144,7 +146,7 @@ impl Scheduler {
             cache,
             cfg,
             status,
-            reservations: Reservations::new(reserved, max_ttl),
+            reservations: Reservations::new(leases, max_ttl),
             active: Vec::new(),
             waiting: WaitingQueue::new(max_waiting),
             tokens_per_second: 0.0,
@@ -231,19 +233,7 @@ impl Scheduler {
                     let _ = r.send(found);
                 }
             }
-            Cmd::Import {
-                request_id,
-                layer,
-                regions,
-            } => {
-                self.reservations.import(
-                    &mut self.cache,
-                    request_id,
-                    layer,
-                    &regions,
-                    Instant::now(),
-                );
-            }
+            Cmd::LayerArrived { request_id } => self.reservations.touch(request_id, Instant::now()),
             Cmd::TransferDone {
                 request_id,
                 token_end,
@@ -421,6 +411,7 @@ impl Scheduler {
     /// Ends the reservations that expired, failed or waited too long for their KV; their
     /// claimants hear why.
     fn expire(&mut self, now: Instant) {
+        self.reservations.reclaim(&mut self.cache);
         let ended =
             self.reservations
                 .expire(&mut self.cache, now, self.cfg.kv_wait_timeout, |s: &Seq| {

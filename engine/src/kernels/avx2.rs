@@ -492,7 +492,7 @@ unsafe fn scores_n<T: KvLoad, const N: usize>(
 pub fn pv<T: KvLoad>(
     lanes: usize,
     p: &[f32],
-    v: &[T],
+    v: crate::kv::KvView<'_, T>,
     bases: &[usize],
     bs: usize,
     acc: &mut [f32],

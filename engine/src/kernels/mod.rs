@@ -56,7 +56,7 @@ pub fn attention_scores<T: KvLanes>(
 pub fn attention_pv<T: KvLanes>(
     lanes: usize,
     p: &[f32],
-    v: &[T],
+    v: crate::kv::KvView<'_, T>,
     bases: &[usize],
     bs: usize,
     acc: &mut [f32],
@@ -492,7 +492,14 @@ mod tests {
                 let lanes = order_.lanes();
                 let p: Vec<f32> = (0..n).map(|t| 1.0 / (t as f32 + 3.0)).collect();
                 let mut acc = vec![0f32; lanes * hd];
-                assert!(attention_pv(lanes, &p, &pool, &bases, bs, &mut acc));
+                assert!(attention_pv(
+                    lanes,
+                    &p,
+                    crate::kv::KvView::of(&pool),
+                    &bases,
+                    bs,
+                    &mut acc
+                ));
                 let mut want = vec![0f32; lanes * hd];
                 for t in 0..n {
                     let v = row(t);

@@ -25,6 +25,7 @@ use super::allocator::{BlockAllocator, BlockId};
 use super::device_sync::DeviceSync;
 use super::group_tables::GroupTable;
 use super::groups::KvGroups;
+use super::pool_memory::PoolVec;
 use super::prefix::BlockHash;
 use super::prefix_cache::PrefixState;
 use super::window::Window;
@@ -179,8 +180,8 @@ impl KvCacheConfig {
 }
 
 pub(crate) enum Storage {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
+    F32(PoolVec<f32>),
+    F16(PoolVec<f16>),
 }
 
 #[derive(Debug, Clone, Default)]
@@ -237,8 +238,8 @@ impl KvCache {
         let n = (num_blocks + null) * layout.block_elems();
         // Zeroed allocations are lazy: pages become resident when written.
         let storage = match layout.dtype {
-            KvDtype::F32 => Storage::F32(vec![0f32; n]),
-            KvDtype::F16 => Storage::F16(vec![f16::ZERO; n]),
+            KvDtype::F32 => Storage::F32(PoolVec::zeroed(n)),
+            KvDtype::F16 => Storage::F16(PoolVec::zeroed(n)),
         };
         Self {
             layout,
@@ -252,10 +253,29 @@ impl KvCache {
 
     /// Touch every page of the pool so that it is resident (for memory
     /// measurements; a new pool is allocated lazily by the OS).
+    /// Blocks are touched one at a time, and not at all while a lease is out (a receiver may
+    /// be writing some of them).
     pub fn prefault(&mut self) {
-        match &mut self.storage {
-            Storage::F32(v) => v.iter_mut().step_by(1024).for_each(|x| *x = 0.0),
-            Storage::F16(v) => v.iter_mut().step_by(2048).for_each(|x| *x = f16::ZERO),
+        let n = self.layout.block_elems();
+        let blocks = self.storage_len() / n.max(1);
+        for b in 0..blocks {
+            let r = b * n..(b + 1) * n;
+            match &mut self.storage {
+                Storage::F32(v) if !v.is_shared() => {
+                    v[r].iter_mut().step_by(1024).for_each(|x| *x = 0.0)
+                }
+                Storage::F16(v) if !v.is_shared() => {
+                    v[r].iter_mut().step_by(2048).for_each(|x| *x = f16::ZERO)
+                }
+                _ => return,
+            }
+        }
+    }
+
+    fn storage_len(&self) -> usize {
+        match &self.storage {
+            Storage::F32(v) => v.len(),
+            Storage::F16(v) => v.len(),
         }
     }
 
@@ -485,9 +505,11 @@ impl KvCache {
                     d[vo + at..vo + at + hd].copy_from_slice(vs);
                 }
                 Storage::F16(d) => {
-                    for i in 0..hd {
-                        d[ko + at + i] = f16::from_f32(ks[i]);
-                        d[vo + at + i] = f16::from_f32(vs[i]);
+                    for (dst, src) in d[ko + at..ko + at + hd].iter_mut().zip(ks) {
+                        *dst = f16::from_f32(*src);
+                    }
+                    for (dst, src) in d[vo + at..vo + at + hd].iter_mut().zip(vs) {
+                        *dst = f16::from_f32(*src);
                     }
                 }
             }

@@ -161,7 +161,12 @@ impl KvCache {
     }
 
     /// The block of logical index `index` of `id` in `layer`'s group (`None`: dropped).
-    fn block_at(&self, id: SeqId, index: usize, layer: usize) -> Result<Option<BlockId>> {
+    pub(super) fn block_at(
+        &self,
+        id: SeqId,
+        index: usize,
+        layer: usize,
+    ) -> Result<Option<BlockId>> {
         let s = self.seq(id)?;
         if layer >= self.layout.n_layers {
             return Err(EngineError::invalid(

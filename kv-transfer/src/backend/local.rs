@@ -319,7 +319,7 @@ impl LocalReceiver {
             Msg::Begin(d) => d,
             _ => return Err(Error::malformed("local", "transfer must start with BEGIN")),
         };
-        let mut tracker = Tracker::accept(&self.layout, desc, &*sink)?;
+        let mut tracker = Tracker::accept(&self.layout, desc, &mut *sink)?;
         match self.layers(sink, &mut tracker).await {
             Ok(()) => Ok(TransferReceipt {
                 payload_bytes: tracker.desc.payload_bytes(&self.layout),

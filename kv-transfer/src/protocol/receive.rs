@@ -124,7 +124,7 @@ pub(crate) async fn receive_transfer<T: FrameTransport, S: KvSink + Send>(
         );
         return Err(aborted(desc.request_id, Vec::new(), e));
     }
-    let mut tracker = Tracker::accept(layout, desc, &*sink)?;
+    let mut tracker = Tracker::accept(layout, desc, &mut *sink)?;
     let frames = Frames { mac_on, auth };
     match receive_layers(io, layout, sink, &mut tracker, frames, f.compression, stage).await {
         Ok(()) => Ok(TransferReceipt {

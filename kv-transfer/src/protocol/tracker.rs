@@ -29,14 +29,15 @@ pub(crate) fn aborted(request_id: u64, blocks: Vec<u32>, e: Error) -> Error {
 }
 
 impl Tracker {
-    /// Validates `desc` and the reservations. Failures after the request id is known are
-    /// wrapped in [`Error::Aborted`] listing the named blocks that *are* reserved for it.
+    /// Validates `desc` and the reservations, then opens the transfer at the sink
+    /// ([`KvSink::begin_transfer`]). Failures after the request id is known are wrapped in
+    /// [`Error::Aborted`] listing the named blocks that *are* reserved for it.
     pub(crate) fn accept<S: KvSink + ?Sized>(
         layout: &KvLayout,
         desc: TransferDesc,
-        sink: &S,
+        sink: &mut S,
     ) -> Result<Tracker> {
-        let reserved_subset = |d: &TransferDesc| -> Vec<u32> {
+        fn reserved_subset<S: KvSink + ?Sized>(sink: &S, d: &TransferDesc) -> Vec<u32> {
             let mut v: Vec<u32> = d
                 .dst_blocks
                 .iter()
@@ -46,9 +47,9 @@ impl Tracker {
             v.sort_unstable();
             v.dedup();
             v
-        };
+        }
         if let Err(e) = desc.validate(layout) {
-            return Err(aborted(desc.request_id, reserved_subset(&desc), e));
+            return Err(aborted(desc.request_id, reserved_subset(&*sink, &desc), e));
         }
         if let Some(&block) = desc
             .dst_blocks
@@ -59,7 +60,14 @@ impl Tracker {
                 request_id: desc.request_id,
                 block,
             };
-            return Err(aborted(desc.request_id, reserved_subset(&desc), e));
+            return Err(aborted(desc.request_id, reserved_subset(&*sink, &desc), e));
+        }
+        if let Err(e) = sink.begin_transfer(desc.request_id) {
+            return Err(aborted(
+                desc.request_id,
+                reserved_subset(&*sink, &desc),
+                Error::Sink(e),
+            ));
         }
         Ok(Tracker {
             seen: vec![false; layout.layers() as usize],

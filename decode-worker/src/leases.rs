@@ -1,0 +1,170 @@
+//! The leases of reserved blocks that KV receivers write into: shared between the engine
+//! thread (which makes and ends them with the reservations) and the receivers (which take a
+//! reservation's lease for the span of a transfer and write arriving regions straight into
+//! the pool with it).
+//!
+//! Invariants:
+//! - the shared map lists exactly the reservations in the table, each with its blocks;
+//! - a lease is held by at most one receiver (taken out of its cell, put back when the
+//!   transfer ends or the receiver is dropped), so no two connections write one block;
+//! - the engine frees or runs a reservation's blocks only with the lease in hand: a
+//!   reservation that ends while a receiver writes is parked under a fresh sequence id
+//!   ([`Parked`]) and freed once the receiver has let the lease go, which it does within its
+//!   link's timeout. A block is therefore never written by a receiver while it is free or
+//!   part of a running sequence.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use duet_engine::{KvCache, RegionLease, SeqId};
+
+/// One reservation's lease and the blocks it covers.
+#[derive(Debug)]
+pub(crate) struct LeaseCell {
+    blocks: HashSet<u32>,
+    lease: Mutex<Option<RegionLease>>,
+}
+
+impl LeaseCell {
+    pub(crate) fn new(lease: RegionLease) -> LeaseCell {
+        LeaseCell {
+            blocks: lease.blocks().iter().copied().collect(),
+            lease: Mutex::new(Some(lease)),
+        }
+    }
+
+    /// How many blocks the lease covers.
+    #[cfg(test)]
+    pub(crate) fn block_count(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn slot(&self) -> MutexGuard<'_, Option<RegionLease>> {
+        // A poisoned slot still holds a lease or not; its state is all that matters.
+        self.lease.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the lease (`None`: a receiver holds it).
+    pub(crate) fn take(&self) -> Option<RegionLease> {
+        self.slot().take()
+    }
+
+    fn put_back(&self, lease: RegionLease) {
+        *self.slot() = Some(lease);
+    }
+
+    /// Whether no receiver holds the lease (it is in the cell, or its holder is gone).
+    fn is_free(self: &Arc<Self>) -> bool {
+        self.slot().is_some() || Arc::strong_count(self) == 1
+    }
+}
+
+/// Leases by request id (see the module docs).
+pub(crate) type Leases = Arc<Mutex<HashMap<u64, Arc<LeaseCell>>>>;
+
+/// Whether `block` is reserved for `request_id`.
+pub(crate) fn is_reserved(leases: &Leases, request_id: u64, block: u32) -> bool {
+    leases
+        .lock()
+        .map(|m| {
+            m.get(&request_id)
+                .is_some_and(|c| c.blocks.contains(&block))
+        })
+        .unwrap_or(false)
+}
+
+/// A receiver's hold on a reservation's lease; puts it back when dropped.
+#[derive(Debug)]
+pub(crate) struct Held {
+    cell: Arc<LeaseCell>,
+    lease: Option<RegionLease>,
+}
+
+impl Held {
+    /// Takes `request_id`'s lease; `None` when there is no such reservation or another
+    /// receiver holds it.
+    pub(crate) fn take(leases: &Leases, request_id: u64) -> Option<Held> {
+        let cell = leases.lock().ok()?.get(&request_id)?.clone();
+        let lease = cell.take()?;
+        Some(Held {
+            cell,
+            lease: Some(lease),
+        })
+    }
+
+    pub(crate) fn lease(&mut self) -> Option<&mut RegionLease> {
+        self.lease.as_mut()
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(l) = self.lease.take() {
+            self.cell.put_back(l);
+        }
+    }
+}
+
+/// Reservations that ended while a receiver held their lease: their sequences, renamed,
+/// keep the blocks until the lease is let go.
+#[derive(Debug, Default)]
+pub(crate) struct Parked {
+    cells: Vec<(SeqId, Arc<LeaseCell>)>,
+    next_id: u64,
+}
+
+impl Parked {
+    /// Ends reservation `id` whose cell (already out of the shared map) is `cell`: frees its
+    /// sequence now if no receiver holds the lease, otherwise parks it.
+    pub(crate) fn end(&mut self, cache: &mut KvCache, id: SeqId, cell: Option<Arc<LeaseCell>>) {
+        match cell {
+            Some(c) if !c.is_free() => {
+                let parked = self.fresh_id(cache);
+                match cache.rename_sequence(id, parked) {
+                    Ok(()) => self.cells.push((parked, c)),
+                    // Unreachable (the id is fresh); freeing would let the receiver write
+                    // free blocks, so the blocks stay with the sequence instead.
+                    Err(e) => {
+                        tracing::error!(request_id = id, error = %e, "cannot park a leased reservation")
+                    }
+                }
+            }
+            _ => cache.free_sequence(id),
+        }
+    }
+
+    /// Frees the parked sequences whose lease is back; returns how many remain.
+    pub(crate) fn reclaim(&mut self, cache: &mut KvCache) -> usize {
+        self.cells.retain(|(id, c)| {
+            let free = c.is_free();
+            if free {
+                cache.free_sequence(*id);
+            }
+            !free
+        });
+        self.cells.len()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.cells.len()
+    }
+
+    /// Blocks the parked sequences hold.
+    #[cfg(test)]
+    pub(crate) fn blocks(&self, cache: &KvCache) -> usize {
+        self.cells
+            .iter()
+            .map(|(id, _)| cache.sequence_blocks(*id).map_or(0, |b| b.len()))
+            .sum()
+    }
+
+    fn fresh_id(&mut self, cache: &KvCache) -> SeqId {
+        loop {
+            self.next_id = self.next_id.wrapping_add(1);
+            let id = u64::MAX - self.next_id;
+            if !cache.contains(id) && !self.cells.iter().any(|(p, _)| *p == id) {
+                return id;
+            }
+        }
+    }
+}
