@@ -69,8 +69,8 @@ pub use generate::{
 pub use kv::{
     group_key, reusable_tokens, servable_prefix, AttentionPolicy, BlockHash, KvCache,
     KvCacheConfig, KvDtype, KvEvent, KvExport, KvGroups, KvKind, KvLayout, KvTier, KvView,
-    LeasedRegion, PrefixCacheConfig, PrefixHasher, PrefixHit, RegionLease, SeqId, SnapKv,
-    TierCounts, Window, WINDOWED_MAX_TOKENS,
+    LeasedRegion, PoolBacking, PrefixCacheConfig, PrefixHasher, PrefixHit, RegionLease, SeqId,
+    SnapKv, TierCounts, Window, WINDOWED_MAX_TOKENS,
 };
 pub use linear::WeightMode;
 pub use model::{LoadOptions, Model, TextFrontend};

@@ -223,6 +223,12 @@ impl Connector {
             .filter(|_| endpoint.kind == BackendKind::Shm)
     }
 
+    /// The send arena shm connections share with their receivers, if any (a prefill
+    /// worker's KV pool lives in it).
+    pub fn send_arena(&self) -> Option<&Arc<SendArena>> {
+        self.send_arena.as_ref()
+    }
+
     /// Allows `rdma` (UCX with `opts`) towards decode workers that offer it; preferred over
     /// tcp, not over a same-host shm or same-process endpoint.
     #[cfg(feature = "rdma")]

@@ -4,10 +4,11 @@
 //! requests already started first (oldest first), then new requests from the queue while
 //! the budget and the scratch KV pool allow. A chunk that is not a request's last is a
 //! multiple of the block size, so every chunk is a transfer of whole destination blocks
-//! (`token_start` block aligned). After layer `l` of the forward, the hook copies each
-//! chunk's layer-`l` regions out of the scratch cache into one buffer (in the connector's
-//! send arena when the transfer goes over shm, see `layer_buffer`) and hands them to the
-//! request's transfer task.
+//! (`token_start` block aligned). After layer `l` of the forward, the hook hands each
+//! chunk's layer-`l` regions, read in place from the scratch cache and pinned there
+//! (`send_pool`), to the request's transfer task; a block whose sequence ends while a
+//! sender still reads it is given back once the sender lets go (`reclaim_unpinned`, every
+//! tick).
 //!
 //! Prefix cache: a request starts after the longest prefix its prompt finds in the cache
 //! (only the rest is computed); KV the decode worker already holds (`dst_start`) is not
@@ -29,7 +30,6 @@ use std::time::Instant;
 use duet_engine::{
     AttentionPolicy, EngineModel, KvCache, KvCacheConfig, Observation, PrefixHasher,
 };
-use duet_kv_transfer::backend::shm::SendArena;
 use duet_kv_transfer::Connector;
 use duet_worker_common::engine_thread::{EngineLoop, Wait};
 use duet_worker_common::kv_events::KvEventHub;
@@ -46,6 +46,9 @@ use crate::transfer::{self, Msg, Reply};
 
 mod forward;
 mod send;
+
+/// How often an idle engine looks for blocks its senders have let go of.
+const UNPIN_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// What the engine thread shares with its handle.
 pub(crate) struct Shared {
@@ -77,7 +80,7 @@ pub(crate) fn spawn(
         kv_events,
     } = shared;
     let layout = model.kv_layout(kv.block_size, kv.dtype)?;
-    let mut cache = KvCache::new(layout, kv.num_blocks);
+    let mut cache = crate::send_pool::scratch_pool(connector.send_arena(), layout, kv.num_blocks)?;
     let book = match &cfg.prefix_cache {
         Some(pc) => {
             cache.enable_prefix_cache(pc)?;
@@ -129,8 +132,6 @@ struct Running {
     tx: mpsc::UnboundedSender<Msg>,
     /// Closed when the caller went away.
     watch: oneshot::Sender<()>,
-    /// Where this request's layer buffers go first: the send arena for an shm transfer.
-    arena: Option<Arc<SendArena>>,
 }
 
 /// What a queued prompt keeps until it starts.
@@ -159,13 +160,15 @@ struct Engine {
 impl EngineLoop for Engine {
     type Cmd = Cmd;
 
-    /// Busy while anything is queued or running; otherwise asleep until a command (nothing
-    /// here expires on its own).
+    /// Busy while anything is queued or running; otherwise asleep until a command, or a
+    /// little while when blocks wait for their senders to let go of them (`kv::pins`).
     fn idle_wait(&self) -> Wait {
-        if self.queue.is_empty() && self.running.is_empty() {
-            Wait::Forever
-        } else {
+        if !(self.queue.is_empty() && self.running.is_empty()) {
             Wait::Busy
+        } else if self.cache.pinned_blocks() > 0 {
+            Wait::At(UNPIN_POLL)
+        } else {
+            Wait::Forever
         }
     }
 
@@ -174,6 +177,7 @@ impl EngineLoop for Engine {
     }
 
     fn tick(&mut self) {
+        self.cache.reclaim_unpinned();
         self.drop_abandoned();
         self.step();
         self.publish();
@@ -461,7 +465,6 @@ impl Engine {
                 reply,
                 span,
             );
-            let arena = self.connector.send_arena_for(&job.route.endpoint).cloned();
             let observation = job.attention.snapkv().map(|p| {
                 Observation::new(
                     id,
@@ -479,7 +482,6 @@ impl Engine {
                 started: Instant::now(),
                 tx,
                 watch,
-                arena,
             };
             // Cached blocks the decode worker does not hold travel before any compute.
             if cached > r.job.dst_start {

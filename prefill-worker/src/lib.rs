@@ -2,8 +2,10 @@
 //!
 //! - [`engine_loop`]: one engine thread batches queued prompts up to a token budget per
 //!   forward (long prompts are cut into block-aligned chunks, one KV transfer each); after
-//!   each layer of the forward it copies that layer's new KV out and hands it to the
+//!   each layer of the forward it hands that layer's new KV, read in place, to the
 //!   request's transfer task, so layer `l` is on the wire while layer `l + 1` computes.
+//! - [`send_pool`]: the KV pool as the transfers' source: in the send arena same-host
+//!   decode workers map, its regions lent as pinned `Bytes` (no copy on this side).
 //! - [`handle`]: the settings, job and result types, and the cloneable handle that talks
 //!   to the engine thread.
 //! - [`policy`]: the queue's order and the forward's chunks as pure functions,
@@ -15,17 +17,18 @@
 //! - [`service`]: the internal `duet.v1.Prefill` gRPC service.
 //!
 //! Invariant: a request's scratch KV lives in this worker only while its prefill runs; it is
-//! freed after the forward of its last chunk, whatever happens to the transfer.
+//! freed after the forward of its last chunk, whatever happens to the transfer (a block a
+//! sender still reads goes back to the pool when the sender lets go of it).
 
 #![forbid(unsafe_code)]
 
 pub mod engine_loop;
 pub mod error;
 pub mod handle;
-pub mod layer_buffer;
 mod metrics;
 pub mod policy;
 mod queue;
+pub mod send_pool;
 pub mod server;
 pub mod service;
 pub mod transfer;

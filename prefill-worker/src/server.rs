@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use duet_discovery::{Capacity, KvEndpoint, Role};
-use duet_engine::{EngineModel, KvCacheConfig};
+use duet_engine::{EngineModel, KvCache, KvCacheConfig};
 use duet_kv_transfer::backend::shm::SendArena;
 use duet_kv_transfer::{Connector, LocalHub, TransferConfig};
 use duet_worker_common::kv_events::KvCacheService;
@@ -27,7 +27,7 @@ use crate::{PrefillConfig, PrefillHandle};
 /// worker offers them.
 #[derive(Default)]
 pub struct KvSenders {
-    /// Same-host shared memory (and the send arena it lays layers out in).
+    /// Same-host shared memory (and whether the KV pool lives in its send arena).
     pub shm: Option<ShmSetting>,
     /// The in-process hub and this process's tag (all-in-one mode).
     pub local: Option<(LocalHub, String)>,
@@ -67,7 +67,7 @@ impl PrefillWorker {
         let _stop_engine = engine_stop.clone().drop_guard();
         let connector = Connector::new(transfer, kv.local.as_ref().map(|(h, _)| h.clone()))
             .with_shm(kv.shm.is_some())
-            .with_send_arena(send_arena(kv.shm.as_ref()));
+            .with_send_arena(send_arena(kv.shm.as_ref(), &model, &cache));
         #[cfg(feature = "rdma")]
         let connector = {
             if let Some(o) = &kv.rdma {
@@ -126,16 +126,22 @@ impl PrefillWorker {
     }
 }
 
-/// The send arena of the shm transfers, when asked for. One the kernel refuses (no memfd
-/// here) is a warning: shm then reads ordinary memory.
-fn send_arena(shm: Option<&ShmSetting>) -> Option<Arc<SendArena>> {
-    let bytes = shm?.send_arena_bytes;
-    if bytes == 0 {
+/// The send arena the KV pool lives in, when asked for: as large as the pool. One the
+/// kernel refuses (no memfd here) is a warning: the pool is then ordinary memory, which
+/// same-host decode workers read with process_vm_readv.
+fn send_arena(
+    shm: Option<&ShmSetting>,
+    model: &EngineModel,
+    kv: &KvCacheConfig,
+) -> Option<Arc<SendArena>> {
+    if !shm?.pool_in_arena {
         return None;
     }
-    SendArena::new(bytes)
+    let layout = model.kv_layout(kv.block_size, kv.dtype).ok()?;
+    let bytes = KvCache::memory_bytes(&layout, kv.num_blocks);
+    SendArena::new(bytes.next_multiple_of(duet_kv_transfer::backend::shm::ARENA_ALIGN))
         .inspect_err(
-            |e| tracing::warn!(error = %e, "no KV send arena: shm transfers read ordinary memory"),
+            |e| tracing::warn!(error = %e, "no KV send arena: the KV pool is ordinary memory"),
         )
         .ok()
 }

@@ -67,9 +67,10 @@ pub struct ShmSetting {
     /// When shm cannot be set up, the worker stops (asked for explicitly); otherwise it says
     /// so and uses tcp alone.
     pub required: bool,
-    /// Prefill workers: bytes of the send arena their shm transfers are laid out in (0:
-    /// none; decode workers send nothing).
-    pub send_arena_bytes: usize,
+    /// Prefill workers: their KV pool lives in a send arena, a sealed memfd the decode
+    /// workers of the host map and copy layers from (false: ordinary memory; decode workers
+    /// send nothing).
+    pub pool_in_arena: bool,
 }
 
 /// A worker's gRPC side and its membership in a cluster.

@@ -1,20 +1,22 @@
 //! `duet bench transfer --end-to-end`: the KV path the workers run, from a prefill worker's
 //! KV pool to a decode worker's, beside memcpy in the same run.
 //!
-//! What runs is the workers' own code, not the benchmark's stand-ins: the sending side copies
-//! each layer's regions out of a real paged KV cache of the model (f16, the default layout)
-//! with the prefill worker's `layer_bytes` (into the connector's send arena over shm, as
-//! `duet prefill` does with its default 256 MiB arena) and sends them with `send_layer_bytes`;
-//! the receiving side is a real decode worker engine (`DecodeHandle` over the model) behind
-//! `kv_inbound::serve`, the function `duet decode` runs: the header is checked against the
-//! engine's reservations, the regions are written straight into the reserved blocks of the
-//! engine's pool under the reservation's lease, MACs verified. Only the prefill's forward pass is left out (its cost is the engine
+//! What runs is the workers' own code, not the benchmark's stand-ins: the sending side takes
+//! each layer's regions in place from a real paged KV cache of the model (f16, the default
+//! layout, placed by the prefill worker's `scratch_pool`) with its `layer_regions` (pinned
+//! `Bytes` over its pool) and sends
+//! them with `send_layer_bytes` over a connection made as `duet prefill` makes it (over shm
+//! the pool lives in the send arena the receiver maps); the receiving side is a real decode worker engine
+//! (`DecodeHandle` over the model) behind `kv_inbound::serve`, the function `duet decode`
+//! runs: the header is checked against the engine's reservations, the regions are written
+//! straight into the reserved blocks of the engine's pool under the reservation's lease,
+//! MACs verified. Only the prefill's forward pass is left out (its cost is the engine
 //! benchmark's).
 //!
 //! Invariant: a point's time runs from the first `begin` to the moment a `release` of the
 //! last request is answered; the sender's `finish` returns only on the receiver's verdict,
-//! sent once the last byte is in the decode worker's pool and checked. Reservations are made before the clock
-//! starts, as the decode worker makes them before it asks for the prefill.
+//! sent once the last byte is in the decode worker's pool and checked. Reservations are made
+//! before the clock starts, as the decode worker makes them before it asks for the prefill.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -28,7 +30,7 @@ use super::{bench_config, reference};
 use duet_decode_worker::{DecodeConfig, DecodeHandle};
 use duet_engine::{EngineModel, KvCache, KvCacheConfig, KvDtype, KvKind, LoadOptions, Model};
 use duet_kv_transfer::api::KvSender;
-use duet_kv_transfer::backend::shm::{SendArena, ShmOptions, ShmReceiver, ShmSender};
+use duet_kv_transfer::backend::shm::{SendArena, ShmOptions, ShmReceiver, ShmSender, ARENA_ALIGN};
 use duet_kv_transfer::backend::tcp::{TcpReceiver, TcpSender};
 use duet_kv_transfer::backend::{AnySender, BackendKind};
 use duet_kv_transfer::config::TransferConfig;
@@ -36,8 +38,6 @@ use duet_kv_transfer::error::{Error, Result};
 use duet_kv_transfer::layout::TransferDesc;
 use duet_kv_transfer::Inbound;
 
-/// The send arena of `duet prefill` by default (`--kv-send-arena-mib`).
-const SEND_ARENA_BYTES: usize = 256 << 20;
 /// Longest prompt one request carries here (the model's context is 8192).
 const MAX_REQUEST_TOKENS: usize = 4096;
 
@@ -67,9 +67,9 @@ pub struct WorkerPathPoint {
     /// memcpy of the same bytes in the same run, median.
     pub memcpy_gbps: f64,
     pub ratio_to_memcpy: f64,
-    /// Copies of each payload byte, counted by the workers' code over the measured runs:
-    /// the prefill worker's into its send buffer and the decode worker's into its pool
-    /// (`duet_decode_worker::copies`).
+    /// Copies of each payload byte made by the workers' code, counted over the measured
+    /// runs: the decode worker's into its pool (`duet_decode_worker::copies`); the prefill
+    /// worker sends in place. (A kernel's copies over tcp are not counted.)
     pub copies_per_byte: f64,
 }
 
@@ -173,8 +173,17 @@ pub async fn worker_path(opts: WorkerPathOptions) -> Result<WorkerPathReport> {
         opts.integrity,
     )?;
     let decode = start_decode(&opts, tcfg.clone(), model, blocks).await?;
-    // The prefill worker's pool, with the largest payload's prompt in it.
-    let mut prefill = KvCache::new(layout.clone(), blocks);
+    // The prefill worker's pool, in its send arena over shm as `duet prefill` places it,
+    // with the largest payload's prompt in it.
+    let arena = match opts.backend {
+        BackendKind::Shm => Some(SendArena::new(
+            KvCache::memory_bytes(&layout, blocks).next_multiple_of(ARENA_ALIGN),
+        )?),
+        _ => None,
+    };
+    let mut prefill =
+        duet_prefill_worker::send_pool::scratch_pool(arena.as_ref(), layout.clone(), blocks)
+            .map_err(|e| Error::Internal(e.to_string()))?;
     let mut rng = rand::rng();
     let src_blocks = prefill
         .reserve_sequence(1, blocks * 16)
@@ -193,10 +202,6 @@ pub async fn worker_path(opts: WorkerPathOptions) -> Result<WorkerPathReport> {
             }
         }
     }
-    let arena = match opts.backend {
-        BackendKind::Shm => Some(SendArena::new(SEND_ARENA_BYTES)?),
-        _ => None,
-    };
     let mut tx: AnySender = match (&decode.tcp, &decode.shm) {
         (Some(addr), _) => TcpSender::connect(addr, &tcfg).await?.into(),
         (_, Some((path, dir))) => ShmSender::connect_with_arena(path, &tcfg, dir, arena.as_ref())
@@ -224,7 +229,6 @@ pub async fn worker_path(opts: WorkerPathOptions) -> Result<WorkerPathReport> {
                 &prefill,
                 &src_blocks,
                 &mut tx,
-                arena.as_ref(),
                 (per, requests),
                 &mut next_id,
             )
@@ -260,10 +264,10 @@ pub async fn worker_path(opts: WorkerPathOptions) -> Result<WorkerPathReport> {
     })
 }
 
-/// Payload bytes the workers' code copied so far in this process, every stage together.
+/// Payload bytes the workers' code copied so far in this process: the prefill worker sends
+/// its regions in place, so these are the decode worker's, into its pool.
 fn copied_so_far() -> u64 {
-    duet_prefill_worker::layer_buffer::copied_bytes()
-        + duet_decode_worker::copies::into_pool_bytes()
+    duet_decode_worker::copies::into_pool_bytes()
 }
 
 /// Reserves `requests` prompts of `per` tokens at the decode worker, then sends each from
@@ -274,7 +278,6 @@ async fn one_round(
     prefill: &KvCache,
     src_blocks: &[u32],
     tx: &mut AnySender,
-    arena: Option<&Arc<SendArena>>,
     (per, requests): (usize, usize),
     next_id: &mut u64,
 ) -> Result<Duration> {
@@ -306,16 +309,7 @@ async fn one_round(
         })
         .await?;
         for layer in 0..layers {
-            let regions = |kind| -> Vec<&[u8]> {
-                src.iter()
-                    .map(|&b| prefill.region_bytes(b, layer, kind))
-                    .collect()
-            };
-            let (k, v) = duet_prefill_worker::layer_buffer::layer_bytes(
-                arena,
-                &regions(KvKind::K),
-                &regions(KvKind::V),
-            );
+            let (k, v) = duet_prefill_worker::send_pool::layer_regions(prefill, layer, src);
             tx.send_layer_bytes(layer as u32, k, v).await?;
         }
         tx.finish().await?;

@@ -60,7 +60,7 @@ impl KvCache {
                 if let Some(copy) = fresh.next() {
                     let old = self.table_mut(id, g).map_or(copy, |t| t[idx]);
                     self.copy_block(old, copy);
-                    self.alloc.release(old);
+                    self.release_block(old);
                     if let Some(t) = self.table_mut(id, g) {
                         t[idx] = copy;
                     }
@@ -138,7 +138,7 @@ impl KvCache {
             dropped.extend(t.blocks.drain(keep.min(t.blocks.len())..));
         }
         for b in dropped {
-            self.alloc.release(b);
+            self.release_block(b);
         }
         Ok(())
     }

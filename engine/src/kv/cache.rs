@@ -17,6 +17,7 @@
 //! (copy-on-write), so a block's content never changes while its hash names it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use half::f16;
 use serde::{Deserialize, Serialize};
@@ -25,7 +26,8 @@ use super::allocator::{BlockAllocator, BlockId};
 use super::device_sync::DeviceSync;
 use super::group_tables::GroupTable;
 use super::groups::KvGroups;
-use super::pool_memory::PoolVec;
+use super::pins::PinCounts;
+use super::pool_memory::{PoolBacking, PoolVec};
 use super::prefix::BlockHash;
 use super::prefix_cache::PrefixState;
 use super::window::Window;
@@ -228,19 +230,58 @@ pub struct KvCache {
     /// The candle engine's copy of the pool on its device, and which blocks' host bytes
     /// changed since it last copied them (`super::device_sync`).
     pub(super) device: DeviceSync,
+    /// Senders' pins on blocks (`kv::pins`), and the blocks whose last reference waits for
+    /// their pins to go.
+    pub(super) pins: Arc<PinCounts>,
+    pub(super) unpinning: Vec<BlockId>,
 }
 
 impl KvCache {
     /// A pool of `num_blocks` blocks (plus, for a grouped layout, the null block that
     /// stands for a local group's dropped blocks: zeroed, never written).
     pub fn new(layout: KvLayout, num_blocks: usize) -> Self {
-        let null = usize::from(layout.groups.is_grouped());
-        let n = (num_blocks + null) * layout.block_elems();
+        let n = Self::pool_elems(&layout, num_blocks);
         // Zeroed allocations are lazy: pages become resident when written.
         let storage = match layout.dtype {
             KvDtype::F32 => Storage::F32(PoolVec::zeroed(n)),
             KvDtype::F16 => Storage::F16(PoolVec::zeroed(n)),
         };
+        Self::with_storage(layout, num_blocks, storage)
+    }
+
+    /// [`KvCache::new`] in memory `backing` lends (zeroed, at least
+    /// [`KvCache::memory_bytes`] long): a prefill worker's pool in its shared-memory send
+    /// arena, which same-host decode workers read from.
+    pub fn new_in(layout: KvLayout, num_blocks: usize, backing: PoolBacking) -> Result<Self> {
+        let n = Self::pool_elems(&layout, num_blocks);
+        let storage = match layout.dtype {
+            KvDtype::F32 => PoolVec::lent(n, backing).map(Storage::F32),
+            KvDtype::F16 => PoolVec::lent(n, backing).map(Storage::F16),
+        };
+        let Some(storage) = storage else {
+            return Err(EngineError::invalid(
+                "kv_pool",
+                format!(
+                    "the memory lent to a pool of {num_blocks} blocks is shorter than {} bytes or misaligned",
+                    Self::memory_bytes(&layout, num_blocks)
+                ),
+            ));
+        };
+        Ok(Self::with_storage(layout, num_blocks, storage))
+    }
+
+    /// Bytes of memory a pool of `num_blocks` blocks of `layout` takes.
+    pub fn memory_bytes(layout: &KvLayout, num_blocks: usize) -> usize {
+        Self::pool_elems(layout, num_blocks) * layout.dtype.size()
+    }
+
+    fn pool_elems(layout: &KvLayout, num_blocks: usize) -> usize {
+        let null = usize::from(layout.groups.is_grouped());
+        (num_blocks + null) * layout.block_elems()
+    }
+
+    fn with_storage(layout: KvLayout, num_blocks: usize, storage: Storage) -> Self {
+        let null = usize::from(layout.groups.is_grouped());
         Self {
             layout,
             storage,
@@ -248,11 +289,11 @@ impl KvCache {
             seqs: HashMap::new(),
             prefix: None,
             device: DeviceSync::default(),
+            pins: PinCounts::new(num_blocks + null),
+            unpinning: Vec::new(),
         }
     }
 
-    /// Touch every page of the pool so that it is resident (for memory
-    /// measurements; a new pool is allocated lazily by the OS).
     /// Blocks are touched one at a time, and not at all while a lease is out (a receiver may
     /// be writing some of them).
     pub fn prefault(&mut self) {
@@ -384,10 +425,10 @@ impl KvCache {
                 .rev()
                 .flat_map(|g| g.blocks.into_iter().rev())
             {
-                self.alloc.release(b);
+                self.release_block(b);
             }
             for b in s.blocks.into_iter().rev() {
-                self.alloc.release(b);
+                self.release_block(b);
             }
         }
     }

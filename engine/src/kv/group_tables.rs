@@ -156,7 +156,7 @@ impl KvCache {
             t.dropped = target;
         }
         for b in gone {
-            self.alloc.release(b);
+            self.release_block(b);
         }
     }
 
@@ -185,8 +185,21 @@ impl KvCache {
         }
     }
 
-    /// The bytes of one region of sequence `id`'s logical block `index` in `layer`: a
-    /// sender's source. A block a local group dropped reads as zeros (the null block).
+    /// The block holding sequence `id`'s logical block `index` in `layer`: a sender's
+    /// source. A block a local group dropped is the null block (zeros).
+    pub fn sequence_block(&self, id: SeqId, index: usize, layer: usize) -> Result<BlockId> {
+        match self.block_at(id, index, layer)? {
+            Some(b) => Ok(b),
+            None if self.layout.groups.group_of(layer) > 0 => Ok(self.null_block()),
+            None => Err(EngineError::invalid(
+                "block",
+                format!("logical block {index} of sequence {id} was dropped"),
+            )),
+        }
+    }
+
+    /// The bytes of one region of sequence `id`'s logical block `index` in `layer` (see
+    /// [`KvCache::sequence_block`]).
     pub fn sequence_region(
         &self,
         id: SeqId,
@@ -194,16 +207,7 @@ impl KvCache {
         layer: usize,
         kind: KvKind,
     ) -> Result<&[u8]> {
-        let b = match self.block_at(id, index, layer)? {
-            Some(b) => b,
-            None if self.layout.groups.group_of(layer) > 0 => self.null_block(),
-            None => {
-                return Err(EngineError::invalid(
-                    "block",
-                    format!("logical block {index} of sequence {id} was dropped"),
-                ))
-            }
-        };
+        let b = self.sequence_block(id, index, layer)?;
         Ok(self.region_bytes(b, layer, kind))
     }
 

@@ -29,14 +29,26 @@ use bytemuck::Pod;
 /// Pages: the kernel maps zeroed pages lazily, and page-aligned blocks copy fastest.
 const ALIGN: usize = 4096;
 
-/// A zeroed allocation of `bytes` bytes.
+/// Memory a caller lends the pool (a prefill worker's shared-memory send arena, which the
+/// decode workers of its host map): zeroed, and kept where it is while the value lives (the
+/// pool takes the slice once and never asks again).
+pub type PoolBacking = Box<dyn AsMut<[u8]> + Send + Sync>;
+
+/// The pool's bytes: a zeroed allocation of its own, or lent ([`PoolBacking`]).
 pub(crate) struct PoolMemory {
     ptr: NonNull<u8>,
-    layout: Layout,
+    owner: Owner,
 }
 
-// SAFETY: `PoolMemory` owns its allocation like a `Box<[u8]>`; it hands out only a raw
-// pointer, and who may write where through it is governed by the leases (module docs).
+enum Owner {
+    /// Allocated here with this layout.
+    Heap(Layout),
+    /// Lent; dropped (never touched otherwise) when the memory goes.
+    Lent(#[allow(dead_code)] PoolBacking),
+}
+
+// SAFETY: `PoolMemory` owns its allocation like a `Box<[u8]>` (or holds the `Send + Sync`
+// value that lends it); it hands out only a raw pointer, and who may write where through it is governed by the leases (module docs).
 unsafe impl Send for PoolMemory {}
 // SAFETY: as above; shared access only yields the base pointer.
 unsafe impl Sync for PoolMemory {}
@@ -51,25 +63,47 @@ impl PoolMemory {
         // SAFETY: the layout's size is non-zero.
         let raw = unsafe { alloc_zeroed(layout) };
         match NonNull::new(raw) {
-            Some(ptr) => PoolMemory { ptr, layout },
+            Some(ptr) => PoolMemory {
+                ptr,
+                owner: Owner::Heap(layout),
+            },
             None => handle_alloc_error(layout),
         }
+    }
+
+    /// The memory `backing` lends, when it has `bytes` bytes aligned for `align`.
+    fn lent(mut backing: PoolBacking, bytes: usize, align: usize) -> Option<PoolMemory> {
+        let s: &mut [u8] = AsMut::<[u8]>::as_mut(&mut *backing);
+        if s.len() < bytes || s.as_ptr() as usize % align != 0 {
+            return None;
+        }
+        let ptr = NonNull::new(s.as_mut_ptr())?;
+        Some(PoolMemory {
+            ptr,
+            owner: Owner::Lent(backing),
+        })
     }
 
     pub(crate) fn base(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 
+    /// Bytes allocated here (0 when lent).
     #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
-        self.layout.size()
+        match &self.owner {
+            Owner::Heap(l) => l.size(),
+            Owner::Lent(_) => 0,
+        }
     }
 }
 
 impl Drop for PoolMemory {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with this layout, freed once.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        if let Owner::Heap(layout) = self.owner {
+            // SAFETY: allocated in `zeroed` with this layout, freed once.
+            unsafe { dealloc(self.ptr.as_ptr(), layout) }
+        }
     }
 }
 
@@ -97,6 +131,16 @@ impl<T: Pod> PoolVec<T> {
             len,
             _t: PhantomData,
         }
+    }
+
+    /// `len` elements in the memory `backing` lends (`None`: too short, or misaligned).
+    pub(crate) fn lent(len: usize, backing: PoolBacking) -> Option<PoolVec<T>> {
+        let bytes = len.saturating_mul(std::mem::size_of::<T>());
+        Some(PoolVec {
+            mem: Arc::new(PoolMemory::lent(backing, bytes, std::mem::align_of::<T>())?),
+            len,
+            _t: PhantomData,
+        })
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -222,6 +266,26 @@ mod tests {
         assert!(p.is_shared());
         drop(p);
         assert!(held.bytes() >= 40_000, "a holder keeps the memory alive");
+    }
+
+    #[test]
+    fn a_pool_lives_in_memory_lent_to_it_when_that_is_long_and_aligned_enough() {
+        let lent = PoolVec::<f32>::lent(1000, Box::new(vec![0u8; 4000]));
+        let mut p = lent.unwrap();
+        p[998..1000].copy_from_slice(&[5.0, 6.0]);
+        assert_eq!(&p.view()[998..1000], &[5.0, 6.0]);
+        assert!(PoolVec::<f32>::lent(1001, Box::new(vec![0u8; 4000])).is_none());
+        let misaligned = Box::new(Shifted(vec![0u8; 4004]));
+        assert!(PoolVec::<f32>::lent(10, misaligned).is_none());
+    }
+
+    /// Lends its bytes from offset 1 (never aligned for f32).
+    struct Shifted(Vec<u8>);
+    impl AsMut<[u8]> for Shifted {
+        fn as_mut(&mut self) -> &mut [u8] {
+            let at = 4 - self.0.as_ptr() as usize % 4 + 1;
+            &mut self.0[at..]
+        }
     }
 
     #[test]

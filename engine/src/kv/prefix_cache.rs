@@ -378,7 +378,7 @@ impl KvCache {
             }
         }
         for b in held {
-            self.alloc.release(b);
+            self.release_block(b);
         }
         moved
     }

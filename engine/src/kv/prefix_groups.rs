@@ -119,7 +119,7 @@ impl KvCache {
         }
         if !complete {
             for b in tables.into_iter().flat_map(|(_, b)| b) {
-                self.alloc.release(b);
+                self.release_block(b);
             }
             return PrefixHit::default();
         }

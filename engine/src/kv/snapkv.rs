@@ -222,7 +222,7 @@ impl KvCache {
             self.device.host_wrote(b);
         }
         for b in old {
-            self.alloc.release(b);
+            self.release_block(b);
         }
         if let Some(s) = self.seqs.get_mut(&id) {
             s.blocks = fresh;

@@ -326,7 +326,7 @@ impl KvCache {
         let gone: Vec<BlockId> = s.blocks.drain(sinks..sinks + n).collect();
         s.dropped += n;
         for b in gone {
-            self.alloc.release(b);
+            self.release_block(b);
         }
     }
 }

@@ -3,19 +3,17 @@
 //! a finished prompt becomes (its first token, its blocks freed and cached).
 
 use std::ops::ControlFlow;
-use std::sync::Arc;
 use std::time::Instant;
 
-use duet_engine::{AttentionPolicy, KvCache, KvKind, Observation, Sampler, SeqChunk};
-use duet_kv_transfer::backend::shm::SendArena;
+use duet_engine::{AttentionPolicy, KvCache, Observation, Sampler, SeqChunk};
 use duet_kv_transfer::TransferDesc;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Engine, Running};
 use crate::error::PrefillError;
 use crate::handle::PrefillResult;
-use crate::layer_buffer::layer_bytes;
 use crate::policy;
+use crate::send_pool::layer_regions;
 use crate::transfer::Msg;
 
 impl Engine {
@@ -124,15 +122,8 @@ impl Engine {
                 )
             })
             .collect();
-        // What the per-layer hook needs: for each chunk, its sender, block index range and
-        // send arena.
-        type Out = (
-            mpsc::UnboundedSender<Msg>,
-            u64,
-            usize,
-            usize,
-            Option<Arc<SendArena>>,
-        );
+        // What the per-layer hook needs: for each chunk, its sender and block index range.
+        type Out = (mpsc::UnboundedSender<Msg>, u64, usize, usize);
         let outs: Vec<Out> = sends
             .iter()
             .map(|&(k, from)| {
@@ -143,7 +134,6 @@ impl Engine {
                     r.job.request_id,
                     from / bs,
                     (start + n).div_ceil(bs),
-                    r.arena.clone(),
                 )
             })
             .collect();
@@ -156,18 +146,16 @@ impl Engine {
             .collect();
         let t0 = Instant::now();
         let mut hook = |layer: usize, cache: &KvCache| {
-            for (tx, seq, first, last, arena) in &outs {
+            for (tx, seq, first, last) in &outs {
                 // The chunk's logical blocks in this layer's group (all held during the
-                // forward: a local group drops only after it).
-                let regions = |kind| -> Option<Vec<&[u8]>> {
-                    (*first..*last)
-                        .map(|i| cache.sequence_region(*seq, i, layer, kind).ok())
-                        .collect()
-                };
-                let (Some(k), Some(v)) = (regions(KvKind::K), regions(KvKind::V)) else {
+                // forward: a local group drops only after it), read in place.
+                let blocks: Option<Vec<u32>> = (*first..*last)
+                    .map(|i| cache.sequence_block(*seq, i, layer).ok())
+                    .collect();
+                let Some(blocks) = blocks else {
                     continue;
                 };
-                let (k, v) = layer_bytes(arena.as_ref(), &k, &v);
+                let (k, v) = layer_regions(cache, layer, &blocks);
                 let _ = tx.send(Msg::Layer {
                     layer: layer as u32,
                     k,

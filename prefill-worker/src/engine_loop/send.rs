@@ -2,12 +2,12 @@
 //! blocks, and a windowed or compressed prompt's kept blocks once it is computed, each as
 //! one transfer of every layer.
 
-use duet_engine::{AttentionPolicy, KvKind};
+use duet_engine::AttentionPolicy;
 use duet_kv_transfer::TransferDesc;
 
 use super::{Engine, Running};
 use crate::error::PrefillError;
-use crate::layer_buffer::layer_bytes;
+use crate::send_pool::layer_regions;
 use crate::transfer::Msg;
 
 /// Which blocks a transfer sends.
@@ -84,29 +84,20 @@ impl Engine {
         };
         let _ = r.tx.send(Msg::Begin(desc));
         for layer in 0..self.cache.layout().n_layers {
-            let regions = |kind| -> Option<Vec<&[u8]>> {
-                match &blocks {
-                    Source::Held(b) => Some(
-                        b.iter()
-                            .map(|&b| self.cache.region_bytes(b, layer, kind))
-                            .collect(),
-                    ),
-                    Source::Logical(range) => range
-                        .clone()
-                        .map(|i| {
-                            let id = r.job.request_id;
-                            self.cache.sequence_region(id, i, layer, kind).ok()
-                        })
-                        .collect(),
-                }
+            let held: Option<Vec<u32>> = match &blocks {
+                Source::Held(b) => Some(b.to_vec()),
+                Source::Logical(range) => range
+                    .clone()
+                    .map(|i| self.cache.sequence_block(r.job.request_id, i, layer).ok())
+                    .collect(),
             };
-            let (Some(k), Some(v)) = (regions(KvKind::K), regions(KvKind::V)) else {
+            let Some(held) = held else {
                 let _ = r.tx.send(Msg::Fail(PrefillError::StepFailed(
                     "the cached prefix to send is not in the cache".into(),
                 )));
                 return;
             };
-            let (k, v) = layer_bytes(r.arena.as_ref(), &k, &v);
+            let (k, v) = layer_regions(&self.cache, layer, &held);
             let _ = r.tx.send(Msg::Layer {
                 layer: layer as u32,
                 k,

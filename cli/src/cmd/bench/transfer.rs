@@ -43,10 +43,9 @@ pub struct TransferBenchArgs {
     /// memcpy), to compare the two.
     #[arg(long)]
     pub shm_no_arena: bool,
-    /// Print JSON (and write it here when a path is given).
-    /// Measure the workers' path instead (prefill worker's pool -> send arena or socket ->
-    /// decode worker's staging -> its pool, the model's f16 layout, tcp or shm) at 16, 64
-    /// and 256 MiB (or up to --bytes), beside memcpy in the same run.
+    /// Measure the workers' path instead (the prefill worker's pool, read in place, over
+    /// shm or a socket straight into the decode worker's pool; the model's f16 layout) at
+    /// 16, 64 and 256 MiB (or up to --bytes), beside memcpy in the same run.
     #[arg(long)]
     pub end_to_end: bool,
     /// The model whose layout and decode engine `--end-to-end` uses.
@@ -55,8 +54,10 @@ pub struct TransferBenchArgs {
     /// Measured runs per size of `--end-to-end` (median reported).
     #[arg(long, default_value_t = 5)]
     pub runs: u32,
+    /// Print JSON.
     #[arg(long)]
     pub json: bool,
+    /// Write the report here (JSON).
     #[arg(long)]
     pub out: Option<PathBuf>,
 }

@@ -26,9 +26,7 @@ use super::tls_args::TlsArgs;
 use super::up::{load, runtime, DecodeArgs, PrefillArgs};
 #[cfg(feature = "rdma")]
 use super::worker::RdmaSetting;
-use super::worker::{
-    mib, run_decode, run_prefill, ShmSetting, WorkerEnv, DEFAULT_SEND_ARENA_MIB, MAX_SEND_ARENA_MIB,
-};
+use super::worker::{run_decode, run_prefill, ShmSetting, WorkerEnv};
 use crate::cmd::model_args::{EngineArgs, ModelArgs};
 
 /// Flags of a separate worker or router process.
@@ -120,17 +118,11 @@ pub struct DecodeKvArgs {
 /// How a prefill worker sends KV.
 #[derive(Args, Debug)]
 pub struct PrefillKvArgs {
-    /// Size of the send arena, in MiB: shared memory the KV of shm transfers is laid out in,
-    /// which same-host decode workers map and copy from with a memcpy (layers that do not
-    /// fit go from ordinary memory, read with process_vm_readv). Address space until used;
-    /// 0: no arena.
-    #[arg(
-        long,
-        env = "DUET_KV_SEND_ARENA_MIB",
-        default_value_t = DEFAULT_SEND_ARENA_MIB,
-        value_parser = clap::value_parser!(u32).range(0..=MAX_SEND_ARENA_MIB)
-    )]
-    pub kv_send_arena_mib: u32,
+    /// Keep the KV pool in a send arena: a sealed memfd that same-host decode workers map
+    /// and copy each layer from with one memcpy (off: ordinary memory, read by them with
+    /// process_vm_readv).
+    #[arg(long, env = "DUET_KV_SEND_ARENA", value_enum, default_value = "on")]
+    pub kv_send_arena: Switch,
     /// Send KV over RDMA (UCX) to decode workers that offer it (after a same-host shm
     /// endpoint, before tcp).
     #[cfg(feature = "rdma")]
@@ -330,7 +322,7 @@ impl WorkerProcessArgs {
             env.kv_shm = Some(ShmSetting {
                 dir: d.kv_shm_dir.clone().unwrap_or_else(default_shm_dir),
                 required: d.kv_shm_dir.is_some(),
-                send_arena_bytes: 0,
+                pool_in_arena: false,
             });
         }
         #[cfg(feature = "rdma")]
@@ -364,7 +356,7 @@ impl WorkerProcessArgs {
             env.kv_shm = Some(ShmSetting {
                 dir: default_shm_dir(),
                 required: false,
-                send_arena_bytes: mib(p.kv_send_arena_mib),
+                pool_in_arena: p.kv_send_arena == Switch::On,
             });
         }
         #[cfg(feature = "rdma")]

@@ -24,7 +24,7 @@ use super::router::{model_name, run_router, RouterListeners, RoutingArgs};
 use super::tls_args::TlsArgs;
 #[cfg(feature = "rdma")]
 use super::worker::RdmaSetting;
-use super::worker::{mib, run_decode, run_prefill, ShmSetting, WorkerEnv, DEFAULT_SEND_ARENA_MIB};
+use super::worker::{run_decode, run_prefill, ShmSetting, WorkerEnv};
 use crate::cmd::model_args::{EngineArgs, ModelArgs};
 
 /// Decode scheduling flags.
@@ -184,7 +184,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             kv_shm: (a.kv_transport == KvTransport::Shm).then(|| ShmSetting {
                 dir: default_shm_dir(),
                 required: true,
-                send_arena_bytes: mib(DEFAULT_SEND_ARENA_MIB),
+                pool_in_arena: true,
             }),
             kv_advertise_host: None,
             #[cfg(feature = "rdma")]

@@ -21,18 +21,6 @@ use tokio_util::sync::CancellationToken;
 
 use super::args::KvArgs;
 
-/// Default size of a prefill worker's send arena (`--kv-send-arena-mib`): about ten
-/// 1024-token prompts of the default model's f16 KV in flight.
-pub const DEFAULT_SEND_ARENA_MIB: u32 = 256;
-
-/// Largest `--kv-send-arena-mib` (64 GiB of address space).
-pub const MAX_SEND_ARENA_MIB: i64 = 1 << 16;
-
-/// `n` MiB in bytes (`n` at most [`MAX_SEND_ARENA_MIB`], so no overflow on 64-bit hosts).
-pub fn mib(n: u32) -> usize {
-    (n as usize).saturating_mul(1 << 20)
-}
-
 /// KV over RDMA through UCX (feature `rdma`).
 #[cfg(feature = "rdma")]
 #[derive(Debug)]
