@@ -104,17 +104,23 @@ pub(crate) enum Cmd {
         request_id: u64,
         reply: Option<oneshot::Sender<bool>>,
     },
-    /// A layer of a transfer was written into the request's reserved blocks.
+    /// A layer of a transfer was written into the request's reserved blocks under lease
+    /// generation `lease` (reports name it: one about an earlier reservation of the same
+    /// request id is ignored).
     LayerArrived {
         request_id: u64,
+        lease: u64,
     },
     TransferDone {
         request_id: u64,
         token_end: usize,
+        lease: Option<u64>,
     },
+    /// `lease`: `None` when the transfer failed before it took one.
     TransferFailed {
         request_id: u64,
         reason: String,
+        lease: Option<u64>,
     },
     Prefetch {
         block_hashes: Vec<BlockHash>,
@@ -317,27 +323,37 @@ impl DecodeHandle {
         self.stopped.load(Ordering::SeqCst)
     }
 
-    pub(crate) fn layer_arrived(&self, request_id: u64) {
-        let _ = self.send(Cmd::LayerArrived { request_id });
+    pub(crate) fn layer_arrived(&self, request_id: u64, lease: u64) {
+        let _ = self.send(Cmd::LayerArrived { request_id, lease });
     }
 
-    pub(crate) fn transfer_done(&self, request_id: u64, token_end: usize) {
+    pub(crate) fn transfer_done(&self, request_id: u64, token_end: usize, lease: Option<u64>) {
         let _ = self.send(Cmd::TransferDone {
             request_id,
             token_end,
+            lease,
         });
     }
 
-    pub(crate) fn transfer_failed(&self, request_id: u64, reason: String) {
-        let watcher = self
-            .watchers
-            .lock()
-            .ok()
-            .and_then(|mut w| w.remove(&request_id));
+    /// A transfer for `request_id` (under lease generation `lease`, if it took one) failed.
+    /// Its waiter hears it unless the report is about an earlier reservation of that id.
+    pub(crate) fn transfer_failed(&self, request_id: u64, reason: String, lease: Option<u64>) {
+        let watcher = crate::leases::is_current(&self.leases, request_id, lease)
+            .then(|| {
+                self.watchers
+                    .lock()
+                    .ok()
+                    .and_then(|mut w| w.remove(&request_id))
+            })
+            .flatten();
         if let Some(w) = watcher {
             let _ = w.send(reason.clone());
         }
-        let _ = self.send(Cmd::TransferFailed { request_id, reason });
+        let _ = self.send(Cmd::TransferFailed {
+            request_id,
+            reason,
+            lease,
+        });
     }
 
     /// Resolves with the reason if `request_id`'s KV transfer fails before

@@ -57,9 +57,10 @@ impl PoolSink {
         }
     }
 
-    /// Gives the current transfer's lease back (its end, success or not).
-    pub fn release(&mut self) {
-        self.held = None;
+    /// Gives the current transfer's lease back (its end, success or not); returns its
+    /// generation (`None`: the transfer took none).
+    pub fn release(&mut self) -> Option<u64> {
+        self.held.take().map(|h| h.generation())
     }
 
     fn lease(&mut self) -> Result<&mut RegionLease, SinkError> {
@@ -122,7 +123,9 @@ impl KvSink for PoolSink {
     }
 
     fn layer_done(&mut self, request_id: u64, _layer: u32) {
-        self.handle.layer_arrived(request_id);
+        if let Some(h) = &self.held {
+            self.handle.layer_arrived(request_id, h.generation());
+        }
     }
 }
 
@@ -157,7 +160,7 @@ pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: Can
         };
         // The lease goes back before the engine hears the outcome: it commits or frees the
         // blocks only with the lease in hand.
-        sink.release();
+        let lease = sink.release();
         if let Some(now) = rx.shm_pulls() {
             record_shm_pulls(&pulls, &now);
             pulls = now;
@@ -183,7 +186,11 @@ pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: Can
                     "transport" => transport
                 )
                 .increment(1);
-                handle.transfer_done(d.request_id, (d.token_start + d.token_count) as usize);
+                handle.transfer_done(
+                    d.request_id,
+                    (d.token_start + d.token_count) as usize,
+                    lease,
+                );
             }
             Err(e) => {
                 if !matches!(e, duet_kv_transfer::Error::PeerClosed { .. }) {
@@ -202,7 +209,7 @@ pub async fn receive_loop(mut rx: AnyReceiver, handle: DecodeHandle, cancel: Can
                     );
                 }
                 if let duet_kv_transfer::Error::Aborted { request_id, .. } = &e {
-                    handle.transfer_failed(*request_id, e.to_string());
+                    handle.transfer_failed(*request_id, e.to_string(), lease);
                     // The connection stays usable after an aborted transfer.
                     continue;
                 }

@@ -39,6 +39,8 @@ pub(crate) struct Claim<C> {
 }
 
 struct Reservation<C> {
+    /// Its lease's generation (`crate::leases`): what receivers' reports must name.
+    lease: u64,
     prompt_tokens: usize,
     /// Tokens of KV that arrive: the prompt's, or the slots SnapKV kept of it.
     arriving: usize,
@@ -106,6 +108,8 @@ pub(crate) struct Reservations<C> {
     table: HashMap<u64, Reservation<C>>,
     leases: Leases,
     parked: Parked,
+    /// The last lease generation given out.
+    generation: u64,
     max_ttl: Duration,
 }
 
@@ -115,6 +119,7 @@ impl<C> Reservations<C> {
             table: HashMap::new(),
             leases,
             parked: Parked::default(),
+            generation: 0,
             max_ttl,
         }
     }
@@ -205,14 +210,16 @@ impl<C> Reservations<C> {
                 return Err(e.into());
             }
         };
-        if let Ok(mut m) = self.leases.lock() {
-            m.insert(id, std::sync::Arc::new(LeaseCell::new(lease)));
-        }
+        self.generation += 1;
+        let generation = self.generation;
+        crate::leases::map(&self.leases)
+            .insert(id, std::sync::Arc::new(LeaseCell::new(lease, generation)));
         let ttl = ttl.min(self.max_ttl);
         let cached_hashes = hashes.map_or_else(Vec::new, |h| h[..cached / bs].to_vec());
         self.table.insert(
             id,
             Reservation {
+                lease: generation,
                 prompt_tokens: tokens,
                 arriving,
                 cached,
@@ -233,25 +240,34 @@ impl<C> Reservations<C> {
         ))
     }
 
-    /// A layer of KV arrived for reservation `id` (written into its blocks by a receiver):
-    /// its lifetime is extended.
-    pub(crate) fn touch(&mut self, id: u64, now: Instant) {
-        if let Some(r) = self.table.get_mut(&id) {
+    /// Reservation `id`, if a receiver's report under lease generation `lease` (`None`: it
+    /// held none) is about it and not about an earlier reservation of the same id.
+    fn reported(&mut self, id: u64, lease: Option<u64>) -> Option<&mut Reservation<C>> {
+        self.table
+            .get_mut(&id)
+            .filter(|r| lease.is_none_or(|g| g == r.lease))
+    }
+
+    /// A layer of KV arrived for reservation `id` (written into its blocks by a receiver
+    /// under lease `lease`): its lifetime is extended.
+    pub(crate) fn touch(&mut self, id: u64, lease: u64, now: Instant) {
+        if let Some(r) = self.reported(id, Some(lease)) {
             r.expires = now + r.ttl;
         }
     }
 
-    /// The KV of prompt tokens up to `token_end` has arrived.
-    pub(crate) fn received(&mut self, id: u64, token_end: usize, now: Instant) {
-        if let Some(r) = self.table.get_mut(&id) {
+    /// The KV of prompt tokens up to `token_end` has arrived (under lease `lease`).
+    pub(crate) fn received(&mut self, id: u64, token_end: usize, lease: Option<u64>, now: Instant) {
+        if let Some(r) = self.reported(id, lease) {
             r.received = r.received.max(token_end);
             r.expires = now + r.ttl;
         }
     }
 
-    /// The transfer failed; the reservation ends at the next [`Reservations::expire`].
-    pub(crate) fn failed(&mut self, id: u64, reason: String) {
-        if let Some(r) = self.table.get_mut(&id) {
+    /// The transfer (under lease `lease`) failed; the reservation ends at the next
+    /// [`Reservations::expire`].
+    pub(crate) fn failed(&mut self, id: u64, reason: String, lease: Option<u64>) {
+        if let Some(r) = self.reported(id, lease) {
             r.failed = Some(reason);
         }
     }
@@ -381,12 +397,12 @@ impl<C> Reservations<C> {
     }
 
     fn cell(&self, id: u64) -> Option<std::sync::Arc<LeaseCell>> {
-        self.leases.lock().ok()?.get(&id).cloned()
+        crate::leases::map(&self.leases).get(&id).cloned()
     }
 
     /// Takes `id` out of the shared map; returns its cell.
     fn unlist(&self, id: u64) -> Option<std::sync::Arc<LeaseCell>> {
-        self.leases.lock().ok()?.remove(&id)
+        crate::leases::map(&self.leases).remove(&id)
     }
 }
 

@@ -106,7 +106,7 @@ fn a_windowed_reservation_holds_only_the_blocks_its_prompt_keeps() {
     for layer in 0..2 {
         assert!(write(&reserved, 1, layer, &r.blocks, 1));
     }
-    t.received(1, 2000, t0);
+    t.received(1, 2000, None, t0);
     assert_eq!(t.check_claim(1, 2000, |h| h.is_empty()), ClaimCheck::Free);
     assert!(t.claim(1, claim(Client { gone: false }, t0)).is_ok());
     let ready = t.take_ready(&mut c);
@@ -156,7 +156,7 @@ fn an_unclaimed_reservation_expires_after_its_ttl_and_arriving_kv_extends_it() {
     t.reserve(&mut c, 1, 40, TTL, None, FULL, t0).unwrap();
     t.reserve(&mut c, 2, 40, TTL, None, FULL, t0).unwrap();
     // KV for 2 arrives at half its lifetime.
-    t.received(2, 16, t0 + TTL / 2);
+    t.received(2, 16, None, t0 + TTL / 2);
     let ended = t.expire(&mut c, t0 + TTL - Duration::from_millis(1), KV_WAIT, |s| {
         s.gone
     });
@@ -208,7 +208,7 @@ fn a_failed_transfer_or_a_gone_client_ends_a_claimed_reservation_at_once() {
     t.reserve(&mut c, 2, 40, TTL, None, FULL, t0).unwrap();
     t.claim(1, claim(Client { gone: false }, t0)).unwrap();
     t.claim(2, claim(Client { gone: true }, t0)).unwrap();
-    t.failed(1, "peer reset".into());
+    t.failed(1, "peer reset".into(), None);
     let mut ended = t.expire(&mut c, t0, KV_WAIT, |s| s.gone);
     ended.sort_by_key(|e| e.0);
     assert_eq!(ended[0].2, Ending::TransferFailed("peer reset".into()));
@@ -223,7 +223,7 @@ fn only_a_claimed_complete_reservation_becomes_a_running_sequence_holding_its_bl
     let (mut c, t0) = (cache(), Instant::now());
     let (mut t, reserved) = table();
     t.reserve(&mut c, 1, 40, TTL, None, FULL, t0).unwrap();
-    t.received(1, 40, t0);
+    t.received(1, 40, None, t0);
     // Complete but unclaimed: stays.
     assert!(t.take_ready(&mut c).is_empty());
     t.claim(1, claim(Client { gone: false }, t0)).unwrap();
@@ -253,9 +253,9 @@ fn incomplete_or_failed_claimed_reservations_do_not_start() {
     t.reserve(&mut c, 2, 40, TTL, None, FULL, t0).unwrap();
     t.claim(1, claim(Client { gone: false }, t0)).unwrap();
     t.claim(2, claim(Client { gone: false }, t0)).unwrap();
-    t.received(1, 32, t0);
-    t.received(2, 40, t0);
-    t.failed(2, "bad frame".into());
+    t.received(1, 32, None, t0);
+    t.received(2, 40, None, t0);
+    t.failed(2, "bad frame".into(), None);
     assert!(t.take_ready(&mut c).is_empty());
     assert_eq!(t.len(), 2);
 }
@@ -331,15 +331,45 @@ fn a_reservation_ending_while_a_receiver_writes_keeps_its_blocks_until_the_lease
         "not free while leased"
     );
     check(&c, &t, &leases, &[]);
-    // The request id is free again for a retry while the old blocks stay parked.
+    // The request id is free again for a retry while the old blocks stay parked; what the
+    // old receiver reports is about the old reservation and changes nothing here.
     let (again, _) = t.reserve(&mut c, 1, 40, TTL, None, FULL, t0).unwrap();
     assert!(again.blocks.iter().all(|b| !r.blocks.contains(b)));
+    let (old, new) = (held.generation(), leases.lock().unwrap()[&1].generation());
+    assert_ne!(old, new);
+    t.received(1, 40, Some(old), t0);
+    t.failed(1, "old link".into(), Some(old));
+    assert!(t.claim(1, claim(Client { gone: false }, t0)).is_ok());
+    assert!(
+        t.take_ready(&mut c).is_empty(),
+        "an old transfer completed nothing"
+    );
+    assert!(
+        t.expire(&mut c, t0, KV_WAIT, |s| s.gone).is_empty(),
+        "nor failed it"
+    );
+    t.received(1, 40, Some(new), t0);
     assert_eq!(t.reclaim(&mut c), 1);
     drop(held);
     assert_eq!(t.reclaim(&mut c), 0);
     check(&c, &t, &leases, &[]);
-    t.drop(&mut c, 1);
+    assert_eq!(t.take_ready(&mut c).len(), 1);
+    c.free_sequence(1);
     assert_eq!(c.free_blocks(), TOTAL);
+}
+
+#[test]
+fn a_receiver_that_looked_a_reservation_up_cannot_write_once_it_ended() {
+    let (mut c, t0) = (cache(), Instant::now());
+    let (mut t, leases) = table();
+    t.reserve(&mut c, 1, 40, TTL, None, FULL, t0).unwrap();
+    // A receiver has found the cell but not taken the lease yet...
+    let cell = leases.lock().unwrap()[&1].clone();
+    // ...when the reservation ends: the engine takes the lease and frees the blocks.
+    t.drop(&mut c, 1);
+    assert_eq!((t.parked(), c.free_blocks()), (0, TOTAL));
+    assert!(cell.take().is_none(), "nothing left to write with");
+    assert!(Held::take(&leases, 1).is_none());
 }
 
 #[test]
@@ -347,7 +377,7 @@ fn complete_kv_runs_only_once_the_receiver_let_the_lease_go() {
     let (mut c, t0) = (cache(), Instant::now());
     let (mut t, leases) = table();
     t.reserve(&mut c, 1, 20, TTL, None, FULL, t0).unwrap();
-    t.received(1, 20, t0);
+    t.received(1, 20, None, t0);
     assert!(t.claim(1, claim(Client { gone: false }, t0)).is_ok());
     let held = Held::take(&leases, 1).unwrap();
     assert!(
@@ -436,11 +466,11 @@ proptest! {
                         let _ = t.reserve(&mut c, id, n, TTL, None, FULL, now);
                     }
                 }
-                Op::Receive(id, n) => t.received(id, n, now),
+                Op::Receive(id, n) => t.received(id, n, None, now),
                 Op::Claim(id, gone) => {
                     let _ = t.claim(id, claim(Client { gone }, now));
                 }
-                Op::Fail(id) => t.failed(id, "x".into()),
+                Op::Fail(id) => t.failed(id, "x".into(), None),
                 Op::Drop(id) => {
                     t.drop(&mut c, id);
                 }

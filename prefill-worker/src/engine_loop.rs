@@ -163,12 +163,12 @@ impl EngineLoop for Engine {
     /// Busy while anything is queued or running; otherwise asleep until a command, or a
     /// little while when blocks wait for their senders to let go of them (`kv::pins`).
     fn idle_wait(&self) -> Wait {
-        if !(self.queue.is_empty() && self.running.is_empty()) {
-            Wait::Busy
-        } else if self.cache.pinned_blocks() > 0 {
-            Wait::At(UNPIN_POLL)
-        } else {
-            Wait::Forever
+        match (self.running.is_empty(), self.cache.pinned_blocks() > 0) {
+            (false, _) => Wait::Busy,
+            // Queued prompts that did not fit wait for pinned blocks without spinning.
+            (true, true) => Wait::At(UNPIN_POLL),
+            (true, false) if self.queue.is_empty() => Wait::Forever,
+            (true, false) => Wait::Busy,
         }
     }
 

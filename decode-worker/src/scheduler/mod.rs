@@ -233,16 +233,21 @@ impl Scheduler {
                     let _ = r.send(found);
                 }
             }
-            Cmd::LayerArrived { request_id } => self.reservations.touch(request_id, Instant::now()),
+            Cmd::LayerArrived { request_id, lease } => {
+                self.reservations.touch(request_id, lease, Instant::now())
+            }
             Cmd::TransferDone {
                 request_id,
                 token_end,
+                lease,
             } => self
                 .reservations
-                .received(request_id, token_end, Instant::now()),
-            Cmd::TransferFailed { request_id, reason } => {
-                self.reservations.failed(request_id, reason);
-            }
+                .received(request_id, token_end, lease, Instant::now()),
+            Cmd::TransferFailed {
+                request_id,
+                reason,
+                lease,
+            } => self.reservations.failed(request_id, reason, lease),
             Cmd::Prefetch { block_hashes } => {
                 if let Some(b) = &self.book {
                     let moved = self.cache.prefetch(&block_hashes);
