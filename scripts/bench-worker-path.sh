@@ -5,6 +5,8 @@
 # JSON) to bench/results/worker-path-DATE/ and prints a table of the ratios to memcpy.
 #
 # Usage: scripts/bench-worker-path.sh [ROUNDS] [RUNS]   (defaults 3 and 3; release build)
+# DUET_BIN: the duet binary to measure (default target/release/duet, built if missing);
+# DUET_BENCH_TAG: a suffix for the output directory (to keep two binaries' runs apart).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -14,7 +16,7 @@ duet="${DUET_BIN:-$root/target/release/duet}"
 if [[ ! -x "$duet" ]]; then
   cargo build --release -p duet
 fi
-out="bench/results/worker-path-$(date -u +%Y-%m-%d)"
+out="bench/results/worker-path-$(date -u +%Y-%m-%d)${DUET_BENCH_TAG:+-$DUET_BENCH_TAG}"
 mkdir -p "$out"
 for round in $(seq 1 "$rounds"); do
   for backend in shm tcp; do

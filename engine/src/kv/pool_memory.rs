@@ -74,7 +74,7 @@ impl PoolMemory {
     /// The memory `backing` lends, when it has `bytes` bytes aligned for `align`.
     fn lent(mut backing: PoolBacking, bytes: usize, align: usize) -> Option<PoolMemory> {
         let s: &mut [u8] = AsMut::<[u8]>::as_mut(&mut *backing);
-        if s.len() < bytes || s.as_ptr() as usize % align != 0 {
+        if s.len() < bytes || !(s.as_ptr() as usize).is_multiple_of(align) {
             return None;
         }
         let ptr = NonNull::new(s.as_mut_ptr())?;
