@@ -88,9 +88,9 @@ impl KvSink for PoolSink {
     }
 
     fn region_mut(&mut self, layer: u32, k: WireKind, block: u32) -> Result<&mut [u8], SinkError> {
-        let n = self.handle.layout().region_bytes();
         let PoolSink { held, discard, .. } = self;
         let lease = held.as_mut().and_then(Held::lease).ok_or_else(no_lease)?;
+        let n = lease.region_bytes();
         match lease.region_mut(layer as usize, kind(k), block) {
             LeasedRegion::Write(r) => {
                 crate::copies::into_pool(r.len());

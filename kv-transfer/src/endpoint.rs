@@ -214,17 +214,9 @@ impl Connector {
         self
     }
 
-    /// The arena to lay out a layer bound for `endpoint` in: the send arena for an shm
-    /// endpoint, when there is one.
-    #[cfg(unix)]
-    pub fn send_arena_for(&self, endpoint: &Endpoint) -> Option<&Arc<SendArena>> {
-        self.send_arena
-            .as_ref()
-            .filter(|_| endpoint.kind == BackendKind::Shm)
-    }
-
     /// The send arena shm connections share with their receivers, if any (a prefill
     /// worker's KV pool lives in it).
+    #[cfg(unix)]
     pub fn send_arena(&self) -> Option<&Arc<SendArena>> {
         self.send_arena.as_ref()
     }

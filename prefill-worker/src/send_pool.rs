@@ -14,9 +14,14 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use duet_engine::{KvCache, KvLayout};
-use duet_kv_transfer::backend::shm::{ArenaBuf, SendArena};
+use duet_kv_transfer::backend::shm::{ArenaBuf, SendArena, ARENA_ALIGN};
 
 use crate::error::PrefillError;
+
+/// A send arena just large enough for a pool of `blocks` blocks of `layout`.
+pub fn pool_arena(layout: &KvLayout, blocks: usize) -> duet_kv_transfer::Result<Arc<SendArena>> {
+    SendArena::new(KvCache::memory_bytes(layout, blocks).next_multiple_of(ARENA_ALIGN))
+}
 
 /// A pool of `blocks` blocks of `layout`: in `arena` when it has room, else in ordinary
 /// memory.

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use duet_discovery::{Capacity, KvEndpoint, Role};
-use duet_engine::{EngineModel, KvCache, KvCacheConfig};
+use duet_engine::{EngineModel, KvCacheConfig};
 use duet_kv_transfer::backend::shm::SendArena;
 use duet_kv_transfer::{Connector, LocalHub, TransferConfig};
 use duet_worker_common::kv_events::KvCacheService;
@@ -138,8 +138,7 @@ fn send_arena(
         return None;
     }
     let layout = model.kv_layout(kv.block_size, kv.dtype).ok()?;
-    let bytes = KvCache::memory_bytes(&layout, kv.num_blocks);
-    SendArena::new(bytes.next_multiple_of(duet_kv_transfer::backend::shm::ARENA_ALIGN))
+    crate::send_pool::pool_arena(&layout, kv.num_blocks)
         .inspect_err(
             |e| tracing::warn!(error = %e, "no KV send arena: the KV pool is ordinary memory"),
         )

@@ -30,7 +30,7 @@ use super::{bench_config, reference};
 use duet_decode_worker::{DecodeConfig, DecodeHandle};
 use duet_engine::{EngineModel, KvCache, KvCacheConfig, KvDtype, KvKind, LoadOptions, Model};
 use duet_kv_transfer::api::KvSender;
-use duet_kv_transfer::backend::shm::{SendArena, ShmOptions, ShmReceiver, ShmSender, ARENA_ALIGN};
+use duet_kv_transfer::backend::shm::{ShmOptions, ShmReceiver, ShmSender};
 use duet_kv_transfer::backend::tcp::{TcpReceiver, TcpSender};
 use duet_kv_transfer::backend::{AnySender, BackendKind};
 use duet_kv_transfer::config::TransferConfig;
@@ -176,9 +176,7 @@ pub async fn worker_path(opts: WorkerPathOptions) -> Result<WorkerPathReport> {
     // The prefill worker's pool, in its send arena over shm as `duet prefill` places it,
     // with the largest payload's prompt in it.
     let arena = match opts.backend {
-        BackendKind::Shm => Some(SendArena::new(
-            KvCache::memory_bytes(&layout, blocks).next_multiple_of(ARENA_ALIGN),
-        )?),
+        BackendKind::Shm => Some(duet_prefill_worker::send_pool::pool_arena(&layout, blocks)?),
         _ => None,
     };
     let mut prefill =

@@ -27,7 +27,7 @@ use super::device_sync::DeviceSync;
 use super::group_tables::GroupTable;
 use super::groups::KvGroups;
 use super::pins::PinCounts;
-use super::pool_memory::{PoolBacking, PoolVec};
+use super::pool_memory::{PoolBacking, PoolMemory, PoolVec};
 use super::prefix::BlockHash;
 use super::prefix_cache::PrefixState;
 use super::window::Window;
@@ -186,6 +186,23 @@ pub(crate) enum Storage {
     F16(PoolVec<f16>),
 }
 
+impl Storage {
+    /// The pool's memory (what leases and pins hold a share of).
+    pub(super) fn memory(&self) -> &Arc<PoolMemory> {
+        match self {
+            Storage::F32(v) => v.memory(),
+            Storage::F16(v) => v.memory(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Storage::F32(v) => v.len(),
+            Storage::F16(v) => v.len(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub(super) struct Sequence {
     pub(super) blocks: Vec<BlockId>,
@@ -294,29 +311,20 @@ impl KvCache {
         }
     }
 
-    /// Blocks are touched one at a time, and not at all while a lease is out (a receiver may
-    /// be writing some of them).
+    /// Touch every page of the pool so that it is resident (for memory measurements; a new
+    /// pool is allocated lazily by the OS). Block by block, and not at all while a lease or a
+    /// pin shares the pool (a receiver or a sender may be using some of its blocks).
     pub fn prefault(&mut self) {
+        if Arc::strong_count(self.storage.memory()) > 1 {
+            return;
+        }
         let n = self.layout.block_elems();
-        let blocks = self.storage_len() / n.max(1);
-        for b in 0..blocks {
+        for b in 0..self.storage.len() / n.max(1) {
             let r = b * n..(b + 1) * n;
             match &mut self.storage {
-                Storage::F32(v) if !v.is_shared() => {
-                    v[r].iter_mut().step_by(1024).for_each(|x| *x = 0.0)
-                }
-                Storage::F16(v) if !v.is_shared() => {
-                    v[r].iter_mut().step_by(2048).for_each(|x| *x = f16::ZERO)
-                }
-                _ => return,
+                Storage::F32(v) => v[r].iter_mut().step_by(1024).for_each(|x| *x = 0.0),
+                Storage::F16(v) => v[r].iter_mut().step_by(2048).for_each(|x| *x = f16::ZERO),
             }
-        }
-    }
-
-    fn storage_len(&self) -> usize {
-        match &self.storage {
-            Storage::F32(v) => v.len(),
-            Storage::F16(v) => v.len(),
         }
     }
 

@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::cache::{KvCache, KvKind, SeqId, Storage};
+use super::cache::{KvCache, KvKind, SeqId};
 use super::pool_memory::PoolMemory;
 use super::BlockId;
 use crate::error::{EngineError, Result};
@@ -65,10 +65,6 @@ impl RegionLease {
     /// The listed blocks, in order.
     pub fn blocks(&self) -> &[BlockId] {
         &self.blocks
-    }
-
-    pub fn contains(&self, block: BlockId) -> bool {
-        self.index.contains_key(&block)
     }
 
     /// Bytes of one region.
@@ -165,11 +161,7 @@ impl KvCache {
         first: usize,
         blocks: &[BlockId],
     ) -> Result<RegionLease> {
-        let layers = self.layout.n_layers;
-        let elem = match &self.storage {
-            Storage::F32(_) => 4,
-            Storage::F16(_) => 2,
-        };
+        let (layers, elem) = (self.layout.n_layers, self.layout.dtype.size());
         let mut k_offsets = Vec::with_capacity(blocks.len() * layers);
         let mut index = HashMap::with_capacity(blocks.len());
         let mut written = Vec::new();
@@ -199,12 +191,8 @@ impl KvCache {
         for p in written {
             self.device.host_wrote(p);
         }
-        let mem = match &self.storage {
-            Storage::F32(d) => d.memory().clone(),
-            Storage::F16(d) => d.memory().clone(),
-        };
         Ok(RegionLease {
-            mem,
+            mem: self.storage.memory().clone(),
             region_bytes: self.layout.region_bytes(),
             layers,
             blocks: blocks.to_vec(),

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::cache::{KvCache, KvKind, Storage};
+use super::cache::{KvCache, KvKind};
 use super::pool_memory::PoolMemory;
 use super::BlockId;
 
@@ -83,14 +83,7 @@ impl KvCache {
     /// (never reused) until the last of the returned `Bytes` is dropped. The regions must be
     /// computed already (see the module's invariants).
     pub fn pinned_regions(&self, layer: usize, blocks: &[BlockId]) -> (Vec<Bytes>, Vec<Bytes>) {
-        let elem = match &self.storage {
-            Storage::F32(_) => 4,
-            Storage::F16(_) => 2,
-        };
-        let mem = match &self.storage {
-            Storage::F32(d) => d.memory().clone(),
-            Storage::F16(d) => d.memory().clone(),
-        };
+        let elem = self.layout.dtype.size();
         let mut pinned = blocks.to_vec();
         pinned.sort_unstable();
         pinned.dedup();
@@ -101,7 +94,7 @@ impl KvCache {
         }
         let group = Arc::new(PinGroup {
             counts: self.pins.clone(),
-            mem,
+            mem: self.storage.memory().clone(),
             blocks: pinned,
         });
         let len = self.layout.region_bytes();
