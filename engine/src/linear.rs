@@ -8,7 +8,11 @@ use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
 use crate::kernels::kdot::{self, Kernel};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::kernels::kpanel::{self, KPanels, PANEL};
 use crate::kernels::kquant::KFormat;
+use crate::kernels::q0panel::Q0Panels;
 use crate::kernels::q8::{self, Q8Batch, TILE};
 use crate::kernels::q8k::{self, Q8KBlock, Q8KRows};
 use crate::kernels::{self, BlockFormat, FUSED_MAX_ROWS, FUSED_MAX_ROWS_QUANTIZED_ONLY};
@@ -130,6 +134,36 @@ impl QWeight {
     }
 }
 
+/// Weights repacked into panels of 16 rows for the AVX-512 VNNI kernels, beside the GGUF's
+/// blocks (which decode steps of the formats without a panel kernel, and the dequantizing
+/// paths, still read).
+enum Panels {
+    K(KPanels),
+    Q0(Q0Panels),
+}
+
+impl Panels {
+    fn build(q: &QWeight) -> Option<Self> {
+        if !kpanel::available() {
+            return None;
+        }
+        match q.format.kquant() {
+            Some(k) => KPanels::build(k, &q.data, q.rows, q.row_bytes()).map(Panels::K),
+            None if Q0Panels::worth_it(q.format) => {
+                Q0Panels::build(q.format, &q.data, q.rows, q.row_bytes()).map(Panels::Q0)
+            }
+            None => None,
+        }
+    }
+
+    fn resident_bytes(&self) -> usize {
+        match self {
+            Panels::K(p) => p.resident_bytes(),
+            Panels::Q0(p) => p.resident_bytes(),
+        }
+    }
+}
+
 /// How the rows of one forward pick a layer's kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelRows {
@@ -151,12 +185,18 @@ pub struct Linear {
     round_activations: bool,
     /// Dense `[out, in]` weights.
     dense: Option<Tensor>,
+    /// The weights repacked for prompt-sized matmuls (with AVX-512 VNNI only).
+    panels: Option<Box<Panels>>,
     pub out_dim: usize,
     pub in_dim: usize,
 }
 
 impl Linear {
     pub fn new(q: QWeight, mode: WeightMode) -> Result<Self> {
+        Self::build(q, mode, true)
+    }
+
+    fn build(q: QWeight, mode: WeightMode, panels: bool) -> Result<Self> {
         let (out_dim, in_dim) = (q.rows, q.cols);
         let round_activations = q.format.quantizes_activations();
         let dense = match mode {
@@ -167,17 +207,35 @@ impl Linear {
                 &Device::Cpu,
             )?),
         };
-        let quantized = match mode {
+        let mut quantized = match mode {
             WeightMode::Dense => None,
             WeightMode::Quantized | WeightMode::Hybrid => Some(q),
         };
+        let panels = quantized
+            .as_ref()
+            .filter(|_| panels)
+            .and_then(Panels::build)
+            .map(Box::new);
+        // The 32-value formats' panels serve every row count, so their blocks would only
+        // hold memory (the K-quants' few-row kernels still read the blocks).
+        if let Some(Panels::Q0(_)) = panels.as_deref() {
+            quantized = None;
+        }
         Ok(Self {
             quantized,
             round_activations,
             dense,
+            panels,
             out_dim,
             in_dim,
         })
+    }
+
+    /// The output head: as [`Self::new`] without panels. A prompt multiplies only its last
+    /// row by the head, so panels of its vocabulary-sized matrix would cost memory (the
+    /// size of the matrix again) and save no time.
+    pub fn head(q: QWeight, mode: WeightMode) -> Result<Self> {
+        Self::build(q, mode, false)
     }
 
     /// The quantized blocks this layer keeps (`None` in the dense form).
@@ -188,6 +246,7 @@ impl Linear {
     /// Bytes this layer keeps resident.
     pub fn resident_bytes(&self) -> usize {
         self.quantized.as_ref().map_or(0, |q| q.data.len())
+            + self.panels.as_deref().map_or(0, Panels::resident_bytes)
             + self
                 .dense
                 .as_ref()
@@ -196,9 +255,10 @@ impl Linear {
 
     /// Bytes read from the weights by one forward over a small batch.
     pub fn bytes_per_step(&self) -> usize {
-        match &self.quantized {
-            Some(q) => q.data.len(),
-            None => self.out_dim * self.in_dim * 4,
+        match (&self.quantized, self.panels.as_deref()) {
+            (Some(q), _) => q.data.len(),
+            (None, Some(p)) => p.resident_bytes(),
+            (None, None) => self.out_dim * self.in_dim * 4,
         }
     }
 
@@ -220,12 +280,20 @@ impl Linear {
             KernelRows::Decode => (rows, true),
         };
         let integer = |f: BlockFormat| q8::supported(f) || f.kquant().is_some();
-        let fused = match (&self.dense, &self.quantized) {
-            (Some(_), Some(q)) if decode && integer(q.format) => true,
+        let q0 = match self.panels.as_deref() {
+            Some(Panels::Q0(p)) => Some(p),
+            _ => None,
+        };
+        let format = (self.quantized.as_ref().map(|q| q.format)).or(q0.map(|p| p.fmt));
+        let fused = match (&self.dense, format) {
+            (Some(_), Some(f)) if decode && integer(f) => true,
             (Some(_), _) => rows_max <= FUSED_MAX_ROWS,
-            (None, Some(q)) => integer(q.format) || rows_max <= FUSED_MAX_ROWS_QUANTIZED_ONLY,
+            (None, Some(f)) => integer(f) || rows_max <= FUSED_MAX_ROWS_QUANTIZED_ONLY,
             (None, None) => false,
         };
+        if let (true, Some(p)) = (fused, q0) {
+            return self.q0_matmul(p, &Q8Batch::quantize(x, self.in_dim));
+        }
         if let Some(q) = &self.quantized {
             if let (true, Some(k)) = (fused, q.format.kquant()) {
                 return Ok(self.k_matmul(q, k, x, rows, kernel));
@@ -267,35 +335,64 @@ impl Linear {
 
     /// `x W^T` with the integer kernel (see [`Self::by_output_runs`]).
     fn q8_matmul(&self, q: &QWeight, acts: &Q8Batch) -> Vec<f32> {
-        self.by_output_runs(q, acts.rows, |w, rb, chunk, n_out| {
-            for (ti, tile) in acts.tiles.iter().enumerate() {
-                let out = &mut chunk[ti * TILE * n_out..];
-                q8::dot_tile_rows(q.format, w, rb, tile, out, n_out);
+        self.by_output_runs(
+            &q.data,
+            q.row_bytes(),
+            acts.rows,
+            |_, w, rb, chunk, n_out| {
+                for (ti, tile) in acts.tiles.iter().enumerate() {
+                    let out = &mut chunk[ti * TILE * n_out..];
+                    q8::dot_tile_rows(q.format, w, rb, tile, out, n_out);
+                }
+            },
+        )
+    }
+
+    /// `x W^T` with the panel kernel of the 32-value formats (the same outputs as
+    /// [`Self::q8_matmul`], bit for bit).
+    fn q0_matmul(&self, p: &Q0Panels, acts: &Q8Batch) -> Result<Vec<f32>> {
+        let pa = p.acts(acts);
+        let done = AtomicBool::new(true);
+        let y = self.by_output_runs(&[], 0, acts.rows, |o0, _, _, chunk, n_out| {
+            if !p.matmul(o0 / PANEL, n_out / PANEL, &pa, chunk, n_out) {
+                done.store(false, Ordering::Relaxed);
             }
-        })
+        });
+        // `matmul` declines only for arguments that `Panels::build` and this layer fixed.
+        match done.into_inner() {
+            true => Ok(y),
+            false => Err(EngineError::Format(format!(
+                "the {} panel kernel declined a {}x{} matmul of {} rows",
+                p.fmt.name(),
+                self.out_dim,
+                self.in_dim,
+                acts.rows
+            ))),
+        }
     }
 
     /// `x W^T` for `rows` activation rows, in parallel tasks that each own a
-    /// run of output features: `run(w, row_bytes, out, n_out)` gets the run's
-    /// weight rows and fills `out[r * n_out + j]`, meeting every activation
+    /// run of output features: `run(o0, w, row_bytes, out, n_out)` gets the run's
+    /// first feature and weight rows and fills `out[r * n_out + j]`, meeting every activation
     /// row with them, so the activations stay in L1 while the run's weights
     /// come from L2. A task's results are row-major within the task, so the
     /// final layout is one contiguous copy per (task, row).
     fn by_output_runs(
         &self,
-        q: &QWeight,
+        data: &[u8],
+        rb: usize,
         rows: usize,
-        run: impl Fn(&[u8], usize, &mut [f32], usize) + Sync,
+        run: impl Fn(usize, &[u8], usize, &mut [f32], usize) + Sync,
     ) -> Vec<f32> {
         const OUT_PER_TASK: usize = 64;
-        let rb = q.row_bytes();
         let mut t = vec![0f32; self.out_dim * rows];
         t.par_chunks_mut(OUT_PER_TASK * rows)
             .enumerate()
             .for_each(|(task, chunk)| {
                 let o0 = task * OUT_PER_TASK;
                 let n_out = chunk.len() / rows;
-                run(&q.data[o0 * rb..(o0 + n_out) * rb], rb, chunk, n_out);
+                let w = data.get(o0 * rb..(o0 + n_out) * rb).unwrap_or_default();
+                run(o0, w, rb, chunk, n_out);
             });
         self.untile(t, rows, OUT_PER_TASK)
     }
@@ -333,8 +430,27 @@ impl Linear {
             KernelRows::Decode => Kernel::choose(k, out_rows, 1, 0),
             KernelRows::As { n, first } => Kernel::choose(k, out_rows, n.max(rows), first + r),
         };
-        self.by_output_runs(q, rows, |w, rb, chunk, n_out| {
-            kdot::dot_rows(k, w, rb, &refs, choose, chunk, n_out)
+        let kinds: Vec<Kernel> = (0..rows).map(choose).collect();
+        let panels = match self.panels.as_deref() {
+            Some(Panels::K(p)) if !kinds.contains(&Kernel::VecDot) => Some(p),
+            _ => None,
+        };
+        if let Some(p) = panels {
+            // `matmul` declines only for arguments checked above; should it, the portable
+            // kernels compute the whole matmul again.
+            let done = AtomicBool::new(true);
+            let y = self.by_output_runs(&q.data, q.row_bytes(), rows, |o0, _, _, chunk, n_out| {
+                let (first, count) = (o0 / PANEL, n_out / PANEL);
+                if !p.matmul(first, count, &refs, &kinds, chunk, n_out) {
+                    done.store(false, Ordering::Relaxed);
+                }
+            });
+            if done.into_inner() {
+                return y;
+            }
+        }
+        self.by_output_runs(&q.data, q.row_bytes(), rows, |_, w, rb, chunk, n_out| {
+            kdot::dot_rows(k, w, rb, &refs, |r| kinds[r], chunk, n_out)
         })
     }
 

@@ -300,14 +300,14 @@ impl Model {
             let (embed, output) = match content.tensor_infos.contains_key("output.weight") {
                 true => {
                     let output = ld.matrix("output.weight", c.vocab_size, c.hidden)?;
-                    (Some(embed), Linear::new(output, mode)?)
+                    (Some(embed), Linear::head(output, mode)?)
                 }
                 false if mode == WeightMode::Dense => {
                     let copy =
                         QWeight::new(embed.format, embed.data.clone(), embed.rows, embed.cols)?;
-                    (Some(embed), Linear::new(copy, mode)?)
+                    (Some(embed), Linear::head(copy, mode)?)
                 }
-                false => (None, Linear::new(embed, mode)?),
+                false => (None, Linear::head(embed, mode)?),
             };
             Ok((layers, embed, out_norm, output))
         })?;

@@ -14,9 +14,15 @@ use half::f16;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_kquant;
+#[cfg(target_arch = "x86_64")]
+mod avx512_kpanel;
+#[cfg(target_arch = "x86_64")]
+mod avx512_q0panel;
 pub mod ggml;
 pub mod kdot;
+pub mod kpanel;
 pub mod kquant;
+pub mod q0panel;
 pub mod q8;
 pub mod q8k;
 

@@ -1,0 +1,289 @@
+//! K-quant weights repacked into panels of [`PANEL`] rows for prompt-sized matmuls, and the
+//! safe entry to their kernel ([`super::avx512_kpanel`]).
+//!
+//! Why: [`super::kdot`] unpacks a weight block and then forms each activation row's integer
+//! terms separately, with horizontal sums per (weight row, activation row); that is 1.4-3.7x
+//! llama.cpp's time for a prompt. Here the codes of 16 weight rows are interleaved, four
+//! values of a row to a 32-bit lane, so one AVX-512 VNNI `vpdpbusd` multiplies four values of
+//! 16 rows by four broadcast activation bytes and every lane stays one weight row's sum:
+//! no horizontal sums, each weight load used by up to four activation rows.
+//!
+//! Invariants:
+//! - a panel holds weight rows `16p..16p+16`; the code of row `16p+j`, value `4g+k` of block
+//!   `b` is `codes[((p*blocks + b)*64 + g)*64 + 4j + k]` (unpacked, unsigned: Q4_K 0..16,
+//!   Q5_K 0..32, Q6_K 0..64, as [`super::kquant::unpack`] gives them);
+//! - per (panel, block) the 16 rows' `d`, `dmin` (f32) and their scales (`sc[s][j]`, 8
+//!   sub-blocks of 32 values for Q4_K/Q5_K, 16 of 16 values for Q6_K) and mins (`m[s][j]`)
+//!   as i32;
+//! - the kernel computes the same exact integers as [`super::kdot::terms`] and then the float
+//!   operations of the output's [`Kernel`] in [`super::kdot::Acc`]'s order, so every output
+//!   equals [`super::kdot::dot_rows`]' bit for bit (tested below). It covers `Gemm`, `Gemv`
+//!   and `Tiled`; `VecDot` (few activation rows of Q5_K/Q6_K) stays with [`super::kdot`].
+
+use super::kdot::Kernel;
+use super::kquant::{self, KFormat, Unpacked, QK_K};
+use super::q8k::Q8KBlock;
+
+/// Weight rows per panel: the 16 i32 lanes of an AVX-512 register.
+pub const PANEL: usize = 16;
+/// Scale slots per (panel, block) and row: Q6_K's 16 sub-blocks (Q4_K/Q5_K use 8).
+pub const SUBS: usize = 16;
+/// Code bytes per (panel, block).
+pub const CODE_BYTES: usize = QK_K * PANEL;
+/// Activation rows that share one weight load.
+pub const QUAD: usize = 4;
+
+/// One K-quant matrix in panels (see the module's invariants).
+#[derive(Debug, Clone)]
+pub struct KPanels {
+    pub fmt: KFormat,
+    pub rows: usize,
+    /// Blocks per weight row.
+    pub blocks: usize,
+    pub codes: Vec<u8>,
+    pub d: Vec<f32>,
+    pub dmin: Vec<f32>,
+    pub sc: Vec<i32>,
+    pub m: Vec<i32>,
+}
+
+/// Whether this CPU runs the panel kernel (AVX-512 F/BW/DQ and VNNI).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return super::avx512_kpanel::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+impl KPanels {
+    /// Repacks `rows` weight rows of `row_bytes` each (whole blocks of `fmt`); `None` when
+    /// `rows` is not a multiple of [`PANEL`] or the data does not hold them.
+    pub fn build(fmt: KFormat, data: &[u8], rows: usize, row_bytes: usize) -> Option<Self> {
+        let bb = fmt.block_bytes();
+        if rows == 0
+            || !rows.is_multiple_of(PANEL)
+            || !row_bytes.is_multiple_of(bb)
+            || data.len() != rows * row_bytes
+        {
+            return None;
+        }
+        let blocks = row_bytes / bb;
+        let pbs = rows / PANEL * blocks;
+        let mut p = Self {
+            fmt,
+            rows,
+            blocks,
+            codes: vec![0; pbs * CODE_BYTES],
+            d: vec![0.0; pbs * PANEL],
+            dmin: vec![0.0; pbs * PANEL],
+            sc: vec![0; pbs * SUBS * PANEL],
+            m: vec![0; pbs * 8 * PANEL],
+        };
+        let mut u = Unpacked::default();
+        for (r, row) in data.chunks_exact(row_bytes).enumerate() {
+            let (panel, j) = (r / PANEL, r % PANEL);
+            for (b, blk) in row.chunks_exact(bb).enumerate() {
+                kquant::unpack(fmt, blk, &mut u);
+                let pb = panel * blocks + b;
+                for g in 0..QK_K / 4 {
+                    let at = pb * CODE_BYTES + g * 4 * PANEL + 4 * j;
+                    p.codes[at..at + 4].copy_from_slice(&u.q[4 * g..4 * g + 4]);
+                }
+                p.d[pb * PANEL + j] = u.d;
+                p.dmin[pb * PANEL + j] = u.dmin;
+                for (s, &v) in u.sc.iter().enumerate() {
+                    p.sc[(pb * SUBS + s) * PANEL + j] = v;
+                }
+                for (s, &v) in u.m.iter().enumerate() {
+                    p.m[(pb * 8 + s) * PANEL + j] = v;
+                }
+            }
+        }
+        Some(p)
+    }
+
+    /// Number of panels.
+    pub fn panels(&self) -> usize {
+        self.rows / PANEL
+    }
+
+    /// Bytes this repacked copy holds.
+    pub fn resident_bytes(&self) -> usize {
+        self.codes.len() + 4 * (self.d.len() + self.dmin.len() + self.sc.len() + self.m.len())
+    }
+
+    /// `out[r * stride + 16 * (p - first) + j]` = weight row `16p + j` times activation row
+    /// `acts[r]`, computed as `kinds[r]` says, for the panels `first..first + count`.
+    /// `false` (nothing written) when this CPU lacks the kernel, an activation row is
+    /// short, or a row asks for `VecDot`.
+    pub fn matmul(
+        &self,
+        first: usize,
+        count: usize,
+        acts: &[&[Q8KBlock]],
+        kinds: &[Kernel],
+        out: &mut [f32],
+        stride: usize,
+    ) -> bool {
+        let ok = available()
+            && first + count <= self.panels()
+            && kinds.len() == acts.len()
+            && acts.iter().all(|a| a.len() >= self.blocks)
+            && !kinds.contains(&Kernel::VecDot)
+            && (acts.is_empty() || out.len() >= (acts.len() - 1) * stride + count * PANEL);
+        if !ok {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            // Row groups small enough that their activations stay in L2 while every panel
+            // of the run meets them.
+            const ROW_GROUP: usize = 32;
+            let mut buf = [[0f32; PANEL]; QUAD];
+            for (g, rows) in acts.chunks(ROW_GROUP).enumerate() {
+                for p in first..first + count {
+                    for (q, quad) in rows.chunks(QUAD).enumerate() {
+                        let r0 = g * ROW_GROUP + q * QUAD;
+                        let ks = &kinds[r0..r0 + quad.len()];
+                        super::avx512_kpanel::quad(self, p, quad, ks, &mut buf);
+                        for (i, o) in buf[..quad.len()].iter().enumerate() {
+                            let at = (r0 + i) * stride + (p - first) * PANEL;
+                            out[at..at + PANEL].copy_from_slice(o);
+                        }
+                    }
+                }
+            }
+            true
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::super::kdot;
+    use super::super::q8k::{quantize_block, Q8KRows};
+    use super::*;
+
+    /// Deterministic bytes that make valid-looking blocks (any bytes are valid codes and
+    /// scales; the f16 scales are set to small normal values).
+    fn weights(fmt: KFormat, rows: usize, blocks: usize, seed: u32) -> Vec<u8> {
+        let bb = fmt.block_bytes();
+        let mut v: Vec<u8> = (0..(rows * blocks * bb) as u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 7919) >> 11) as u8)
+            .collect();
+        for (k, blk) in v.chunks_exact_mut(bb).enumerate() {
+            let d = half::f16::from_f32(0.001 + 0.0003 * (k % 17) as f32).to_le_bytes();
+            let dm = half::f16::from_f32(0.0007 + 0.0002 * (k % 5) as f32).to_le_bytes();
+            match fmt {
+                KFormat::Q6K => blk[208..210].copy_from_slice(&d),
+                _ => {
+                    blk[0..2].copy_from_slice(&d);
+                    blk[2..4].copy_from_slice(&dm);
+                }
+            }
+        }
+        v
+    }
+
+    fn activations(rows: usize, blocks: usize, seed: u32) -> Q8KRows {
+        let x: Vec<f32> = (0..rows * blocks * QK_K)
+            .map(|i| {
+                let h = (i as u32).wrapping_mul(747_796_405).wrapping_add(seed) >> 9;
+                (h % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect();
+        let mut a = Q8KRows::quantize(&x, blocks * QK_K);
+        // One block at the extremes: a lone -128 is impossible (the quantizer gives -127..127)
+        // but the largest magnitudes are in.
+        let mut ext = Q8KBlock::default();
+        let e: Vec<f32> = (0..QK_K)
+            .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
+            .collect();
+        quantize_block(&e, &mut ext);
+        a.data[0] = ext;
+        a
+    }
+
+    /// Every output of the panel kernel equals `kdot::dot_rows`' (the kernels whose order
+    /// was checked against llama.cpp) bit for bit, for each format, each kernel it covers,
+    /// 1 to 11 activation rows (whole and partial quads) and rows of mixed kernels.
+    #[test]
+    fn panel_kernel_equals_the_reference_kernels() {
+        assert!(
+            available(),
+            "this test checks the AVX-512 VNNI panel kernel: run it on a CPU with AVX-512 VNNI"
+        );
+        let (rows, blocks) = (32, 3);
+        for fmt in [KFormat::Q4K, KFormat::Q5K, KFormat::Q6K] {
+            let w = weights(fmt, rows, blocks, fmt.block_bytes() as u32);
+            let rb = blocks * fmt.block_bytes();
+            let p = KPanels::build(fmt, &w, rows, rb).unwrap();
+            for n in 1..=11 {
+                let a = activations(n, blocks, n as u32);
+                let refs: Vec<&[Q8KBlock]> = (0..n).map(|r| a.row(r)).collect();
+                let mixes: Vec<Vec<Kernel>> = match fmt {
+                    KFormat::Q4K => vec![
+                        (0..n).map(|i| Kernel::choose(fmt, rows, n, i)).collect(),
+                        vec![Kernel::Tiled; n],
+                        (0..n)
+                            .map(|i| [Kernel::Gemm, Kernel::Gemv, Kernel::Tiled][i % 3])
+                            .collect(),
+                    ],
+                    _ => vec![vec![Kernel::Tiled; n]],
+                };
+                for kinds in mixes {
+                    let mut want = vec![0f32; n * rows];
+                    kdot::dot_rows(fmt, &w, rb, &refs, |r| kinds[r], &mut want, rows);
+                    let mut got = vec![f32::NAN; n * rows];
+                    assert!(p.matmul(0, p.panels(), &refs, &kinds, &mut got, rows));
+                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            e.to_bits(),
+                            "{fmt:?} n {n} kinds {kinds:?} output {i}: {g} vs {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A run of panels writes only its own columns, at its offset.
+    #[test]
+    fn a_run_of_panels_writes_its_columns() {
+        let fmt = KFormat::Q4K;
+        let (rows, blocks) = (48, 2);
+        let w = weights(fmt, rows, blocks, 3);
+        let rb = blocks * fmt.block_bytes();
+        let p = KPanels::build(fmt, &w, rows, rb).unwrap();
+        let a = activations(5, blocks, 9);
+        let refs: Vec<&[Q8KBlock]> = (0..5).map(|r| a.row(r)).collect();
+        let kinds = vec![Kernel::Tiled; 5];
+        let mut all = vec![0f32; 5 * rows];
+        assert!(p.matmul(0, 3, &refs, &kinds, &mut all, rows));
+        let mut mid = vec![f32::NAN; 5 * PANEL];
+        assert!(p.matmul(1, 1, &refs, &kinds, &mut mid, PANEL));
+        for r in 0..5 {
+            assert_eq!(
+                mid[r * PANEL..(r + 1) * PANEL],
+                all[r * rows + 16..r * rows + 32]
+            );
+        }
+        assert!(
+            !p.matmul(2, 2, &refs, &kinds, &mut all, rows),
+            "past the last panel"
+        );
+        let vd = vec![Kernel::VecDot; 5];
+        assert!(
+            !p.matmul(0, 1, &refs, &vd, &mut all, rows),
+            "VecDot is not a panel kernel"
+        );
+        assert!(
+            KPanels::build(fmt, &w[..rb * 8], 8, rb).is_none(),
+            "8 rows: no panel"
+        );
+    }
+}
