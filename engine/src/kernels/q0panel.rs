@@ -134,14 +134,7 @@ impl Q0Panels {
     /// not hold them.
     pub fn build(fmt: BlockFormat, data: &[u8], rows: usize, row_bytes: usize) -> Option<Self> {
         let bb = fmt.block_bytes();
-        let ours = matches!(
-            fmt,
-            BlockFormat::Q4_0
-                | BlockFormat::Q4_1
-                | BlockFormat::Q5_0
-                | BlockFormat::Q5_1
-                | BlockFormat::Q8_0
-        );
+        let ours = super::q8::supported(fmt);
         if !ours
             || rows == 0
             || !rows.is_multiple_of(PANEL)
