@@ -3,15 +3,16 @@
 //! dequantize-and-dot kernel for the few rows of a decode step, dense f32 with
 //! a GEMM for the many rows of a prefill.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
 use crate::kernels::kdot::{self, Kernel};
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use crate::kernels::kpanel::{self, KPanels, PANEL};
+use crate::kernels::kpanel::KPanels;
 use crate::kernels::kquant::KFormat;
+use crate::kernels::panel::{self, PANEL};
 use crate::kernels::q0panel::Q0Panels;
 use crate::kernels::q8::{self, Q8Batch, TILE};
 use crate::kernels::q8k::{self, Q8KBlock, Q8KRows};
@@ -134,9 +135,9 @@ impl QWeight {
     }
 }
 
-/// Weights repacked into panels of 16 rows for the AVX-512 VNNI kernels, beside the GGUF's
-/// blocks (which decode steps of the formats without a panel kernel, and the dequantizing
-/// paths, still read).
+/// Weights repacked into panels of 16 rows for the AVX-512 VNNI kernels: the K-quants'
+/// beside their GGUF blocks (their few-row `VecDot` reads those), the 32-value formats'
+/// instead of them.
 enum Panels {
     K(KPanels),
     Q0(Q0Panels),
@@ -144,7 +145,7 @@ enum Panels {
 
 impl Panels {
     fn build(q: &QWeight) -> Option<Self> {
-        if !kpanel::available() {
+        if !panel::available() {
             return None;
         }
         match q.format.kquant() {
@@ -284,7 +285,11 @@ impl Linear {
             Some(Panels::Q0(p)) => Some(p),
             _ => None,
         };
-        let format = (self.quantized.as_ref().map(|q| q.format)).or(q0.map(|p| p.fmt));
+        let format = self
+            .quantized
+            .as_ref()
+            .map(|q| q.format)
+            .or(q0.map(|p| p.fmt));
         let fused = match (&self.dense, format) {
             (Some(_), Some(f)) if decode && integer(f) => true,
             (Some(_), _) => rows_max <= FUSED_MAX_ROWS,
@@ -352,23 +357,36 @@ impl Linear {
     /// [`Self::q8_matmul`], bit for bit).
     fn q0_matmul(&self, p: &Q0Panels, acts: &Q8Batch) -> Result<Vec<f32>> {
         let pa = p.acts(acts);
-        let done = AtomicBool::new(true);
-        let y = self.by_output_runs(&[], 0, acts.rows, |o0, _, _, chunk, n_out| {
-            if !p.matmul(o0 / PANEL, n_out / PANEL, &pa, chunk, n_out) {
-                done.store(false, Ordering::Relaxed);
-            }
+        let y = self.panel_runs(acts.rows, |first, count, chunk, n_out| {
+            p.matmul(first, count, &pa, chunk, n_out)
         });
         // `matmul` declines only for arguments that `Panels::build` and this layer fixed.
-        match done.into_inner() {
-            true => Ok(y),
-            false => Err(EngineError::Format(format!(
+        y.ok_or_else(|| {
+            EngineError::Format(format!(
                 "the {} panel kernel declined a {}x{} matmul of {} rows",
                 p.fmt.name(),
                 self.out_dim,
                 self.in_dim,
                 acts.rows
-            ))),
-        }
+            ))
+        })
+    }
+
+    /// [`Self::by_output_runs`] over panels: `run(first, count, out, n_out)` multiplies the
+    /// panels `first..first + count` (the task's output features); `None` if any task's
+    /// kernel declined.
+    fn panel_runs(
+        &self,
+        rows: usize,
+        run: impl Fn(usize, usize, &mut [f32], usize) -> bool + Sync,
+    ) -> Option<Vec<f32>> {
+        let done = AtomicBool::new(true);
+        let y = self.by_output_runs(&[], 0, rows, |o0, _, _, chunk, n_out| {
+            if !run(o0 / PANEL, n_out / PANEL, chunk, n_out) {
+                done.store(false, Ordering::Relaxed);
+            }
+        });
+        done.into_inner().then_some(y)
     }
 
     /// `x W^T` for `rows` activation rows, in parallel tasks that each own a
@@ -435,19 +453,15 @@ impl Linear {
             Some(Panels::K(p)) if !kinds.contains(&Kernel::VecDot) => Some(p),
             _ => None,
         };
-        if let Some(p) = panels {
-            // `matmul` declines only for arguments checked above; should it, the portable
-            // kernels compute the whole matmul again.
-            let done = AtomicBool::new(true);
-            let y = self.by_output_runs(&q.data, q.row_bytes(), rows, |o0, _, _, chunk, n_out| {
-                let (first, count) = (o0 / PANEL, n_out / PANEL);
-                if !p.matmul(first, count, &refs, &kinds, chunk, n_out) {
-                    done.store(false, Ordering::Relaxed);
-                }
-            });
-            if done.into_inner() {
-                return y;
-            }
+        // `matmul` declines only for arguments checked above; should it, the portable
+        // kernels compute the whole matmul again.
+        let by_panels = panels.and_then(|p| {
+            self.panel_runs(rows, |first, count, chunk, n_out| {
+                p.matmul(first, count, &refs, &kinds, chunk, n_out)
+            })
+        });
+        if let Some(y) = by_panels {
+            return y;
         }
         self.by_output_runs(&q.data, q.row_bytes(), rows, |_, w, rb, chunk, n_out| {
             kdot::dot_rows(k, w, rb, &refs, |r| kinds[r], chunk, n_out)

@@ -163,9 +163,9 @@ fn kernel_choice_follows_llama_cpp() {
 }
 
 /// A K-quant linear layer keeps the quantized blocks (no f32 copy in the
-/// quantized mode; prompts take the panels where the CPU has AVX-512 VNNI), gives each decode row the value it has alone, and each
-/// prompt row the kernel its index in the prompt asks for, whatever the
-/// chunk it comes in.
+/// quantized mode; prompts take the panels where the CPU has AVX-512 VNNI),
+/// gives each decode row the value it has alone, and each prompt row the
+/// kernel its index in the prompt asks for, whatever the chunk it comes in.
 #[test]
 fn kquant_linear_is_batch_invariant_for_decode_and_chunk_invariant_for_prompts() {
     let (mut f, c) = gemma();

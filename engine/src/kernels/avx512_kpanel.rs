@@ -14,8 +14,9 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::kdot::Kernel;
-use super::kpanel::{KPanels, CODE_BYTES, PANEL, QUAD, SUBS};
+use super::kpanel::{KPanels, CODE_BYTES, QUAD, SUBS};
 use super::kquant::KFormat;
+use super::panel::PANEL;
 use super::q8k::Q8KBlock;
 
 pub fn available() -> bool {

@@ -1,6 +1,6 @@
 //! The AVX-512 VNNI kernel of [`super::q0panel`]: 16 weight rows (one per i32 lane) of a
 //! 32-value format against a few activation rows of a [`Q8Tile`]. `unsafe` because the
-//! intrinsics need CPU features, which [`super::q0panel::available`] checks at run time
+//! intrinsics need CPU features, which [`super::panel::available`] checks at run time
 //! before any of them is called.
 //!
 //! Per (block, activation row) each of ggml's 8 integer lanes (values `4g..4g+4`) is one
@@ -12,7 +12,8 @@
 
 use std::arch::x86_64::*;
 
-use super::q0panel::{available, has_min, Q0Panels, CODE_BYTES, PANEL};
+use super::panel::{available, PANEL};
+use super::q0panel::{has_min, Q0Panels, CODE_BYTES};
 use super::q8::{Q8Tile, TILE};
 use super::QK;
 

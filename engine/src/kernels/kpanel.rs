@@ -22,10 +22,9 @@
 
 use super::kdot::Kernel;
 use super::kquant::{self, KFormat, Unpacked, QK_K};
+use super::panel::{self, available, PANEL};
 use super::q8k::Q8KBlock;
 
-/// Weight rows per panel: the 16 i32 lanes of an AVX-512 register.
-pub const PANEL: usize = 16;
 /// Scale slots per (panel, block) and row: Q6_K's 16 sub-blocks (Q4_K/Q5_K use 8).
 pub const SUBS: usize = 16;
 /// Code bytes per (panel, block).
@@ -47,27 +46,12 @@ pub struct KPanels {
     pub m: Vec<i32>,
 }
 
-/// Whether this CPU runs the panel kernel (AVX-512 F/BW/DQ and VNNI).
-pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return super::avx512_kpanel::available();
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
 impl KPanels {
     /// Repacks `rows` weight rows of `row_bytes` each (whole blocks of `fmt`); `None` when
     /// `rows` is not a multiple of [`PANEL`] or the data does not hold them.
     pub fn build(fmt: KFormat, data: &[u8], rows: usize, row_bytes: usize) -> Option<Self> {
         let bb = fmt.block_bytes();
-        if rows == 0
-            || !rows.is_multiple_of(PANEL)
-            || !row_bytes.is_multiple_of(bb)
-            || data.len() != rows * row_bytes
-        {
-            return None;
-        }
-        let blocks = row_bytes / bb;
+        let blocks = panel::blocks_per_row(rows, row_bytes, bb, data.len())?;
         let pbs = rows / PANEL * blocks;
         let mut p = Self {
             fmt,
@@ -81,14 +65,11 @@ impl KPanels {
         };
         let mut u = Unpacked::default();
         for (r, row) in data.chunks_exact(row_bytes).enumerate() {
-            let (panel, j) = (r / PANEL, r % PANEL);
+            let (pn, j) = (r / PANEL, r % PANEL);
             for (b, blk) in row.chunks_exact(bb).enumerate() {
                 kquant::unpack(fmt, blk, &mut u);
-                let pb = panel * blocks + b;
-                for g in 0..QK_K / 4 {
-                    let at = pb * CODE_BYTES + g * 4 * PANEL + 4 * j;
-                    p.codes[at..at + 4].copy_from_slice(&u.q[4 * g..4 * g + 4]);
-                }
+                let pb = pn * blocks + b;
+                panel::interleave(&mut p.codes[pb * CODE_BYTES..], j, &u.q);
                 p.d[pb * PANEL + j] = u.d;
                 p.dmin[pb * PANEL + j] = u.dmin;
                 for (s, &v) in u.sc.iter().enumerate() {
@@ -164,16 +145,14 @@ impl KPanels {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::super::kdot;
+    use super::super::panel::{test_bytes, test_values};
     use super::super::q8k::{quantize_block, Q8KRows};
     use super::*;
 
-    /// Deterministic bytes that make valid-looking blocks (any bytes are valid codes and
-    /// scales; the f16 scales are set to small normal values).
+    /// Blocks of deterministic bytes with small normal f16 scales.
     fn weights(fmt: KFormat, rows: usize, blocks: usize, seed: u32) -> Vec<u8> {
         let bb = fmt.block_bytes();
-        let mut v: Vec<u8> = (0..(rows * blocks * bb) as u32)
-            .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 7919) >> 11) as u8)
-            .collect();
+        let mut v = test_bytes(rows * blocks * bb, seed);
         for (k, blk) in v.chunks_exact_mut(bb).enumerate() {
             let d = half::f16::from_f32(0.001 + 0.0003 * (k % 17) as f32).to_le_bytes();
             let dm = half::f16::from_f32(0.0007 + 0.0002 * (k % 5) as f32).to_le_bytes();
@@ -189,12 +168,7 @@ mod tests {
     }
 
     fn activations(rows: usize, blocks: usize, seed: u32) -> Q8KRows {
-        let x: Vec<f32> = (0..rows * blocks * QK_K)
-            .map(|i| {
-                let h = (i as u32).wrapping_mul(747_796_405).wrapping_add(seed) >> 9;
-                (h % 2001) as f32 / 1000.0 - 1.0
-            })
-            .collect();
+        let x = test_values(rows * blocks * QK_K, seed);
         let mut a = Q8KRows::quantize(&x, blocks * QK_K);
         // One block at the extremes: a lone -128 is impossible (the quantizer gives -127..127)
         // but the largest magnitudes are in.

@@ -22,6 +22,7 @@ pub mod ggml;
 pub mod kdot;
 pub mod kpanel;
 pub mod kquant;
+pub mod panel;
 pub mod q0panel;
 pub mod q8;
 pub mod q8k;

@@ -22,11 +22,10 @@
 
 use half::f16;
 
+use super::panel::{self, available, PANEL};
 use super::q8::{Q8Batch, TILE};
 use super::{BlockFormat, QK};
 
-/// Weight rows per panel: the 16 i32 lanes of an AVX-512 register.
-pub const PANEL: usize = 16;
 /// Code bytes per (panel, block).
 pub const CODE_BYTES: usize = QK * PANEL;
 
@@ -49,11 +48,6 @@ pub struct Q0Acts<'a> {
     pub batch: &'a Q8Batch,
     /// Tile `t`, block `b`, row `r`, group `g` at `corr[t][(b * rows + r) * 8 + g]`.
     pub corr: Vec<Vec<i32>>,
-}
-
-/// Whether this CPU runs the panel kernel (AVX-512 F/BW/DQ and VNNI).
-pub fn available() -> bool {
-    super::kpanel::available()
 }
 
 /// The unsigned code offset of a format (what its stored code exceeds the signed value by).
@@ -133,17 +127,11 @@ impl Q0Panels {
     /// other formats, when `rows` is not a multiple of [`PANEL`], or when the data does
     /// not hold them.
     pub fn build(fmt: BlockFormat, data: &[u8], rows: usize, row_bytes: usize) -> Option<Self> {
-        let bb = fmt.block_bytes();
-        let ours = super::q8::supported(fmt);
-        if !ours
-            || rows == 0
-            || !rows.is_multiple_of(PANEL)
-            || !row_bytes.is_multiple_of(bb)
-            || data.len() != rows * row_bytes
-        {
+        if !super::q8::supported(fmt) {
             return None;
         }
-        let blocks = row_bytes / bb;
+        let bb = fmt.block_bytes();
+        let blocks = panel::blocks_per_row(rows, row_bytes, bb, data.len())?;
         let pbs = rows / PANEL * blocks;
         let mut p = Self {
             fmt,
@@ -159,14 +147,11 @@ impl Q0Panels {
         };
         let mut q = [0u8; QK];
         for (r, row) in data.chunks_exact(row_bytes).enumerate() {
-            let (panel, j) = (r / PANEL, r % PANEL);
+            let (pn, j) = (r / PANEL, r % PANEL);
             for (b, blk) in row.chunks_exact(bb).enumerate() {
                 let (d, m) = unpack(fmt, blk, &mut q);
-                let pb = panel * blocks + b;
-                for g in 0..QK / 4 {
-                    let at = pb * CODE_BYTES + g * 4 * PANEL + 4 * j;
-                    p.codes[at..at + 4].copy_from_slice(&q[4 * g..4 * g + 4]);
-                }
+                let pb = pn * blocks + b;
+                panel::interleave(&mut p.codes[pb * CODE_BYTES..], j, &q);
                 p.d[pb * PANEL + j] = d;
                 if let Some(v) = p.m.get_mut(pb * PANEL + j) {
                     *v = m;
@@ -252,14 +237,14 @@ impl Q0Panels {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::super::panel::{test_bytes, test_values};
     use super::super::q8;
     use super::*;
 
+    /// Blocks of deterministic bytes with small normal f16 scales (and minimums).
     fn weights(fmt: BlockFormat, rows: usize, blocks: usize, seed: u32) -> Vec<u8> {
         let bb = fmt.block_bytes();
-        let mut v: Vec<u8> = (0..(rows * blocks * bb) as u32)
-            .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 7919) >> 11) as u8)
-            .collect();
+        let mut v = test_bytes(rows * blocks * bb, seed);
         for (k, blk) in v.chunks_exact_mut(bb).enumerate() {
             let d = f16::from_f32(0.01 + 0.003 * (k % 17) as f32).to_le_bytes();
             let m = f16::from_f32(-0.07 + 0.002 * (k % 5) as f32).to_le_bytes();
@@ -291,10 +276,7 @@ mod tests {
             let rb = blocks * fmt.block_bytes();
             let p = Q0Panels::build(fmt, &w, rows, rb).unwrap();
             for n in [1, 2, 3, 7, 8, 9, 16, 19] {
-                let x: Vec<f32> = (0..n * blocks * QK)
-                    .map(|i| ((i as u32).wrapping_mul(747_796_405) >> 9) % 2001)
-                    .map(|h| h as f32 / 1000.0 - 1.0)
-                    .collect();
+                let x = test_values(n * blocks * QK, 0);
                 let batch = Q8Batch::quantize(&x, blocks * QK);
                 let mut want = vec![0f32; n * rows];
                 for (ti, t) in batch.tiles.iter().enumerate() {
