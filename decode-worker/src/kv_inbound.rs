@@ -62,13 +62,12 @@ impl PoolSink {
     pub fn release(&mut self) -> Option<u64> {
         self.held.take().map(|h| h.generation())
     }
+}
 
-    fn lease(&mut self) -> Result<&mut RegionLease, SinkError> {
-        self.held
-            .as_mut()
-            .and_then(Held::lease)
-            .ok_or_else(no_lease)
-    }
+/// The current transfer's lease (a free function, so the sink's other fields stay
+/// borrowable beside it).
+fn lease_of(held: &mut Option<Held>) -> Result<&mut RegionLease, SinkError> {
+    held.as_mut().and_then(Held::lease).ok_or_else(no_lease)
 }
 
 impl KvSink for PoolSink {
@@ -89,7 +88,7 @@ impl KvSink for PoolSink {
 
     fn region_mut(&mut self, layer: u32, k: WireKind, block: u32) -> Result<&mut [u8], SinkError> {
         let PoolSink { held, discard, .. } = self;
-        let lease = held.as_mut().and_then(Held::lease).ok_or_else(no_lease)?;
+        let lease = lease_of(held)?;
         let n = lease.region_bytes();
         match lease.region_mut(layer as usize, kind(k), block) {
             LeasedRegion::Write(r) => {
@@ -114,7 +113,7 @@ impl KvSink for PoolSink {
         blocks: &[u32],
         out: &mut Vec<&'a mut [u8]>,
     ) -> Result<bool, SinkError> {
-        let lease = self.lease()?;
+        let lease = lease_of(&mut self.held)?;
         let done = lease.regions_mut(layer as usize, kind(k), blocks, out);
         if done {
             crate::copies::into_pool(out.iter().map(|r| r.len()).sum());

@@ -186,7 +186,9 @@ impl Parked {
         loop {
             self.next_id = self.next_id.wrapping_add(1);
             let id = u64::MAX - self.next_id;
-            if !cache.contains(id) && !self.cells.iter().any(|(p, _)| *p == id) {
+            // Every parked id is a live sequence of `cache` (renamed before it is listed,
+            // freed when it is taken off), so the cache alone says whether `id` is taken.
+            if !cache.contains(id) {
                 return id;
             }
         }

@@ -10,10 +10,11 @@
 //! pages; in process the decode worker's into its pool. A pool the arena cannot hold (or no
 //! arena) is ordinary memory, which a same-host decode worker reads with process_vm_readv.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use duet_engine::{KvCache, KvLayout};
+use duet_engine::{KvCache, KvLayout, SeqId};
 use duet_kv_transfer::backend::shm::{ArenaBuf, SendArena, ARENA_ALIGN};
 
 use crate::error::PrefillError;
@@ -46,7 +47,17 @@ impl AsMut<[u8]> for ArenaPool {
     }
 }
 
-/// `layer`'s K regions then V regions of `blocks`, in order, read in place from `cache`.
-pub fn layer_regions(cache: &KvCache, layer: usize, blocks: &[u32]) -> (Vec<Bytes>, Vec<Bytes>) {
-    cache.pinned_regions(layer, blocks)
+/// `layer`'s K regions then V regions of sequence `seq`'s logical blocks `range` (each from
+/// the table of `layer`'s group), in order, read in place from `cache`; `None` when one of
+/// them is not in the cache.
+pub fn sequence_regions(
+    cache: &KvCache,
+    seq: SeqId,
+    range: Range<usize>,
+    layer: usize,
+) -> Option<(Vec<Bytes>, Vec<Bytes>)> {
+    let blocks: Option<Vec<u32>> = range
+        .map(|i| cache.sequence_block(seq, i, layer).ok())
+        .collect();
+    Some(cache.pinned_regions(layer, &blocks?))
 }

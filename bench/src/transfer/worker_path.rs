@@ -3,8 +3,8 @@
 //!
 //! What runs is the workers' own code, not the benchmark's stand-ins: the sending side takes
 //! each layer's regions in place from a real paged KV cache of the model (f16, the default
-//! layout, placed by the prefill worker's `scratch_pool`) with its `layer_regions` (pinned
-//! `Bytes` over its pool) and sends
+//! layout, placed by the prefill worker's `scratch_pool`) with `KvCache::pinned_regions` (pinned
+//! `Bytes` over its pool, what the prefill worker sends) and sends
 //! them with `send_layer_bytes` over a connection made as `duet prefill` makes it (over shm
 //! the pool lives in the send arena the receiver maps); the receiving side is a real decode worker engine
 //! (`DecodeHandle` over the model) behind `kv_inbound::serve`, the function `duet decode`
@@ -307,7 +307,7 @@ async fn one_round(
         })
         .await?;
         for layer in 0..layers {
-            let (k, v) = duet_prefill_worker::send_pool::layer_regions(prefill, layer, src);
+            let (k, v) = prefill.pinned_regions(layer, src);
             tx.send_layer_bytes(layer as u32, k, v).await?;
         }
         tx.finish().await?;

@@ -72,15 +72,17 @@ impl RegionLease {
         self.region_bytes
     }
 
-    fn offset(&self, layer: usize, kind: KvKind, block: BlockId) -> Option<usize> {
+    /// `block`'s place in the lease and the offset of its region (`DROPPED` if dropped).
+    fn locate(&self, layer: usize, kind: KvKind, block: BlockId) -> Option<(usize, usize)> {
         if layer >= self.layers {
             return None;
         }
         let at = *self.index.get(&block)?;
-        match self.k_offsets[at * self.layers + layer] {
-            DROPPED => Some(DROPPED),
-            k => Some(k + kind as usize * self.region_bytes),
-        }
+        let offset = match self.k_offsets[at * self.layers + layer] {
+            DROPPED => DROPPED,
+            k => k + kind as usize * self.region_bytes,
+        };
+        Some((at, offset))
     }
 
     fn slice(&mut self, offset: usize) -> &mut [u8] {
@@ -93,10 +95,10 @@ impl RegionLease {
 
     /// The region of `layer`'s `kind` in `block`.
     pub fn region_mut(&mut self, layer: usize, kind: KvKind, block: BlockId) -> LeasedRegion<'_> {
-        match self.offset(layer, kind, block) {
+        match self.locate(layer, kind, block) {
             None => LeasedRegion::Outside,
-            Some(DROPPED) => LeasedRegion::Dropped,
-            Some(o) => LeasedRegion::Write(self.slice(o)),
+            Some((_, DROPPED)) => LeasedRegion::Dropped,
+            Some((_, o)) => LeasedRegion::Write(self.slice(o)),
         }
     }
 
@@ -112,21 +114,19 @@ impl RegionLease {
     ) -> bool {
         self.seen.clear();
         self.seen.resize(self.blocks.len(), false);
-        let mut offsets = Vec::with_capacity(blocks.len());
+        let (start, base, n) = (out.len(), self.mem.base(), self.region_bytes);
         for &b in blocks {
-            let (Some(o), Some(&at)) = (self.offset(layer, kind, b), self.index.get(&b)) else {
-                return false;
+            let o = match self.locate(layer, kind, b) {
+                Some((at, o)) if o != DROPPED && !std::mem::replace(&mut self.seen[at], true) => o,
+                _ => {
+                    out.truncate(start);
+                    return false;
+                }
             };
-            if o == DROPPED || std::mem::replace(&mut self.seen[at], true) {
-                return false;
-            }
-            offsets.push(o);
-        }
-        let (base, n) = (self.mem.base(), self.region_bytes);
-        for o in offsets {
-            // SAFETY: as in `slice`; the regions are pairwise disjoint (distinct blocks,
-            // checked above; distinct blocks' regions never overlap), and all borrow `self`
-            // mutably for `'a`, so no other borrow of the lease exists meanwhile.
+            // SAFETY: as in `slice`; a block is pushed only the first time it is seen, so the
+            // regions are pairwise disjoint (distinct blocks' regions never overlap), and all
+            // borrow `self` mutably for `'a`, so no other borrow of the lease exists
+            // meanwhile. On a refusal they are taken off `out` again before anyone uses them.
             out.push(unsafe { std::slice::from_raw_parts_mut(base.add(o), n) });
         }
         true
@@ -164,7 +164,6 @@ impl KvCache {
         let (layers, elem) = (self.layout.n_layers, self.layout.dtype.size());
         let mut k_offsets = Vec::with_capacity(blocks.len() * layers);
         let mut index = HashMap::with_capacity(blocks.len());
-        let mut written = Vec::new();
         for (at, &b) in blocks.iter().enumerate() {
             if index.insert(b, at).is_some() {
                 return Err(EngineError::invalid(
@@ -179,17 +178,12 @@ impl KvCache {
                 };
                 k_offsets.push(match phys {
                     Some(p) => {
-                        written.push(p);
+                        self.device.host_wrote(p);
                         self.region_offset(p, layer, KvKind::K) * elem
                     }
                     None => DROPPED,
                 });
             }
-        }
-        written.sort_unstable();
-        written.dedup();
-        for p in written {
-            self.device.host_wrote(p);
         }
         Ok(RegionLease {
             mem: self.storage.memory().clone(),

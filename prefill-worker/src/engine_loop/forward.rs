@@ -13,7 +13,7 @@ use super::{Engine, Running};
 use crate::error::PrefillError;
 use crate::handle::PrefillResult;
 use crate::policy;
-use crate::send_pool::layer_regions;
+use crate::send_pool::sequence_regions;
 use crate::transfer::Msg;
 
 impl Engine {
@@ -149,13 +149,9 @@ impl Engine {
             for (tx, seq, first, last) in &outs {
                 // The chunk's logical blocks in this layer's group (all held during the
                 // forward: a local group drops only after it), read in place.
-                let blocks: Option<Vec<u32>> = (*first..*last)
-                    .map(|i| cache.sequence_block(*seq, i, layer).ok())
-                    .collect();
-                let Some(blocks) = blocks else {
+                let Some((k, v)) = sequence_regions(cache, *seq, *first..*last, layer) else {
                     continue;
                 };
-                let (k, v) = layer_regions(cache, layer, &blocks);
                 let _ = tx.send(Msg::Layer {
                     layer: layer as u32,
                     k,

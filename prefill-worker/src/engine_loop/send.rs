@@ -7,7 +7,7 @@ use duet_kv_transfer::TransferDesc;
 
 use super::{Engine, Running};
 use crate::error::PrefillError;
-use crate::send_pool::layer_regions;
+use crate::send_pool::sequence_regions;
 use crate::transfer::Msg;
 
 /// Which blocks a transfer sends.
@@ -84,20 +84,18 @@ impl Engine {
         };
         let _ = r.tx.send(Msg::Begin(desc));
         for layer in 0..self.cache.layout().n_layers {
-            let held: Option<Vec<u32>> = match &blocks {
-                Source::Held(b) => Some(b.to_vec()),
-                Source::Logical(range) => range
-                    .clone()
-                    .map(|i| self.cache.sequence_block(r.job.request_id, i, layer).ok())
-                    .collect(),
+            let regions = match &blocks {
+                Source::Held(b) => Some(self.cache.pinned_regions(layer, b)),
+                Source::Logical(range) => {
+                    sequence_regions(&self.cache, r.job.request_id, range.clone(), layer)
+                }
             };
-            let Some(held) = held else {
+            let Some((k, v)) = regions else {
                 let _ = r.tx.send(Msg::Fail(PrefillError::StepFailed(
                     "the cached prefix to send is not in the cache".into(),
                 )));
                 return;
             };
-            let (k, v) = layer_regions(&self.cache, layer, &held);
             let _ = r.tx.send(Msg::Layer {
                 layer: layer as u32,
                 k,
