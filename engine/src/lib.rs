@@ -42,6 +42,7 @@ mod fingerprint;
 pub mod forward;
 pub mod generate;
 mod gguf_check;
+mod heap;
 pub mod kernels;
 pub mod kv;
 mod layer_ops;

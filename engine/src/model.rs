@@ -313,6 +313,7 @@ impl Model {
         })?;
 
         let fingerprint = ld.fp.finish(&config, &tokenizer);
+        crate::heap::release_free_pages();
         Ok(Self {
             config,
             tokenizer,
@@ -356,14 +357,13 @@ impl Model {
 
     /// Row `token` of the embedding matrix, dequantized into `out`.
     pub(crate) fn embedding_row(&self, token: usize, out: &mut [f32]) -> Result<()> {
-        let table = match &self.embed {
-            Some(e) => e,
-            None => self.output.quantized().ok_or_else(|| {
-                EngineError::Format("tied embedding without quantized blocks".into())
-            })?,
-        };
-        table.dequant_row(token, out);
-        Ok(())
+        match &self.embed {
+            Some(e) => {
+                e.dequant_row(token, out);
+                Ok(())
+            }
+            None => self.output.dequant_row(token, out),
+        }
     }
 
     /// Bytes the weights occupy in memory.

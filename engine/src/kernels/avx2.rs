@@ -411,8 +411,8 @@ impl KvLoad for f16 {
 
 /// `out.push(dot(q, row) * scale)` for each row of `k` (rows of `q.len()`
 /// elements), in the order of [`dot_lanes64`] (`lanes64`) or [`dot_lanes16`],
-/// with `q` held in registers. `false` (nothing pushed) without AVX2 or for
-/// a head size other than 64 or 128.
+/// with `q` held in registers (at 256, partly in L1). `false` (nothing pushed) without AVX2
+/// or for a head size other than 64, 128 or 256.
 pub fn scores<T: KvLoad>(
     lanes64: bool,
     q: &[f32],
@@ -430,6 +430,7 @@ pub fn scores<T: KvLoad>(
         match q.len() {
             64 => scores_n::<T, 8>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out),
             128 => scores_n::<T, 16>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out),
+            256 => scores_n::<T, 32>(lanes64, q.as_ptr(), k.as_ptr(), rows, scale, out),
             _ => return false,
         }
     }
@@ -487,8 +488,10 @@ unsafe fn scores_n<T: KvLoad, const N: usize>(
 /// `acc` (rows of `hd`) becomes `sum p[t] * V_t` over `t = l, l + lanes, ...
 /// < p.len()`, accumulated in increasing `t` with fused multiply-adds. `V_t`
 /// is the row at `v[bases[t / bs] + (t % bs) * hd..]`. The lane's row stays
-/// in registers. `false` (nothing written) without AVX2, for a head size
-/// other than 64 or 128, or a block size that is not a power of two.
+/// in registers, 64 columns at a time (each column's sum is its own chain, so the split
+/// does not change it; 16 accumulators of 8 would not fit AVX2's 16 registers, and their
+/// spills made the kernel's speed depend on where the KV pool sits, by up to 2x). `false` (nothing written) without AVX2,
+/// for a head size other than 64, 128 or 256, or a block size that is not a power of two.
 pub fn pv<T: KvLoad>(
     lanes: usize,
     p: &[f32],
@@ -498,28 +501,31 @@ pub fn pv<T: KvLoad>(
     acc: &mut [f32],
 ) -> bool {
     let hd = acc.len() / lanes.max(1);
-    if !available() || !bs.is_power_of_two() || !matches!(hd, 64 | 128) {
+    if !available() || !bs.is_power_of_two() || !matches!(hd, 64 | 128 | 256) {
         return false;
     }
     assert!(
         p.len() <= bases.len() * bs && bases.iter().all(|&b| b + bs * hd <= v.len()),
         "positions outside the KV rows"
     );
-    // SAFETY: for both arms, `available()` confirmed AVX2/FMA/F16C; the assert
-    // bounds every row `t < p.len()` to `v`, and `acc` has `lanes` rows.
+    // SAFETY: `available()` confirmed AVX2/FMA/F16C; the assert bounds every row
+    // `t < p.len()` (of `hd` elements) to `v`, `acc` has `lanes` rows of `hd`, and each
+    // call's columns `col..col + 64` lie within `hd` (a multiple of 64).
     unsafe {
-        match hd {
-            64 => pv_n::<T, 8>(lanes, p, v.as_ptr(), bases, bs, acc),
-            _ => pv_n::<T, 16>(lanes, p, v.as_ptr(), bases, bs, acc),
+        for col in (0..hd).step_by(64) {
+            pv_n::<T, 8>(lanes, p, v.as_ptr(), bases, bs, acc, hd, col);
         }
     }
     true
 }
 
+/// Columns `col..col + 8N` of rows of `hd` elements.
+///
 /// # Safety
-/// AVX2/FMA/F16C must be available; for every position `t < p.len()` the row
-/// `bases[t / bs] + (t % bs) * 8 * N` of `8 * N` elements must be readable at `v`, and
-/// `acc` must hold `lanes` rows of `8 * N`.
+/// AVX2/FMA/F16C must be available; `col + 8 * N <= hd`; for every position `t < p.len()`
+/// the row `bases[t / bs] + (t % bs) * hd` of `hd` elements must be readable at `v`, and
+/// `acc` must hold `lanes` rows of `hd`.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pv_n<T: KvLoad, const N: usize>(
     lanes: usize,
@@ -528,16 +534,19 @@ unsafe fn pv_n<T: KvLoad, const N: usize>(
     bases: &[usize],
     bs: usize,
     acc: &mut [f32],
+    hd: usize,
+    col: usize,
 ) {
     let shift = bs.trailing_zeros();
     let n = p.len();
-    for (lane, row) in acc.chunks_exact_mut(8 * N).enumerate().take(n.min(lanes)) {
+    for (lane, row) in acc.chunks_exact_mut(hd).enumerate().take(n.min(lanes)) {
         let mut a = [_mm256_setzero_ps(); N];
         let mut t = lane;
         while t < n {
             let pt = _mm256_set1_ps(p[t]);
-            // SAFETY: `t < n`, so its row is within `v` (the caller's assert).
-            let vp = unsafe { v.add(bases[t >> shift] + (t & (bs - 1)) * 8 * N) };
+            // SAFETY: `t < n`, so its row is within `v` (the caller's assert), and
+            // `col + 8N <= hd`.
+            let vp = unsafe { v.add(bases[t >> shift] + (t & (bs - 1)) * hd + col) };
             for (i, ai) in a.iter_mut().enumerate() {
                 // SAFETY: element 8i + 8 <= 8N of the row.
                 *ai = _mm256_fmadd_ps(pt, unsafe { T::load8(vp.add(8 * i)) }, *ai);
@@ -545,8 +554,8 @@ unsafe fn pv_n<T: KvLoad, const N: usize>(
             t += lanes;
         }
         for (i, ai) in a.iter().enumerate() {
-            // SAFETY: `row` has 8 * N floats.
-            unsafe { _mm256_storeu_ps(row.as_mut_ptr().add(8 * i), *ai) };
+            // SAFETY: `row` has `hd >= col + 8N` floats.
+            unsafe { _mm256_storeu_ps(row.as_mut_ptr().add(col + 8 * i), *ai) };
         }
     }
 }

@@ -31,7 +31,7 @@ pub fn available() -> bool {
 }
 
 /// Panel `p` of `w` against the activation rows `acts` (1 to [`QUAD`]), each computed as
-/// `kinds[r]` (not `VecDot`), into `out[r]`.
+/// `kinds[r]` (all `VecDot` or none: [`KPanels::takes`]), into `out[r]`.
 ///
 /// Panics if `p` is past the last panel, a row is shorter than a weight row, `acts` holds
 /// more than [`QUAD`] rows or `kinds` fewer than `acts`; does nothing without the CPU
@@ -47,10 +47,12 @@ pub fn quad(
         p < w.panels()
             && (1..=QUAD).contains(&acts.len())
             && kinds.len() >= acts.len()
+            && KPanels::takes(&kinds[..acts.len()])
             && acts.iter().all(|a| a.len() >= w.blocks)
             && w.codes.len() >= (p + 1) * w.blocks * CODE_BYTES
             && w.sc.len() >= (p + 1) * w.blocks * SUBS * PANEL
             && w.m.len() >= (p + 1) * w.blocks * 8 * PANEL
+            && (w.fmt.has_mins() || w.sc2.len() >= (p + 1) * w.blocks * 8 * PANEL)
             && w.d.len() >= (p + 1) * w.blocks * PANEL
             && w.dmin.len() >= (p + 1) * w.blocks * PANEL,
         "panel kernel arguments out of range"
@@ -66,6 +68,7 @@ pub fn quad(
             // read (blocks `0..w.blocks` of panel `p` and of each activation row).
             let o = unsafe {
                 match w.fmt {
+                    _ if k[0] == Kernel::VecDot => super::avx512_kvecdot::kernel::<$r>(w, p, a),
                     KFormat::Q6K => kernel::<$r, true>(w, p, a, k),
                     _ => kernel::<$r, false>(w, p, a, k),
                 }
@@ -86,10 +89,21 @@ pub fn quad(
 /// # Safety
 /// `at + 4 <= 256`.
 #[inline(always)]
-unsafe fn bcast(x: &[i8; 256], at: usize) -> __m512i {
+pub(super) unsafe fn bcast(x: &[i8; 256], at: usize) -> __m512i {
     // SAFETY: the caller's bound; unaligned read of 4 bytes.
     let v = unsafe { std::ptr::read_unaligned(x.as_ptr().add(at).cast::<i32>()) };
     _mm512_set1_epi32(v)
+}
+
+/// The activations' 16-value sums `2t` and `2t + 1` as an i16 pair in every lane.
+///
+/// # Safety
+/// AVX-512 F must be available; `t < 8`.
+#[inline(always)]
+pub(super) unsafe fn bsum_pair(bs: &[i16; 16], t: usize) -> __m512i {
+    let lo = bs[2 * t] as u16 as u32;
+    let hi = bs[2 * t + 1] as u16 as u32;
+    _mm512_set1_epi32((lo | hi << 16) as i32)
 }
 
 /// # Safety
@@ -118,6 +132,13 @@ unsafe fn kernel<const R: usize, const Q6: bool>(
                 w.m.as_ptr().add(pb * 8 * PANEL),
             )
         };
+        // Q6_K's scale pairs (a dangling, never-read pointer for the other formats).
+        let sc2p = if Q6 {
+            // SAFETY: Q6_K panels hold 8 pair rows per (panel, block) (the caller's bound).
+            unsafe { w.sc2.as_ptr().add(pb * 8 * PANEL) }
+        } else {
+            w.sc2.as_ptr()
+        };
         // SAFETY: 16 values each at `pb * PANEL`.
         let (dv, dminv) = unsafe {
             (
@@ -130,20 +151,23 @@ unsafe fn kernel<const R: usize, const Q6: bool>(
         // Scale and min rows `s` of this block.
         macro_rules! sc {
             ($s:expr) => {
-                // SAFETY: row `s < SUBS` of this block's scales.
-                unsafe { _mm512_loadu_si512(scp.add($s * PANEL).cast()) }
+                // SAFETY: row `s < SUBS` of this block's scales (pairs `(sc, sc)`: the
+                // high half, sign-extended, is the scale).
+                _mm512_srai_epi32::<16>(unsafe { _mm512_loadu_si512(scp.add($s * PANEL).cast()) })
             };
         }
-        // `m[s] * (bsums[2s] + bsums[2s+1])` of row `r`, summed over the sub-blocks `s`.
+        // `m[s] * (bsums[2s] + bsums[2s+1])` of row `r`, summed over the sub-blocks `s`
+        // (`vpdpwssd` of the pair `(m, m)` with the pair of sums: the same integer).
         macro_rules! min_terms {
             ($r:expr, $range:expr) => {{
                 let bs = &blk[$r].bsums;
                 let mut t = zero;
                 for s in $range {
-                    let pair = _mm512_set1_epi32(bs[2 * s] as i32 + bs[2 * s + 1] as i32);
                     // SAFETY: row `s < 8` of this block's mins.
                     let m = unsafe { _mm512_loadu_si512(mp.add(s * PANEL).cast()) };
-                    t = _mm512_add_epi32(t, _mm512_mullo_epi32(m, pair));
+                    // SAFETY: the kernel's features; `s < 8`.
+                    let v = unsafe { bsum_pair(bs, s) };
+                    t = _mm512_dpwssd_epi32(t, m, v);
                 }
                 t
             }};
@@ -197,12 +221,16 @@ unsafe fn kernel<const R: usize, const Q6: bool>(
                 Kernel::Tiled => {
                     let mut t = total[r];
                     if Q6 {
-                        // ggml's offset: 32 * sum of scale * sub-block sum of the activations.
+                        // ggml's offset: 32 * sum of scale * sub-block sum of the activations,
+                        // two sub-blocks per `vpdpwssd`.
                         let bs = &blk[r].bsums;
                         let mut off = zero;
-                        for s in 0..16 {
-                            let v = _mm512_set1_epi32(bs[s] as i32);
-                            off = _mm512_add_epi32(off, _mm512_mullo_epi32(sc!(s), v));
+                        for t in 0..8 {
+                            // SAFETY: pair row `t < 8` of this Q6_K block's scales.
+                            let sp = unsafe { _mm512_loadu_si512(sc2p.add(t * PANEL).cast()) };
+                            // SAFETY: the kernel's features; `t < 8`.
+                            let v = unsafe { bsum_pair(bs, t) };
+                            off = _mm512_dpwssd_epi32(off, sp, v);
                         }
                         t = _mm512_sub_epi32(t, _mm512_slli_epi32::<5>(off));
                     }

@@ -12,13 +12,20 @@
 //! - a panel holds weight rows `16p..16p+16`; the code of row `16p+j`, value `4g+k` of block
 //!   `b` is `codes[((p*blocks + b)*64 + g)*64 + 4j + k]` (unpacked, unsigned: Q4_K 0..16,
 //!   Q5_K 0..32, Q6_K 0..64, as [`super::kquant::unpack`] gives them);
-//! - per (panel, block) the 16 rows' `d`, `dmin` (f32) and their scales (`sc[s][j]`, 8
-//!   sub-blocks of 32 values for Q4_K/Q5_K, 16 of 16 values for Q6_K) and mins (`m[s][j]`)
-//!   as i32;
+//! - per (panel, block) the 16 rows' `d`, `dmin` (f32); their scales as i16 pairs
+//!   `(sc[s], sc[s])` in one i32 (`sc[s][j]`: 8 sub-blocks of 32 values for Q4_K/Q5_K, 16
+//!   of 16 values for Q6_K), the operand of `vpmaddwd` after `vpmaddubsw` (an arithmetic
+//!   shift right by 16 gives the i32 scale); their mins the same way (`m[s][j]`), and Q6_K's
+//!   scales again as pairs `(sc[2t], sc[2t+1])` (`sc2[t][j]`); mins and `sc2` are
+//!   `vpdpwssd`'s operands against a pair of the activations' 16-value sums. All exact:
+//!   every product and sum fits in i32, and `vpmaddubsw` cannot saturate (a code times an
+//!   activation byte, twice, is at most `2 * 63 * 128 < 2^15`);
 //! - the kernel computes the same exact integers as [`super::kdot::terms`] and then the float
 //!   operations of the output's [`Kernel`] in [`super::kdot::Acc`]'s order, so every output
 //!   equals [`super::kdot::dot_rows`]' bit for bit (tested below). It covers `Gemm`, `Gemv`
-//!   and `Tiled`; `VecDot` (few activation rows of Q5_K/Q6_K) stays with [`super::kdot`].
+//!   and `Tiled` ([`super::avx512_kpanel`]) and `VecDot` ([`super::avx512_kvecdot`]: few
+//!   activation rows of Q5_K/Q6_K, i.e. decode); a quad of rows is either all `VecDot` or
+//!   none (as [`Kernel::choose`] gives them).
 
 use super::kdot::Kernel;
 use super::kquant::{self, KFormat, Unpacked, QK_K};
@@ -42,8 +49,17 @@ pub struct KPanels {
     pub codes: Vec<u8>,
     pub d: Vec<f32>,
     pub dmin: Vec<f32>,
+    /// Scales as i16 pairs `(sc, sc)`.
     pub sc: Vec<i32>,
+    /// Mins as i16 pairs `(m, m)`.
     pub m: Vec<i32>,
+    /// Q6_K's scales as i16 pairs `(sc[2t], sc[2t+1])` (empty for Q4_K/Q5_K).
+    pub sc2: Vec<i32>,
+}
+
+/// Two i16 in one i32 lane, `lo` in the low half (`vpdpwssd`'s operand layout).
+fn i16_pair(lo: i32, hi: i32) -> i32 {
+    ((lo as i16 as u16 as u32) | ((hi as i16 as u16 as u32) << 16)) as i32
 }
 
 impl KPanels {
@@ -62,6 +78,7 @@ impl KPanels {
             dmin: vec![0.0; pbs * PANEL],
             sc: vec![0; pbs * SUBS * PANEL],
             m: vec![0; pbs * 8 * PANEL],
+            sc2: vec![0; if fmt.has_mins() { 0 } else { pbs * 8 * PANEL }],
         };
         let mut u = Unpacked::default();
         for (r, row) in data.chunks_exact(row_bytes).enumerate() {
@@ -73,14 +90,25 @@ impl KPanels {
                 p.d[pb * PANEL + j] = u.d;
                 p.dmin[pb * PANEL + j] = u.dmin;
                 for (s, &v) in u.sc.iter().enumerate() {
-                    p.sc[(pb * SUBS + s) * PANEL + j] = v;
+                    p.sc[(pb * SUBS + s) * PANEL + j] = i16_pair(v, v);
                 }
                 for (s, &v) in u.m.iter().enumerate() {
-                    p.m[(pb * 8 + s) * PANEL + j] = v;
+                    p.m[(pb * 8 + s) * PANEL + j] = i16_pair(v, v);
+                }
+                if !fmt.has_mins() {
+                    for t in 0..8 {
+                        p.sc2[(pb * 8 + t) * PANEL + j] = i16_pair(u.sc[2 * t], u.sc[2 * t + 1]);
+                    }
                 }
             }
         }
         Some(p)
+    }
+
+    /// Whether the panel kernels compute these rows' kernels: all `VecDot` or none.
+    pub fn takes(kinds: &[Kernel]) -> bool {
+        let v = kinds.iter().filter(|&&k| k == Kernel::VecDot).count();
+        v == 0 || v == kinds.len()
     }
 
     /// Number of panels.
@@ -90,13 +118,14 @@ impl KPanels {
 
     /// Bytes this repacked copy holds.
     pub fn resident_bytes(&self) -> usize {
-        self.codes.len() + 4 * (self.d.len() + self.dmin.len() + self.sc.len() + self.m.len())
+        self.codes.len()
+            + 4 * (self.d.len() + self.dmin.len() + self.sc.len() + self.m.len() + self.sc2.len())
     }
 
     /// `out[r * stride + 16 * (p - first) + j]` = weight row `16p + j` times activation row
     /// `acts[r]`, computed as `kinds[r]` says, for the panels `first..first + count`.
     /// `false` (nothing written) when this CPU lacks the kernel, an activation row is
-    /// short, or a row asks for `VecDot`.
+    /// short, or `VecDot` rows are mixed with others.
     pub fn matmul(
         &self,
         first: usize,
@@ -110,7 +139,7 @@ impl KPanels {
             && first + count <= self.panels()
             && kinds.len() == acts.len()
             && acts.iter().all(|a| a.len() >= self.blocks)
-            && !kinds.contains(&Kernel::VecDot)
+            && Self::takes(kinds)
             && (acts.is_empty() || out.len() >= (acts.len() - 1) * stride + count * PANEL);
         if !ok {
             return false;
@@ -181,8 +210,8 @@ mod tests {
         a
     }
 
-    /// Every output of the panel kernel equals `kdot::dot_rows`' (the kernels whose order
-    /// was checked against llama.cpp) bit for bit, for each format, each kernel it covers,
+    /// Every output of the panel kernels equals `kdot::dot_rows`' (the kernels whose order
+    /// was checked against llama.cpp) bit for bit, for each format, each kernel,
     /// 1 to 11 activation rows (whole and partial quads) and rows of mixed kernels.
     #[test]
     fn panel_kernel_equals_the_reference_kernels() {
@@ -202,11 +231,12 @@ mod tests {
                     KFormat::Q4K => vec![
                         (0..n).map(|i| Kernel::choose(fmt, rows, n, i)).collect(),
                         vec![Kernel::Tiled; n],
+                        vec![Kernel::VecDot; n],
                         (0..n)
                             .map(|i| [Kernel::Gemm, Kernel::Gemv, Kernel::Tiled][i % 3])
                             .collect(),
                     ],
-                    _ => vec![vec![Kernel::Tiled; n]],
+                    _ => vec![vec![Kernel::Tiled; n], vec![Kernel::VecDot; n]],
                 };
                 for kinds in mixes {
                     let mut want = vec![0f32; n * rows];
@@ -250,10 +280,10 @@ mod tests {
             !p.matmul(2, 2, &refs, &kinds, &mut all, rows),
             "past the last panel"
         );
-        let vd = vec![Kernel::VecDot; 5];
+        let mixed = [Kernel::VecDot, Kernel::Tiled];
         assert!(
-            !p.matmul(0, 1, &refs, &vd, &mut all, rows),
-            "VecDot is not a panel kernel"
+            !p.matmul(0, 1, &refs[..2], &mixed, &mut all, rows),
+            "VecDot rows mixed with others"
         );
         assert!(
             KPanels::build(fmt, &w[..rb * 8], 8, rb).is_none(),

@@ -17,6 +17,8 @@ mod avx2_kquant;
 #[cfg(target_arch = "x86_64")]
 mod avx512_kpanel;
 #[cfg(target_arch = "x86_64")]
+mod avx512_kvecdot;
+#[cfg(target_arch = "x86_64")]
 mod avx512_q0panel;
 pub mod ggml;
 pub mod kdot;
@@ -461,7 +463,8 @@ mod tests {
 
     /// The vector attention kernels give the element-wise definitions' bits:
     /// scores as `DotOrder::dot`, PV as fused multiply-adds per lane in
-    /// position order, for both orders, f32 and f16 rows, head sizes 64 and 128.
+    /// position order, for both orders, f32 and f16 rows, head sizes 64, 128 and 256
+    /// (Gemma 3's).
     #[test]
     fn attention_kernels_equal_the_elementwise_orders() {
         use ggml::DotOrder;
@@ -518,7 +521,7 @@ mod tests {
                 assert_eq!(acc, want, "pv, {lanes} lanes, hd {hd}");
             }
         }
-        for hd in [64, 128] {
+        for hd in [64, 128, 256] {
             check(hd, |v| v, |v| v);
             check(hd, f16::from_f32, f16::to_f32);
         }

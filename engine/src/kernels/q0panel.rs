@@ -123,6 +123,27 @@ impl Q0Panels {
         )
     }
 
+    /// Row `r` dequantized into `out` (`blocks * 32` values) as [`super::dequant_row`] gives
+    /// it from the GGUF blocks, bit for bit: `(code - offset) as f32 * d`. `false` (nothing
+    /// written) for the formats with a minimum, or when `r` or `out` is out of range.
+    pub fn dequant_row(&self, r: usize, out: &mut [f32]) -> bool {
+        if has_min(self.fmt) || r >= self.rows || out.len() != self.blocks * QK {
+            return false;
+        }
+        let (p, j) = (r / PANEL, r % PANEL);
+        let off = offset(self.fmt);
+        for (b, o) in out.chunks_exact_mut(QK).enumerate() {
+            let pb = p * self.blocks + b;
+            let d = self.d[pb * PANEL + j];
+            let codes = &self.codes[pb * CODE_BYTES..(pb + 1) * CODE_BYTES];
+            for (v, x) in o.iter_mut().enumerate() {
+                let code = codes[(v / 4) * 64 + 4 * j + v % 4];
+                *x = (code as i32 - off) as f32 * d;
+            }
+        }
+        true
+    }
+
     /// Repacks `rows` weight rows of `row_bytes` each (any 32-value format); `None` for
     /// other formats, when `rows` is not a multiple of [`PANEL`], or when the data does
     /// not hold them.
@@ -303,5 +324,32 @@ mod tests {
             }
         }
         assert!(Q0Panels::build(BlockFormat::F32, &[0; 128], 16, 8).is_none());
+    }
+
+    /// A row read back from the panels (tied embeddings whose head dropped its blocks) is
+    /// the GGUF blocks' dequantized row bit for bit; formats with a minimum decline.
+    #[test]
+    fn dequantized_rows_equal_the_blocks() {
+        let (rows, blocks) = (32, 3);
+        for fmt in [BlockFormat::Q4_0, BlockFormat::Q5_0, BlockFormat::Q8_0] {
+            let w = weights(fmt, rows, blocks, 7);
+            let rb = blocks * fmt.block_bytes();
+            let p = Q0Panels::build(fmt, &w, rows, rb).unwrap();
+            for r in [0, 5, 16, 31] {
+                let mut want = vec![0f32; blocks * QK];
+                super::super::dequant_row(fmt, &w[r * rb..(r + 1) * rb], &mut want);
+                let mut got = vec![f32::NAN; blocks * QK];
+                assert!(p.dequant_row(r, &mut got), "{fmt:?} row {r}");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{fmt:?} row {r}");
+            }
+            assert!(!p.dequant_row(rows, &mut [0f32; 96]), "past the last row");
+        }
+        let w = weights(BlockFormat::Q5_1, rows, blocks, 7);
+        let p = Q0Panels::build(BlockFormat::Q5_1, &w, rows, blocks * 24).unwrap();
+        assert!(
+            !p.dequant_row(0, &mut [0f32; 96]),
+            "a format with a minimum"
+        );
     }
 }
