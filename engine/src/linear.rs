@@ -531,3 +531,45 @@ fn gemm(x: &[f32], rows: usize, w: &Tensor, in_dim: usize, out_dim: usize) -> Re
     debug_assert_eq!(y.dims(), &[rows, out_dim]);
     Ok(y.flatten_all()?.to_vec1::<f32>()?)
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::kernels::panel::{test_bytes, test_values};
+
+    /// A Q8_0 head on panels (its blocks dropped where the CPU has the kernel) gives the
+    /// logits of the same head without panels and the blocks' embedding rows, bit for bit.
+    #[test]
+    fn a_q8_0_head_on_panels_keeps_its_logits_and_embedding_rows() {
+        let (rows, cols) = (48, 96);
+        let mut data = test_bytes(rows * cols / 32 * 34, 11);
+        for (k, blk) in data.chunks_exact_mut(34).enumerate() {
+            let d = half::f16::from_f32(0.002 + 0.0005 * (k % 13) as f32);
+            blk[0..2].copy_from_slice(&d.to_le_bytes());
+        }
+        let q = || QWeight::new(BlockFormat::Q8_0, data.clone(), rows, cols).unwrap();
+        let head = Linear::head(q(), WeightMode::Quantized).unwrap();
+        let plain = Linear::build(q(), WeightMode::Quantized, false).unwrap();
+        assert_eq!(
+            head.quantized().is_none(),
+            panel::available(),
+            "with AVX-512 VNNI the head's panels replace its blocks"
+        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for n in [1, 3] {
+            let x = test_values(n * cols, n as u32);
+            for kernel in [KernelRows::Decode, KernelRows::As { n, first: 0 }] {
+                let got = head.forward_with(&x, n, kernel).unwrap();
+                let want = plain.forward_with(&x, n, kernel).unwrap();
+                assert_eq!(bits(&got), bits(&want), "{n} rows, {kernel:?}");
+            }
+        }
+        for r in [0, 17, 47] {
+            let (mut got, mut want) = (vec![f32::NAN; cols], vec![0f32; cols]);
+            head.dequant_row(r, &mut got).unwrap();
+            q().dequant_row(r, &mut want);
+            assert_eq!(bits(&got), bits(&want), "embedding row {r}");
+        }
+    }
+}

@@ -95,6 +95,35 @@ pub(super) unsafe fn bcast(x: &[i8; 256], at: usize) -> __m512i {
     _mm512_set1_epi32(v)
 }
 
+/// Where block `pb` (panel-major) of a [`KPanels`] starts in its code, scale and min
+/// buffers, and its 16 rows' `d` and `dmin`.
+pub(super) struct Block {
+    pub codes: *const u8,
+    pub sc: *const i32,
+    pub m: *const i32,
+    pub d: __m512,
+    pub dmin: __m512,
+}
+
+/// Block `pb` of `w` (see [`Block`]).
+///
+/// # Safety
+/// AVX-512 F must be available; block `pb` must be within every buffer of `w` (as
+/// [`quad`]'s assert bounds it).
+#[inline(always)]
+pub(super) unsafe fn block(w: &KPanels, pb: usize) -> Block {
+    // SAFETY: the caller's bound on `pb`; `d` and `dmin` hold 16 values at `pb * PANEL`.
+    unsafe {
+        Block {
+            codes: w.codes.as_ptr().add(pb * CODE_BYTES),
+            sc: w.sc.as_ptr().add(pb * SUBS * PANEL),
+            m: w.m.as_ptr().add(pb * 8 * PANEL),
+            d: _mm512_loadu_ps(w.d.as_ptr().add(pb * PANEL)),
+            dmin: _mm512_loadu_ps(w.dmin.as_ptr().add(pb * PANEL)),
+        }
+    }
+}
+
 /// The activations' 16-value sums `2t` and `2t + 1` as an i16 pair in every lane.
 ///
 /// # Safety
@@ -123,28 +152,15 @@ unsafe fn kernel<const R: usize, const Q6: bool>(
     let mins = w.fmt.has_mins();
     for b in 0..w.blocks {
         let pb = p * w.blocks + b;
-        // SAFETY: offsets of panel `p`'s block `b` within the three buffers (the caller's
-        // bounds).
-        let (codes, scp, mp) = unsafe {
-            (
-                w.codes.as_ptr().add(pb * CODE_BYTES),
-                w.sc.as_ptr().add(pb * SUBS * PANEL),
-                w.m.as_ptr().add(pb * 8 * PANEL),
-            )
-        };
+        // SAFETY: the kernel's features; block `pb` is within `w` (the caller's bounds).
+        let wb = unsafe { block(w, pb) };
+        let (codes, scp, mp, dv, dminv) = (wb.codes, wb.sc, wb.m, wb.d, wb.dmin);
         // Q6_K's scale pairs (a dangling, never-read pointer for the other formats).
         let sc2p = if Q6 {
             // SAFETY: Q6_K panels hold 8 pair rows per (panel, block) (the caller's bound).
             unsafe { w.sc2.as_ptr().add(pb * 8 * PANEL) }
         } else {
             w.sc2.as_ptr()
-        };
-        // SAFETY: 16 values each at `pb * PANEL`.
-        let (dv, dminv) = unsafe {
-            (
-                _mm512_loadu_ps(w.d.as_ptr().add(pb * PANEL)),
-                _mm512_loadu_ps(w.dmin.as_ptr().add(pb * PANEL)),
-            )
         };
         let blk: [&Q8KBlock; R] = std::array::from_fn(|r| &a[r][b]);
         let ad: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(blk[r].d));
@@ -225,11 +241,11 @@ unsafe fn kernel<const R: usize, const Q6: bool>(
                         // two sub-blocks per `vpdpwssd`.
                         let bs = &blk[r].bsums;
                         let mut off = zero;
-                        for t in 0..8 {
-                            // SAFETY: pair row `t < 8` of this Q6_K block's scales.
-                            let sp = unsafe { _mm512_loadu_si512(sc2p.add(t * PANEL).cast()) };
-                            // SAFETY: the kernel's features; `t < 8`.
-                            let v = unsafe { bsum_pair(bs, t) };
+                        for pair in 0..8 {
+                            // SAFETY: pair row `pair < 8` of this Q6_K block's scales.
+                            let sp = unsafe { _mm512_loadu_si512(sc2p.add(pair * PANEL).cast()) };
+                            // SAFETY: the kernel's features; `pair < 8`.
+                            let v = unsafe { bsum_pair(bs, pair) };
                             off = _mm512_dpwssd_epi32(off, sp, v);
                         }
                         t = _mm512_sub_epi32(t, _mm512_slli_epi32::<5>(off));

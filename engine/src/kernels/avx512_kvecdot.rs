@@ -1,5 +1,6 @@
-//! `VecDot` on K-quant panels (the decode kernel: few activation rows of Q5_K/Q6_K, or Q4_K
-//! whose rows are not a multiple of 8), 16 weight rows per register as in
+//! `VecDot` on K-quant panels (the decode kernel: few activation rows of Q5_K/Q6_K; Q4_K
+//! takes `VecDot` only with a row count not a multiple of 8, which has no panels, so its arm
+//! here runs in the tests alone), 16 weight rows per register as in
 //! [`super::avx512_kpanel`]. `unsafe` for the intrinsics; [`super::panel::available`] is
 //! checked before any is called.
 //!
@@ -16,9 +17,9 @@
 
 use std::arch::x86_64::*;
 
-use super::avx512_kpanel::{bcast, bsum_pair};
+use super::avx512_kpanel::{bcast, block, bsum_pair};
 use super::ggml::hsum8;
-use super::kpanel::{KPanels, CODE_BYTES, SUBS};
+use super::kpanel::KPanels;
 use super::kquant::KFormat;
 use super::panel::PANEL;
 use super::q8k::Q8KBlock;
@@ -44,22 +45,9 @@ pub(super) unsafe fn kernel<const R: usize>(
     let mut summs = [fzero; R];
     for b in 0..w.blocks {
         let pb = p * w.blocks + b;
-        // SAFETY: offsets of panel `p`'s block `b` in each buffer (the caller's bounds; `sc2`
-        // only for Q6_K, which holds it).
-        let (codes, scp, mp) = unsafe {
-            (
-                w.codes.as_ptr().add(pb * CODE_BYTES),
-                w.sc.as_ptr().add(pb * SUBS * PANEL),
-                w.m.as_ptr().add(pb * 8 * PANEL),
-            )
-        };
-        // SAFETY: 16 values each at `pb * PANEL`.
-        let (dv, dminv) = unsafe {
-            (
-                _mm512_loadu_ps(w.d.as_ptr().add(pb * PANEL)),
-                _mm512_loadu_ps(w.dmin.as_ptr().add(pb * PANEL)),
-            )
-        };
+        // SAFETY: the kernel's features; block `pb` is within `w` (the caller's bounds).
+        let wb = unsafe { block(w, pb) };
+        let (codes, scp, mp, dv, dminv) = (wb.codes, wb.sc, wb.m, wb.d, wb.dmin);
         let blk: [&Q8KBlock; R] = std::array::from_fn(|r| &a[r][b]);
         for l in 0..8 {
             let mut s = [zero; R];

@@ -178,10 +178,17 @@ mod tests {
     use super::super::q8k::{quantize_block, Q8KRows};
     use super::*;
 
-    /// Blocks of deterministic bytes with small normal f16 scales.
+    /// Blocks of deterministic bytes with small normal f16 scales; the first block at the
+    /// extremes: every code its largest, Q6_K's first two scales -128 and 127 (Q4_K/Q5_K's
+    /// scales and mins 63).
     fn weights(fmt: KFormat, rows: usize, blocks: usize, seed: u32) -> Vec<u8> {
         let bb = fmt.block_bytes();
         let mut v = test_bytes(rows * blocks * bb, seed);
+        v[..bb].fill(0xff);
+        if fmt == KFormat::Q6K {
+            v[192] = 0x80;
+            v[193] = 0x7f;
+        }
         for (k, blk) in v.chunks_exact_mut(bb).enumerate() {
             let d = half::f16::from_f32(0.001 + 0.0003 * (k % 17) as f32).to_le_bytes();
             let dm = half::f16::from_f32(0.0007 + 0.0002 * (k % 5) as f32).to_le_bytes();
@@ -199,14 +206,22 @@ mod tests {
     fn activations(rows: usize, blocks: usize, seed: u32) -> Q8KRows {
         let x = test_values(rows * blocks * QK_K, seed);
         let mut a = Q8KRows::quantize(&x, blocks * QK_K);
-        // One block at the extremes: a lone -128 is impossible (the quantizer gives -127..127)
-        // but the largest magnitudes are in.
-        let mut ext = Q8KBlock::default();
-        let e: Vec<f32> = (0..QK_K)
-            .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
-            .collect();
-        quantize_block(&e, &mut ext);
-        a.data[0] = ext;
+        // Blocks at the extremes: a lone -128 is impossible (the quantizer gives -127..127)
+        // but the largest magnitudes are in, alternating in pairs (`vpmaddubsw`'s largest
+        // pair sums), then all of one sign (the largest 16-value sums, `vpdpwssd`'s operand).
+        let extreme = |f: &dyn Fn(usize) -> f32| {
+            let mut ext = Q8KBlock::default();
+            let e: Vec<f32> = (0..QK_K).map(f).collect();
+            quantize_block(&e, &mut ext);
+            ext
+        };
+        a.data[0] = extreme(&|i| if i % 4 < 2 { 1.0 } else { -1.0 });
+        if a.data.len() > 1 {
+            a.data[1] = extreme(&|_| 1.0);
+        }
+        if a.data.len() > 2 {
+            a.data[2] = extreme(&|_| -1.0);
+        }
         a
     }
 
