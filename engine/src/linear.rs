@@ -135,9 +135,9 @@ impl QWeight {
     }
 }
 
-/// Weights repacked into panels of 16 rows for the AVX-512 VNNI kernels: the K-quants'
-/// beside their GGUF blocks (their few-row `VecDot` reads those), the 32-value formats'
-/// instead of them.
+/// Weights repacked into panels of 16 rows for the AVX-512 VNNI kernels, which serve every
+/// row count: the K-quants' beside their GGUF blocks (kept for the portable kernels, should
+/// a panel matmul decline), the 32-value formats' instead of them.
 enum Panels {
     K(KPanels),
     Q0(Q0Panels),
@@ -186,7 +186,7 @@ pub struct Linear {
     round_activations: bool,
     /// Dense `[out, in]` weights.
     dense: Option<Tensor>,
-    /// The weights repacked for prompt-sized matmuls (with AVX-512 VNNI only).
+    /// The weights repacked into panels (with AVX-512 VNNI only).
     panels: Option<Box<Panels>>,
     pub out_dim: usize,
     pub in_dim: usize,
@@ -217,8 +217,8 @@ impl Linear {
             .filter(|_| panels)
             .and_then(Panels::build)
             .map(Box::new);
-        // The 32-value formats' panels serve every row count, so their blocks would only
-        // hold memory (the K-quants' few-row kernels still read the blocks).
+        // The 32-value formats' blocks would only hold memory beside their panels (the
+        // K-quants keep theirs: see `Panels`).
         if let Some(Panels::Q0(_)) = panels.as_deref() {
             quantized = None;
         }

@@ -1,5 +1,5 @@
-//! K-quant weights repacked into panels of [`PANEL`] rows for prompt-sized matmuls, and the
-//! safe entry to their kernel ([`super::avx512_kpanel`]).
+//! K-quant weights repacked into panels of [`PANEL`] rows, and the safe entry to their
+//! kernels ([`super::avx512_kpanel`], [`super::avx512_kvecdot`]).
 //!
 //! Why: [`super::kdot`] unpacks a weight block and then forms each activation row's integer
 //! terms separately, with horizontal sums per (weight row, activation row); that is 1.4-3.7x

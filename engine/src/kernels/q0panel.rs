@@ -1,5 +1,5 @@
 //! The 32-value formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) repacked into panels of [`PANEL`]
-//! weight rows for prompt-sized matmuls, and the safe entry to their kernel
+//! weight rows for matmuls of any row count, and the safe entry to their kernel
 //! ([`super::avx512_q0panel`]).
 //!
 //! Why: the tile kernel of [`super::q8`] holds one weight row against up to 8 activation
