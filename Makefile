@@ -5,6 +5,7 @@
 #              the CUDA build without a GPU: scripts/check-cuda-build.sh)
 #   make build-cuda  the binary with --device cuda (toolkit from PyPI wheels); prints its path
 #   make image       the container image, from a Debian base built here (nothing pulled)
+#   make image-cuda  its CUDA variant (the cuda build plus CUDA's libraries from PyPI wheels)
 #   make cluster-up / cluster-down   a compose cluster: etcd, router, 2 prefill, 2 decode
 
 SHELL := /bin/bash
@@ -12,7 +13,7 @@ MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= Explain in one sentence why the sky is blue.
 CARGO ?= cargo
 
-.PHONY: up test model deps build build-cuda image cluster-up cluster-down lint fmt bench-engine clean-results
+.PHONY: up test model deps build build-cuda image image-cuda cluster-up cluster-down lint fmt bench-engine clean-results
 
 up: deps model
 	$(CARGO) build --release -p duet
@@ -36,6 +37,9 @@ build-cuda:
 
 image:
 	./scripts/build-image.sh
+
+image-cuda: model
+	./scripts/build-cuda-image.sh
 
 cluster-up: model
 	./scripts/cluster-up.sh

@@ -8,7 +8,9 @@
 #      line of the engine's or the CLI's code (only candle's and cudarc's builds), so their
 #      unit tests and engine/tests/candle_parity.rs, which `make test` runs on the default
 #      build, would run the same code again;
-#   3. clippy -D warnings on the crates with CUDA code, with cuda alone and with cuda + nccl.
+#   3. clippy -D warnings on the crates with CUDA code, with cuda alone and with cuda + nccl;
+#   4. the CUDA image from that binary and its checks without a driver
+#      (scripts/build-cuda-image.sh).
 # What this cannot check: anything on a GPU (scripts/gpu-check.sh, on a GPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,3 +31,5 @@ step "tests passed"
 cargo clippy -p duet-engine -p duet-kv-transfer -p duet --all-targets --features "$F" -- -D warnings
 cargo clippy -p duet-engine -p duet --all-targets --features duet/cuda -- -D warnings
 step "clippy clean"
+DUET_CUDA_BINARY="$bin" ./scripts/build-cuda-image.sh >/dev/null
+step "CUDA image built and checked"

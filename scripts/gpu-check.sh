@@ -22,6 +22,9 @@
 #   disaggregated_up  duet up --device cuda:0 --kv-transport shm: prefill and decode workers on
 #                     one GPU, KV through the host cache (CUDA IPC is not built yet); a remote
 #                     prefill's greedy tokens must equal duet run --device cuda:0's
+#   image             scripts/build-cuda-image.sh from that binary (its own checks), then
+#                     `docker run --gpus all` of it: greedy tokens on cuda:0 inside the image
+#                     equal the host binary's (needs Docker with the NVIDIA container toolkit)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 report="${1:-bench/results/gpu-check-$(hostname).json}"
@@ -117,6 +120,28 @@ if [ "${status[build]}" = pass ]; then
   fi
 else
   record disaggregated_up not_run "the build failed"
+fi
+
+# The CUDA image on this GPU: the node's driver mounted by the NVIDIA container toolkit.
+image_on_gpu() {
+  local tag want got prompt="Explain in one sentence why the sky is blue."
+  tag="$(DUET_CUDA_BINARY="$bin" ./scripts/build-cuda-image.sh 2>>"$log/image.log" | tail -1)" || return 1
+  want="$("$bin" run --device cuda:0 --prompt "$prompt" --max-tokens 16 --json 2>>"$log/image.log" |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["ids"])')" || return 1
+  got="$(docker run --rm --gpus all -v "$PWD/models:/models:ro" "$tag" run --device cuda:0 \
+    --prompt "$prompt" --max-tokens 16 --json 2>>"$log/image.log" |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["ids"])')" || return 1
+  echo "$tag on cuda:0: ids equal the host's: $([ "$got" = "$want" ] && echo yes || echo no)"
+  [ "$got" = "$want" ]
+}
+if [ "${status[build]}" != pass ]; then
+  record image not_run "the build failed"
+elif ! docker info 2>/dev/null | grep -qi nvidia; then
+  record image not_run "Docker with the NVIDIA runtime is not here"
+elif d="$(image_on_gpu)"; then
+  record image pass "$d; $log/image.log"
+else
+  record image fail "${d:-no answer}; see $log/image.log"
 fi
 
 python3 - "$report" "$steps" "$gpus" "$(elapsed)" "$(git rev-parse HEAD 2>/dev/null || echo unknown)" <<'EOF'

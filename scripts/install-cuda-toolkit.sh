@@ -19,10 +19,9 @@
 #         driver exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=lib/cuda.sh
+source scripts/lib/cuda.sh
 ROOT="$PWD/.venv/cuda"
-WHEELS=(nvidia-cuda-nvcc==13.4.92 nvidia-cuda-crt==13.4.92 nvidia-nvvm==13.4.92
-  nvidia-cuda-runtime==13.4.92 nvidia-cuda-nvrtc==13.4.92 nvidia-cuda-cccl==13.3.5.0.6)
-REAL_WHEELS=(nvidia-cublas==13.4.3.11 nvidia-curand==10.4.4.72 nvidia-nccl-cu13==2.30.7)
 
 driver="$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 / {print $NF; exit}')"
 CUDA_LIBS="${CUDA_LIBS:-$([ -n "$driver" ] && echo real || echo stub)}"
@@ -34,8 +33,8 @@ esac
 
 [ -x "$ROOT/bin/python" ] || python3 -m venv "$ROOT"
 pip=("$ROOT/bin/pip" install --quiet --disable-pip-version-check --no-deps)
-"${pip[@]}" "${WHEELS[@]}"
-[ "$CUDA_LIBS" = stub ] || "${pip[@]}" "${REAL_WHEELS[@]}"
+"${pip[@]}" "${CUDA_WHEELS[@]}"
+[ "$CUDA_LIBS" = stub ] || "${pip[@]}" "${CUDA_RUNTIME_WHEELS[@]}"
 site="$("$ROOT/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 CU="$site/nvidia/cu13"
 [ -x "$CU/bin/nvcc" ] || { echo "install-cuda-toolkit: no nvcc under $CU/bin" >&2; exit 1; }
@@ -53,18 +52,11 @@ if [ "$CUDA_LIBS" = real ]; then
   runtime="$CU/lib:$site/nvidia/nccl/lib"
 else
   # Stub symbols: every function cudarc's bindings load, from its own sources.
-  cudarc="$(cargo metadata --format-version 1 --features duet/cuda,duet/nccl | "$ROOT/bin/python" -c '
-import json, os, sys
-print(next(os.path.dirname(p["manifest_path"]) for p in json.load(sys.stdin)["packages"] if p["name"] == "cudarc"))')"
+  cudarc="$(cudarc_dir "$ROOT/bin/python")"
   for spec in cuda:driver:libcuda.so.1:34 cublas:cublas:libcublas.so.13:1 \
     cublasLt:cublaslt:libcublasLt.so.13:1 curand:curand:libcurand.so.10:101 nccl:nccl:libnccl.so.2:1; do
     IFS=: read -r name module soname ret <<<"$spec"
-    c="$lib/stub_$name.c"
-    echo "/* stub $soname: every entry point returns $ret (an error of that library) */" >"$c"
-    grep -o 'load::<_F>("[A-Za-z0-9_]*")' "$cudarc/src/$module/sys/mod.rs" |
-      sed 's/.*("\(.*\)")/\1/' | sort -u | sed "s/.*/long &(void) { return $ret; }/" >>"$c"
-    gcc -shared -fPIC -O0 -Wl,-soname,"$soname" -o "$lib/$soname" "$c"
-    ln -s "$soname" "$lib/lib$name.so"
+    cuda_stub "$cudarc" "$lib" "$name" "$module" "$soname" "$ret"
   done
   runtime="$lib:$CU/lib"
 fi

@@ -28,6 +28,13 @@ pub enum DecodeError {
     /// another worker may well succeed (the router migrates the stream).
     #[error("the decode step failed on this worker: {0}")]
     StepFailed(String),
+    /// The prefill worker to call is not registered in this cluster, as this worker's view
+    /// shows it: refused (this worker never calls an address a caller made up). Views of
+    /// the registry lag one another (a prefill worker restarting, a watch behind), so to the
+    /// router this is a failed link between the pair ([`DecodeError::status`] says so): it
+    /// tries another pair.
+    #[error("{address} is not a registered prefill worker of cluster {cluster}")]
+    UnregisteredPrefill { address: String, cluster: String },
 }
 
 impl DecodeError {
@@ -35,7 +42,9 @@ impl DecodeError {
     pub fn class(&self) -> ErrorClass {
         match self {
             DecodeError::Engine(e) => e.class(),
-            DecodeError::NoReservation(_) => ErrorClass::NotFound,
+            DecodeError::NoReservation(_) | DecodeError::UnregisteredPrefill { .. } => {
+                ErrorClass::NotFound
+            }
             DecodeError::Duplicate(_) => ErrorClass::InvalidArgument,
             DecodeError::QueueFull(_) => ErrorClass::ResourceExhausted,
             DecodeError::TransferFailed { .. }
@@ -48,6 +57,12 @@ impl DecodeError {
 
     /// As a gRPC status.
     pub fn status(&self) -> tonic::Status {
-        duet_serving::status::status(self.class(), self.to_string())
+        let s = duet_serving::status::status(self.class(), self.to_string());
+        match self {
+            DecodeError::UnregisteredPrefill { .. } => duet_serving::status::mark_prefill_failed(
+                duet_serving::status::mark_kv_link_failed(s),
+            ),
+            _ => s,
+        }
     }
 }

@@ -18,6 +18,7 @@ use futures::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::door::{self, DoorLimits};
+use crate::error::DecodeError;
 use crate::handle::{DecodeHandle, Event, GenerateJob, PrefillSource, Priority};
 use crate::via_prefill::{Pending, ViaCall};
 
@@ -129,13 +130,11 @@ impl pb::decode_server::Decode for DecodeService {
                     .has_worker(Role::Prefill, |w| w.grpc_addr == addr)
                     .await;
                 if !known {
-                    return Err(engine_status(&EngineError::invalid(
-                        "prefill_address",
-                        format!(
-                            "{addr} is not a registered prefill worker of cluster {}",
-                            self.peers.cluster()
-                        ),
-                    )));
+                    return Err(DecodeError::UnregisteredPrefill {
+                        address: addr.to_string(),
+                        cluster: self.peers.cluster().to_string(),
+                    }
+                    .status());
                 }
                 // Reserved before the stream's headers go out: a refusal (no room) reaches
                 // the router as the call's status, and it tries another decode worker.

@@ -61,6 +61,8 @@ VALUE_SETS: dict[str, dict] = {
         "monitoring": {"prometheusOperator": {"enabled": True, "monitor": "ServiceMonitor"}}},
     "gpu-off": {"gpu": {"enabled": False}},
     "gpu-on": {"gpu": {"enabled": True}},
+    "gpu-own-image": {"image": {"tag": "0.1.0-rc1"}, "gpu": {"enabled": True, "prefill": 0, "image": {
+        "repository": "registry.example/duet-gpu", "digest": "sha256:" + "ab" * 32}}},
     "hpa": {"autoscaling": {
         "prefill": {"enabled": True},
         "decode": {"enabled": True, "metric": {

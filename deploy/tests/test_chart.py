@@ -236,6 +236,26 @@ def test_workers_compute_on_the_gpu_they_request_and_on_cpu_otherwise(rendered: 
             gpu = bool(_gpu_in(c.get("resources")))
             assert env.get("DUET_DEVICE") == ("cuda:0" if gpu else "cpu"), f"{comp}: {env.get('DUET_DEVICE')}"
             assert (env.get("NVIDIA_VISIBLE_DEVICES") == "void") == (not gpu), comp
+            # The CPU image refuses --device cuda: a GPU worker runs the CUDA variant.
+            img = rendered.effective["image"]
+            cpu = f"{img['repository']}:{img['tag'] or '0.1.0'}" if not img["digest"] else \
+                f"{img['repository']}@{img['digest']}"
+            assert (c["image"] != cpu) == gpu, f"{comp}: {c['image']}"
+
+
+def test_gpu_workers_run_the_cuda_image(renders):
+    """The default CUDA image is the CPU one's repository and tag plus -cuda; gpu.image
+    replaces it on the GPU workers alone."""
+    def images(name):
+        r = renders[name]
+        return {r.component(w): c["image"] for w in r.workloads()
+                for c in w["spec"]["template"]["spec"]["containers"]}
+    got = images("gpu-on")
+    assert got["prefill"] == got["decode"] == "duet:0.1.0-cuda", got
+    assert got["router"] == "duet:0.1.0", got
+    got = images("gpu-own-image")
+    assert got["decode"] == "registry.example/duet-gpu@sha256:" + "ab" * 32, got
+    assert got["prefill"] == got["router"] == "duet:0.1.0-rc1", got
 
 
 def test_gpu_off_has_no_gpu_anywhere(renders):

@@ -29,8 +29,11 @@ use crate::record::{parse_worker_key, workers_prefix, Role, WorkerRecord};
 use crate::registry::{with_timeout, Listing, Registry, WatchEvent, WatchStream};
 use duet_telemetry::names::{ROUTER_WORKERS, VIEW_STALE, WATCH_RESTARTS_TOTAL};
 
-/// How long [`ClusterView::has_worker`] waits for a worker a caller names to appear.
-pub const PEER_WAIT: Duration = Duration::from_secs(2);
+/// How long [`ClusterView::has_worker`] waits for a worker a caller names to appear. Below
+/// the router's 2 s bound on opening a decode stream, so that a worker's refusal of a peer
+/// missing from its view reaches the router as that refusal (a failed link: another pair is
+/// tried), not as a worker that never answered.
+pub const PEER_WAIT: Duration = Duration::from_secs(1);
 
 /// Tuning of a [`ClusterView`].
 #[derive(Debug, Clone)]

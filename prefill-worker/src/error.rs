@@ -24,6 +24,12 @@ pub enum PrefillError {
     /// A forward failed with no request to blame: this worker's fault.
     #[error("the prefill step failed on this worker: {0}")]
     StepFailed(String),
+    /// KV was to go where no decode worker of this cluster is registered, as this worker's
+    /// view shows it: refused (this worker never connects to an address a caller made up).
+    /// Views of the registry lag one another (a decode worker restarting, a watch behind),
+    /// so to the router this is a failed link between the pair: it tries another pair.
+    #[error("{endpoint} is not a registered decode worker's KV endpoint in cluster {cluster}")]
+    UnregisteredDecodeEndpoint { endpoint: String, cluster: String },
 }
 
 impl PrefillError {
@@ -35,6 +41,7 @@ impl PrefillError {
             PrefillError::Transfer(e) => e.class(),
             PrefillError::QueueFull(_) => ErrorClass::ResourceExhausted,
             PrefillError::TooLong { .. } => ErrorClass::InvalidArgument,
+            PrefillError::UnregisteredDecodeEndpoint { .. } => ErrorClass::NotFound,
             PrefillError::Cancelled(_)
             | PrefillError::ShuttingDown
             | PrefillError::StepFailed(_) => ErrorClass::Unavailable,
@@ -42,10 +49,15 @@ impl PrefillError {
     }
 
     /// Whether the KV link to the decode worker failed (timed out, broke, or could not be
-    /// opened): not this worker's fault, nor necessarily the decode worker's. A transfer the
-    /// decode worker refused, or a local failure, is not a link failure.
+    /// opened, or the decode worker is not in this worker's view of the registry): not this
+    /// worker's fault, nor necessarily the decode worker's. A transfer the decode worker
+    /// refused, or a local failure, is not a link failure.
     pub fn is_link_failure(&self) -> bool {
-        matches!(self, PrefillError::Transfer(e) if e.is_link_failure())
+        match self {
+            PrefillError::Transfer(e) => e.is_link_failure(),
+            PrefillError::UnregisteredDecodeEndpoint { .. } => true,
+            _ => false,
+        }
     }
 
     /// As a gRPC status (a link failure carries [`duet_serving::status::KV_LINK_FAILED`]).

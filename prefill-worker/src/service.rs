@@ -37,18 +37,11 @@ impl PrefillService {
                 })
                 .await;
             if !known {
-                return Err(duet_serving::status::engine_status(
-                    &duet_engine::EngineError::invalid(
-                        "kv_endpoints",
-                        format!(
-                            "{}://{} is not a registered decode worker's KV endpoint in \
-                             cluster {}",
-                            e.transport,
-                            e.address,
-                            self.peers.cluster()
-                        ),
-                    ),
-                ));
+                return Err(PrefillError::UnregisteredDecodeEndpoint {
+                    endpoint: format!("{}://{}", e.transport, e.address),
+                    cluster: self.peers.cluster().to_string(),
+                }
+                .status());
             }
         }
         Ok(())

@@ -94,3 +94,57 @@ pub(crate) fn prefetch(workers: &Workers, addr: &str, id: u64, hashes: &[u64]) {
         let _ = tokio::time::timeout(CONTROL_TIMEOUT, c.prefetch(req)).await;
     });
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use duet_discovery::Role;
+    use duet_serving::status::{mark_kv_link_failed, mark_prefill_failed};
+
+    use super::*;
+
+    fn pair() -> (WorkerRecord, WorkerRecord) {
+        (
+            WorkerRecord::new("c", Role::Decode, "decode-0", "http://d:1"),
+            WorkerRecord::new("c", Role::Prefill, "prefill-0", "http://p:1"),
+        )
+    }
+
+    /// A worker that cannot find its peer in its own view of the registry (the views lag one
+    /// another while a worker restarts) refuses with NotFound, flagged as a failed link: the
+    /// router avoids the pair and tries another, without spending an attempt. Seen in a
+    /// rolling restart, where this refusal used to fail the request as InvalidArgument.
+    #[test]
+    fn a_peer_missing_from_a_workers_view_is_a_failed_link_not_a_bad_request() {
+        let (d, p) = pair();
+        // The decode worker's door (prefill worker not in its view).
+        let door = mark_prefill_failed(mark_kv_link_failed(Status::not_found(
+            "http://p:1 is not a registered prefill worker of cluster c",
+        )));
+        // The prefill worker's answer (decode endpoint not in its view), relayed.
+        let relayed = mark_prefill_failed(mark_kv_link_failed(Status::not_found(
+            "tcp://d:2 is not a registered decode worker's KV endpoint in cluster c",
+        )));
+        for s in [door, relayed] {
+            let e = stream_err(&d, Some(&p), s);
+            assert_eq!(e.failed_link(), Some(("prefill-0", "decode-0")), "{e}");
+            assert!(e.retryable());
+            assert_eq!(e.status().code(), tonic::Code::Unavailable);
+            assert_eq!(e.suspect_worker(), None, "neither worker is suspect");
+        }
+    }
+
+    #[test]
+    fn a_prefill_workers_refusal_blames_it_and_a_bad_request_is_not_retried() {
+        let (d, p) = pair();
+        let s = mark_prefill_failed(Status::invalid_argument("token outside the vocabulary"));
+        let e = stream_err(&d, Some(&p), s);
+        assert_eq!(e.failed_link(), None);
+        assert!(!e.retryable());
+        assert!(e.to_string().starts_with("prefill prefill-0"), "{e}");
+        // Without the flag the decode worker itself answered.
+        let e = stream_err(&d, Some(&p), Status::unavailable("draining"));
+        assert_eq!(e.suspect_worker(), Some("decode-0"));
+    }
+}

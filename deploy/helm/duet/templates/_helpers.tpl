@@ -61,6 +61,19 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/* The CUDA variant (deploy/docker/cuda.Dockerfile) for a worker that requests a GPU:
+gpu.image, by default image.repository at the CPU image's tag plus "-cuda". */}}
+{{- define "duet.cudaImage" -}}
+{{- $g := .Values.gpu.image -}}
+{{- $repo := default .Values.image.repository $g.repository -}}
+{{- $tag := default (printf "%s-cuda" (default .Chart.AppVersion .Values.image.tag)) $g.tag -}}
+{{- if $g.digest -}}
+{{- printf "%s@%s" $repo $g.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repo $tag -}}
+{{- end -}}
+{{- end -}}
+
 {{/* ---- etcd ------------------------------------------------------------------------ */}}
 
 {{- define "duet.etcd.name" -}}
