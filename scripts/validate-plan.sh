@@ -9,6 +9,9 @@
 # simulator on the same workload and seed, and writes predicted against measured TTFT and
 # TPOT at p50 and p90 with their errors, and the knee (the first rate whose attainment falls
 # under 90%), to $OUT/validation.md.
+# A profile whose two rounds disagree by more than 15 % at a point is refused by `duet
+# profile` (the machine was busy): run again on a quiet machine, or raise
+# DUET_PROFILE_AGREE_WITHIN knowingly.
 #
 #   ./scripts/validate-plan.sh                       # about 25 minutes (measured runs are
 #                                                    # kept in $OUT: run again, it only simulates)

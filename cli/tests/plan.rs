@@ -67,6 +67,11 @@ fn a_measured_profile_drives_a_simulated_run_reported_as_bench_serve_reports() {
         "1",
         "--steps",
         "2",
+        "--rounds",
+        "2",
+        // Points of a few milliseconds: this test checks the tables, not the machine's calm.
+        "--agree-within",
+        "1000",
         "--links",
         "local",
     ]));
@@ -77,6 +82,11 @@ fn a_measured_profile_drives_a_simulated_run_reported_as_bench_serve_reports() {
     assert!(overhead > 0.0 && overhead < 0.1, "{overhead}");
     let notes = prof["source"]["notes"].to_string();
     assert!(notes.contains("router_overhead_s measured"), "{notes}");
+    // Each point is the median of two rounds, and the profile says how far they were apart.
+    assert!(
+        notes.contains("2 rounds of the prefill and decode tables: largest disagreement"),
+        "{notes}"
+    );
     // SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K, V) x f16.
     assert_eq!(prof["kv_bytes_per_token"], 30 * 3 * 64 * 2 * 2);
     let pre = &prof["prefill"]["seconds"][0];
@@ -138,6 +148,68 @@ fn a_measured_profile_drives_a_simulated_run_reported_as_bench_serve_reports() {
         let _ = std::fs::remove_file(f);
     }
     let _ = std::fs::remove_dir_all(plots);
+}
+
+/// Two rounds never time a forward identically: at `--agree-within 0` the profile is
+/// refused, with the worst point named, and nothing is written.
+#[test]
+fn a_profile_whose_rounds_disagree_is_not_written() {
+    let model = support::model();
+    let profile = tmp("noisy-profile.json");
+    let _ = std::fs::remove_file(&profile);
+    let o = duet(&[
+        "profile",
+        "--model",
+        model.to_str().unwrap(),
+        "--output",
+        profile.to_str().unwrap(),
+        "--quiet",
+        "--prefill-tokens",
+        "16,32",
+        "--prefill-cached",
+        "0",
+        "--decode-batch",
+        "1",
+        "--decode-context",
+        "16",
+        "--reps",
+        "1",
+        "--steps",
+        "2",
+        "--rounds",
+        "2",
+        "--agree-within",
+        "0",
+        "--links",
+        "local",
+        "--router-overhead-ms",
+        "1",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("no profile written: its rounds disagree by"),
+        "{err}"
+    );
+    assert!(
+        err.contains(" tokens after ") || err.contains(" sequences of "),
+        "{err}"
+    );
+    assert!(err.contains("more than --agree-within 0.0 %"), "{err}");
+    assert!(!profile.exists(), "a refused profile is not written");
+    // A negative tolerance is a mistake, named.
+    let o = duet(&[
+        "profile",
+        "--model",
+        model.to_str().unwrap(),
+        "--output",
+        profile.to_str().unwrap(),
+        "--agree-within=-1",
+        "--router-overhead-ms",
+        "1",
+    ]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--agree-within"));
+    assert!(!o.status.success());
 }
 
 #[test]

@@ -2,7 +2,8 @@
 //! measurements.
 //!
 //! - [`profile`]: what one worker costs (prefill and decode-step times, KV size, links,
-//!   router overhead), measured by `duet profile` ([`measure`]) or written by hand;
+//!   router overhead), measured by `duet profile` ([`measure`], its rounds checked against
+//!   each other by [`agreement`]) or written by hand;
 //! - [`sim`]: a discrete-event simulator of a cluster that runs the live router's placement
 //!   and the live workers' scheduling rules (not copies of them) over simulated time;
 //! - [`simulate`]: `duet plan simulate`, `duet bench serve`'s workload through the
@@ -11,6 +12,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod agreement;
 pub mod error;
 pub mod measure;
 pub mod planner;

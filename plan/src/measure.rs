@@ -7,6 +7,9 @@
 //! - Decode: steps of `batch` sequences each holding `context` tokens of KV (one context
 //!   computed once and imported into every sequence, distinct copies as in a real batch),
 //!   median step of `steps` after a warm-up step.
+//! - Rounds: the prefill and decode tables are measured `rounds` times over, whole tables
+//!   one round after the other; each point keeps the median of its rounds, and how far the
+//!   rounds are apart comes back with the profile ([`crate::agreement`]).
 //! - Links: `duet bench transfer` on each backend asked for: the rate at 64 MiB and the
 //!   median latency of a 64 KiB transfer, integrity on (the default).
 //! - Router overhead: not measured here (it needs a running router); the caller gives it
@@ -21,6 +24,7 @@ use duet_bench::transfer::{self, BenchOptions};
 use duet_engine::{EngineModel, KvCache, KvCacheConfig, KvDtype, SeqChunk};
 use duet_kv_transfer::BackendKind;
 
+use crate::agreement::{agreement, median_table, Agreement, Round, TableRounds};
 use crate::error::{PlanError, Result};
 use crate::profile::{DecodeTable, Link, PrefillTable, ProfileFile, Source, SCHEMA};
 
@@ -35,6 +39,8 @@ pub struct Grid {
     pub decode_context: Vec<usize>,
     pub reps: usize,
     pub steps: usize,
+    /// Times the prefill and decode tables are measured (at least 1).
+    pub rounds: usize,
     pub links: Vec<BackendKind>,
     pub kv_pool_bytes: usize,
     pub kv_dtype: KvDtype,
@@ -111,14 +117,15 @@ impl Bench<'_> {
     }
 }
 
-/// Measures `model` over `grid`; `source` says what was measured where.
+/// Measures `model` over `grid`; `source` says what was measured where. Also returns how
+/// far the rounds of the prefill and decode tables are apart.
 pub fn measure(
     model: &EngineModel,
     threads: usize,
     grid: &Grid,
     source: Source,
     progress: bool,
-) -> Result<ProfileFile> {
+) -> Result<(ProfileFile, Agreement)> {
     let g = grid;
     if g.prefill_tokens.is_empty()
         || g.prefill_cached.is_empty()
@@ -134,8 +141,10 @@ pub fn measure(
         model,
         dtype: g.kv_dtype,
     };
-    let total = g.prefill_cached.len() * g.prefill_tokens.len()
-        + g.decode_context.len() * g.decode_batch.len()
+    let rounds = g.rounds.max(1);
+    let total = rounds
+        * (g.prefill_cached.len() * g.prefill_tokens.len()
+            + g.decode_context.len() * g.decode_batch.len())
         + g.links.len();
     let bar = if progress {
         Progress::new(Some(total as u64), "profile")
@@ -144,33 +153,63 @@ pub fn measure(
     };
     // Warm-up: the first forward pays page faults and thread start-up.
     b.prefill(g.prefill_tokens[0], 0, None)?;
-    let mut prefill = Vec::new();
-    for &cached in &g.prefill_cached {
-        let ctx = b.context(cached, 3)?;
-        let mut row = Vec::new();
-        for &n in &g.prefill_tokens {
-            bar.started();
-            let runs = (0..g.reps.max(1))
-                .map(|_| b.prefill(n, cached, ctx.as_ref()))
-                .collect::<Result<Vec<f64>>>()?;
-            row.push(median(runs).unwrap_or(0.0));
-            bar.finished(true);
+    let prefill_ctx = g
+        .prefill_cached
+        .iter()
+        .map(|&cached| b.context(cached, 3))
+        .collect::<Result<Vec<_>>>()?;
+    let decode_ctx = g
+        .decode_context
+        .iter()
+        .map(|&len| {
+            b.context(len.max(1), 5)?
+                .ok_or_else(|| PlanError::setting("decode context", "must be at least 1"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let (mut prefill_rounds, mut decode_rounds): (Vec<Round>, Vec<Round>) = (vec![], vec![]);
+    for _ in 0..rounds {
+        let mut prefill = Vec::new();
+        for (&cached, ctx) in g.prefill_cached.iter().zip(&prefill_ctx) {
+            let mut row = Vec::new();
+            for &n in &g.prefill_tokens {
+                bar.started();
+                let runs = (0..g.reps.max(1))
+                    .map(|_| b.prefill(n, cached, ctx.as_ref()))
+                    .collect::<Result<Vec<f64>>>()?;
+                row.push(median(runs).unwrap_or(0.0));
+                bar.finished(true);
+            }
+            prefill.push(row);
         }
-        prefill.push(row);
-    }
-    let mut decode = Vec::new();
-    for &len in &g.decode_context {
-        let ctx = b
-            .context(len.max(1), 5)?
-            .ok_or_else(|| PlanError::setting("decode context", "must be at least 1"))?;
-        let mut row = Vec::new();
-        for &batch in &g.decode_batch {
-            bar.started();
-            row.push(b.decode(batch, &ctx, len.max(1), g.steps.max(1))?);
-            bar.finished(true);
+        prefill_rounds.push(prefill);
+        let mut decode = Vec::new();
+        for (&len, ctx) in g.decode_context.iter().zip(&decode_ctx) {
+            let mut row = Vec::new();
+            for &batch in &g.decode_batch {
+                bar.started();
+                row.push(b.decode(batch, ctx, len.max(1), g.steps.max(1))?);
+                bar.finished(true);
+            }
+            decode.push(row);
         }
-        decode.push(row);
+        decode_rounds.push(decode);
     }
+    let label = |v: &[usize], what: &str| v.iter().map(|x| format!("{x} {what}")).collect();
+    let agreed = agreement(&[
+        TableRounds {
+            name: "prefill",
+            rows: label(&g.prefill_cached, "cached"),
+            cols: label(&g.prefill_tokens, "tokens after"),
+            rounds: &prefill_rounds,
+        },
+        TableRounds {
+            name: "decode step",
+            rows: label(&g.decode_context, "context"),
+            cols: label(&g.decode_batch, "sequences of"),
+            rounds: &decode_rounds,
+        },
+    ]);
+    let (prefill, decode) = (median_table(&prefill_rounds), median_table(&decode_rounds));
     let mut links = Vec::new();
     if !g.links.is_empty() {
         let rt = tokio::runtime::Runtime::new()
@@ -193,7 +232,7 @@ pub fn measure(
         (config.n_layers, config.n_kv_heads, config.head_dim),
     );
     let f = |v: &[usize]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-    Ok(ProfileFile {
+    let file = ProfileFile {
         schema: SCHEMA.into(),
         source,
         threads,
@@ -213,7 +252,8 @@ pub fn measure(
         },
         links,
         router_overhead_s: g.router_overhead_s,
-    })
+    };
+    Ok((file, agreed))
 }
 
 /// A link's rate (64 MiB) and latency (64 KiB), as `duet bench transfer` measures them.

@@ -45,6 +45,15 @@ pub struct ProfileArgs {
     /// Timed decode steps per point (the median is kept).
     #[arg(long, default_value_t = 8)]
     pub steps: usize,
+    /// Times the prefill and decode tables are measured, whole tables one round after the
+    /// other (each point keeps the median of its rounds).
+    #[arg(long, env = "DUET_PROFILE_ROUNDS", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub rounds: u32,
+    /// Largest disagreement between rounds, as a fraction of the faster one (0.15 = 15 %),
+    /// that a profile may have: beyond it the machine was too busy to profile, and no
+    /// profile is written.
+    #[arg(long, env = "DUET_PROFILE_AGREE_WITHIN", default_value_t = 0.15)]
+    pub agree_within: f64,
     /// KV links to measure (`duet bench transfer`); empty: none (give them by hand).
     #[arg(long, value_delimiter = ',', default_value = "local,shm,tcp")]
     pub links: Vec<BackendKind>,
@@ -82,6 +91,9 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     {
         anyhow::bail!("--router-overhead-ms: a number >= 0");
     }
+    if !(a.agree_within.is_finite() && a.agree_within >= 0.0) {
+        anyhow::bail!("--agree-within: a fraction >= 0 (0.15 = 15 %)");
+    }
     let kind = a.engine.resolve()?;
     let (router_overhead_s, note) = match a.router_overhead_ms {
         Some(ms) => (
@@ -111,6 +123,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
         decode_context: a.decode_context.clone(),
         reps: a.reps,
         steps: a.steps,
+        rounds: a.rounds as usize,
         links: a.links.clone(),
         kv_pool_bytes: a.kv_pool as usize,
         kv_dtype: a.kv_dtype,
@@ -134,7 +147,22 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
             .map_or(0.0, |d| d.as_secs_f64()),
         notes: vec![note],
     };
-    let file = measure(&model, a.model.threads, &grid, source, !a.quiet)?;
+    let (mut file, agreed) = measure(&model, a.model.threads, &grid, source, !a.quiet)?;
+    eprintln!("{agreed}");
+    if !agreed.within(a.agree_within) {
+        anyhow::bail!(
+            "no profile written: its rounds disagree by {:.1} % at {} (more than --agree-within \
+             {:.1} %); the machine was busy while it measured: profile again on a quiet machine, \
+             or accept the noise with a larger --agree-within",
+            100.0 * agreed.worst,
+            agreed.worst_at,
+            100.0 * a.agree_within
+        );
+    }
+    file.source.notes.push(format!(
+        "{agreed} (at most {:.1} % accepted); each point is the median of its rounds",
+        100.0 * a.agree_within
+    ));
     let profile = Profile::new(&a.output.display().to_string(), file)?;
     if let Some(dir) = a.output.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
