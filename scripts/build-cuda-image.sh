@@ -7,7 +7,8 @@
 #      .venv/cuda-image, and a stub libcuda.so.1 for nodes without a driver;
 #   4. target/image-cuda/ staged (binary without line tables, libraries, stub, licences:
 #      duet's, its crates', and the wheels' own licence files), docker build;
-#   5. checks, each printed: the image starts; `--device cuda` is refused with exit code 2 in
+#   5. checks, each printed: the image starts; every library the binary needs resolves
+#      inside it (ldd); `--device cuda` is refused with exit code 2 in
 #      one line naming libcuda.so.1 (the stub answered); a node's driver, mounted where the
 #      NVIDIA container toolkit puts it and the loader's cache refreshed as its hook does, is
 #      the one loaded (a second stub that answers CUDA_ERROR_NO_DEVICE plays the driver);
@@ -51,9 +52,6 @@ for so in libcudart.so.13 libnvrtc.so.13 libnvrtc-builtins.so.13 libcublas.so.13
   cp "$f" "$ctx/cuda/$(basename "$f")"
   [ "$(basename "$f")" = "$so" ] || ln -s "$(basename "$f")" "$ctx/cuda/$so"
 done
-# Every library the binary needs is in the image, or in the base, or is the driver.
-missing="$(LD_LIBRARY_PATH="$PWD/$ctx/cuda" ldd "$ctx/duet" | awk '/not found/ {print $1}' | grep -v '^libcuda\.so\.1$' || true)"
-[ -z "$missing" ] || fail "the binary needs libraries the image lacks: $missing"
 cudarc="$(cudarc_dir "$py")"
 cuda_stub "$cudarc" "$ctx/driver-stub" cuda driver libcuda.so.1 34
 rm -f "$ctx/driver-stub/stub_cuda.c" "$ctx/driver-stub/libcuda.so"
@@ -75,11 +73,17 @@ docker build -q -f deploy/docker/cuda.Dockerfile --build-arg VERSION="$version" 
 size=$(docker image inspect -f '{{.Size}}' "$tag")
 say "$tag (commit $commit), $((size / 1048576)) MiB, built in $(( $(date +%s) - t0 )) s"
 
-# 5. Checks.
-docker run --rm "$tag" --version >&2 || fail "the image does not start"
+# 5. Checks. NVIDIA_VISIBLE_DEVICES=void: where Docker's default runtime is NVIDIA's (GPU
+# hosts), the node's driver would otherwise be injected into these driverless checks.
+nogpu=(-e NVIDIA_VISIBLE_DEVICES=void)
+docker run --rm "${nogpu[@]}" "$tag" --version >&2 || fail "the image does not start"
+# Every library the binary needs is in the image (the driver: the stub, here).
+missing="$(docker run --rm "${nogpu[@]}" --entrypoint /bin/sh "$tag" -c 'ldd /usr/local/bin/duet' | awk '/not found/ {print $1}')"
+[ -z "$missing" ] || fail "the binary needs libraries the image lacks: $missing"
+say "ok: every library the binary needs resolves inside the image"
 say "ok: starts without a driver"
 models="$PWD/models"
-run=(docker run --rm -v "$models:/models:ro")
+run=(docker run --rm "${nogpu[@]}" -v "$models:/models:ro")
 set +e
 err="$("${run[@]}" "$tag" run --device cuda:0 --prompt Hi 2>&1 >/dev/null)"
 code=$?

@@ -208,8 +208,9 @@ fn a_profile_whose_rounds_disagree_is_not_written() {
         "--router-overhead-ms",
         "1",
     ]);
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--agree-within"));
-    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--agree-within: a fraction >= 0"), "{err}");
+    assert_eq!(o.status.code(), Some(1), "{err}");
 }
 
 #[test]

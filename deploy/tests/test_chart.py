@@ -92,6 +92,10 @@ def test_schema_rejects(helm, chart, values, message):
     ({"tls": {"enabled": True, "cert": "C", "key": "K", "ca": "A"}}, "tls.serverName is required"),
     ({"etcd": {"enabled": False, "external": {"endpoints": ["http://e:2379"], "authSecret": "s"}}},
      "needs etcd.external.tlsSecret"),
+    # GPU workers run the CUDA image: it must hold a custom image's model, and be pinned too
+    ({"gpu": {"enabled": True}, "model": {"source": "image"}}, "gpu.image is required with gpu.enabled and model.source=image"),
+    ({"gpu": {"enabled": True}, "image": {"digest": "sha256:" + "cd" * 32}},
+     "pin the CUDA image that the workers requesting a GPU run with gpu.image.digest"),
     # a planner with nothing to switch
     ({"planner": PLANNER}, "planner.enabled needs roleSwitching.enabled"),
     ({"roleSwitching": {"enabled": True}, "planner": {**PLANNER, "profile": ""}},
@@ -238,9 +242,14 @@ def test_workers_compute_on_the_gpu_they_request_and_on_cpu_otherwise(rendered: 
             assert (env.get("NVIDIA_VISIBLE_DEVICES") == "void") == (not gpu), comp
             # The CPU image refuses --device cuda: a GPU worker runs the CUDA variant.
             img = rendered.effective["image"]
-            cpu = f"{img['repository']}:{img['tag'] or '0.1.0'}" if not img["digest"] else \
+            cpu = f"{img['repository']}:{img['tag'] or _app_version()}" if not img["digest"] else \
                 f"{img['repository']}@{img['digest']}"
             assert (c["image"] != cpu) == gpu, f"{comp}: {c['image']}"
+
+
+def _app_version() -> str:
+    chart = yaml.safe_load((REPO / "deploy/helm/duet/Chart.yaml").read_text())
+    return str(chart["appVersion"])
 
 
 def test_gpu_workers_run_the_cuda_image(renders):
@@ -250,9 +259,10 @@ def test_gpu_workers_run_the_cuda_image(renders):
         r = renders[name]
         return {r.component(w): c["image"] for w in r.workloads()
                 for c in w["spec"]["template"]["spec"]["containers"]}
+    app = _app_version()
     got = images("gpu-on")
-    assert got["prefill"] == got["decode"] == "duet:0.1.0-cuda", got
-    assert got["router"] == "duet:0.1.0", got
+    assert got["prefill"] == got["decode"] == f"duet:{app}-cuda", got
+    assert got["router"] == f"duet:{app}", got
     got = images("gpu-own-image")
     assert got["decode"] == "registry.example/duet-gpu@sha256:" + "ab" * 32, got
     assert got["prefill"] == got["router"] == "duet:0.1.0-rc1", got

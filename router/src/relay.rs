@@ -388,8 +388,9 @@ async fn attempt_once(
                 chosen = Some((decode, cached, stream.into_inner(), prefill_pick, tracked));
                 break;
             }
-            // A decode worker that could not even reach the prefill worker says so: that
-            // prefill worker is to blame, and no other decode worker would do better.
+            // A decode worker that could not reach the prefill worker, or did not find it in
+            // its view of the registry, says so: that prefill worker (or the pair's link,
+            // when flagged) is to blame, not this decode worker.
             Err(s) if duet_serving::status::is_prefill_failure(&s) => {
                 return Err(stream_err(d, prefill_pick.as_ref().map(|(p, _)| p), s));
             }

@@ -148,7 +148,9 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
         notes: vec![note],
     };
     let (mut file, agreed) = measure(&model, a.model.threads, &grid, source, !a.quiet)?;
-    eprintln!("{agreed}");
+    if agreed.rounds > 1 {
+        eprintln!("{agreed}");
+    }
     if !agreed.within(a.agree_within) {
         anyhow::bail!(
             "no profile written: its rounds disagree by {:.1} % at {} (more than --agree-within \
@@ -159,10 +161,12 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
             100.0 * a.agree_within
         );
     }
-    file.source.notes.push(format!(
-        "{agreed} (at most {:.1} % accepted); each point is the median of its rounds",
-        100.0 * a.agree_within
-    ));
+    if agreed.rounds > 1 {
+        file.source.notes.push(format!(
+            "{agreed} (at most {:.1} % accepted); each point is the median of its rounds",
+            100.0 * a.agree_within
+        ));
+    }
     let profile = Profile::new(&a.output.display().to_string(), file)?;
     if let Some(dir) = a.output.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
