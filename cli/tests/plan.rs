@@ -42,39 +42,38 @@ fn gpu_profile() -> String {
     .into()
 }
 
+/// A profile grid that measures in seconds, in two rounds.
+const TINY_GRID: [&str; 17] = [
+    "--quiet",
+    "--prefill-tokens",
+    "16,128",
+    "--prefill-cached",
+    "0,64",
+    "--decode-batch",
+    "1,4",
+    "--decode-context",
+    "32",
+    "--reps",
+    "1",
+    "--steps",
+    "2",
+    "--rounds",
+    "2",
+    "--links",
+    "local",
+];
+
 #[test]
 fn a_measured_profile_drives_a_simulated_run_reported_as_bench_serve_reports() {
     let model = support::model();
     let model = model.to_str().unwrap();
     let profile = tmp("profile.json");
     let p = profile.to_str().unwrap();
-    ok(&duet(&[
-        "profile",
-        "--model",
-        model,
-        "--output",
-        p,
-        "--quiet",
-        "--prefill-tokens",
-        "16,128",
-        "--prefill-cached",
-        "0,64",
-        "--decode-batch",
-        "1,4",
-        "--decode-context",
-        "32",
-        "--reps",
-        "1",
-        "--steps",
-        "2",
-        "--rounds",
-        "2",
-        // Points of a few milliseconds: this test checks the tables, not the machine's calm.
-        "--agree-within",
-        "1000",
-        "--links",
-        "local",
-    ]));
+    let mut args = vec!["profile", "--model", model, "--output", p];
+    args.extend_from_slice(&TINY_GRID);
+    // Points of a few milliseconds: this test checks the tables, not the machine's calm.
+    args.extend_from_slice(&["--agree-within", "1000"]);
+    ok(&duet(&args));
     let prof = json(&profile);
     assert_eq!(prof["schema"], "duet-profile/1");
     // The router's overhead is measured (requests through an in-process router), and said.
@@ -157,34 +156,14 @@ fn a_profile_whose_rounds_disagree_is_not_written() {
     let model = support::model();
     let profile = tmp("noisy-profile.json");
     let _ = std::fs::remove_file(&profile);
-    let o = duet(&[
-        "profile",
-        "--model",
-        model.to_str().unwrap(),
-        "--output",
-        profile.to_str().unwrap(),
-        "--quiet",
-        "--prefill-tokens",
-        "16,32",
-        "--prefill-cached",
-        "0",
-        "--decode-batch",
-        "1",
-        "--decode-context",
-        "16",
-        "--reps",
-        "1",
-        "--steps",
-        "2",
-        "--rounds",
-        "2",
-        "--agree-within",
-        "0",
-        "--links",
-        "local",
-        "--router-overhead-ms",
-        "1",
-    ]);
+    let run = |extra: &[&str]| {
+        let (m, p) = (model.to_str().unwrap(), profile.to_str().unwrap());
+        let mut args = vec!["profile", "--model", m, "--output", p];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--router-overhead-ms", "1"]);
+        duet(&args)
+    };
+    let o = run(&[&TINY_GRID[..], &["--agree-within", "0"]].concat());
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(
@@ -198,16 +177,7 @@ fn a_profile_whose_rounds_disagree_is_not_written() {
     assert!(err.contains("more than --agree-within 0.0 %"), "{err}");
     assert!(!profile.exists(), "a refused profile is not written");
     // A negative tolerance is a mistake, named.
-    let o = duet(&[
-        "profile",
-        "--model",
-        model.to_str().unwrap(),
-        "--output",
-        profile.to_str().unwrap(),
-        "--agree-within=-1",
-        "--router-overhead-ms",
-        "1",
-    ]);
+    let o = run(&["--agree-within=-1"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("--agree-within: a fraction >= 0"), "{err}");
     assert_eq!(o.status.code(), Some(1), "{err}");
