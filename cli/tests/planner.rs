@@ -95,8 +95,12 @@ fn worker_with(etcd: &str, id: &str, role: &str, extra: &[&str]) -> Proc {
         TTL,
         "--id",
         id,
+        // Room for the burst's backlog of reservations on one decode worker while the
+        // prefill queue waits for the switch, on slower machines too: with 64 MiB (about
+        // 2,900 tokens of SmolLM2) a 2.1 GHz Xeon running another test binary beside this
+        // one filled it, and requests waited out the router's 30 s for room.
         "--kv-pool",
-        "64MiB",
+        "128MiB",
         "--threads",
         "1",
         "--metrics-listen",
