@@ -248,8 +248,7 @@ def test_workers_compute_on_the_gpu_they_request_and_on_cpu_otherwise(rendered: 
 
 
 def _app_version() -> str:
-    chart = yaml.safe_load((REPO / "deploy/helm/duet/Chart.yaml").read_text())
-    return str(chart["appVersion"])
+    return str(yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"])
 
 
 def test_gpu_workers_run_the_cuda_image(renders):
@@ -1127,10 +1126,9 @@ def test_default_image_and_entrypoint_are_make_images(renders):
     the image's own ENTRYPOINT with its role as the only argument."""
     dockerfile = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
     entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", dockerfile, re.M).group(1))
-    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     cargo = (REPO / "Cargo.toml").read_text()
     version = re.search(r'^\[workspace\.package\][^\[]*?^version = "([^"]+)"', cargo, re.M | re.S).group(1)
-    assert chart["appVersion"] == version
+    assert _app_version() == version
     r = renders["defaults"]
     for w, c in r.duet_containers():
         assert c["image"] == f"duet:{version}", c["image"]

@@ -95,12 +95,14 @@ pub(super) unsafe fn bcast(x: &[i8; 256], at: usize) -> __m512i {
     _mm512_set1_epi32(v)
 }
 
-/// Where block `pb` (panel-major) of a [`KPanels`] starts in its code, scale and min
-/// buffers, and its 16 rows' `d` and `dmin`.
+/// Where block `pb` (panel-major) of a [`KPanels`] starts in its code, scale, min and (Q6_K)
+/// scale-pair buffers, and its 16 rows' `d` and `dmin`.
 pub(super) struct Block {
     pub codes: *const u8,
     pub sc: *const i32,
     pub m: *const i32,
+    /// Q6_K's scale pairs; for the other formats the empty buffer's pointer, never read.
+    pub sc2: *const i32,
     pub d: __m512,
     pub dmin: __m512,
 }
@@ -112,12 +114,18 @@ pub(super) struct Block {
 /// [`quad`]'s assert bounds it).
 #[inline(always)]
 pub(super) unsafe fn block(w: &KPanels, pb: usize) -> Block {
-    // SAFETY: the caller's bound on `pb`; `d` and `dmin` hold 16 values at `pb * PANEL`.
+    // SAFETY: the caller's bound on `pb` (Q6_K panels hold 8 scale-pair rows per block);
+    // `d` and `dmin` hold 16 values at `pb * PANEL`.
     unsafe {
         Block {
             codes: w.codes.as_ptr().add(pb * CODE_BYTES),
             sc: w.sc.as_ptr().add(pb * SUBS * PANEL),
             m: w.m.as_ptr().add(pb * 8 * PANEL),
+            sc2: if w.fmt == KFormat::Q6K {
+                w.sc2.as_ptr().add(pb * 8 * PANEL)
+            } else {
+                w.sc2.as_ptr()
+            },
             d: _mm512_loadu_ps(w.d.as_ptr().add(pb * PANEL)),
             dmin: _mm512_loadu_ps(w.dmin.as_ptr().add(pb * PANEL)),
         }
@@ -154,14 +162,7 @@ unsafe fn kernel<const R: usize, const Q6: bool>(
         let pb = p * w.blocks + b;
         // SAFETY: the kernel's features; block `pb` is within `w` (the caller's bounds).
         let wb = unsafe { block(w, pb) };
-        let (codes, scp, mp, dv, dminv) = (wb.codes, wb.sc, wb.m, wb.d, wb.dmin);
-        // Q6_K's scale pairs (a dangling, never-read pointer for the other formats).
-        let sc2p = if Q6 {
-            // SAFETY: Q6_K panels hold 8 pair rows per (panel, block) (the caller's bound).
-            unsafe { w.sc2.as_ptr().add(pb * 8 * PANEL) }
-        } else {
-            w.sc2.as_ptr()
-        };
+        let (codes, scp, mp, sc2p, dv, dminv) = (wb.codes, wb.sc, wb.m, wb.sc2, wb.d, wb.dmin);
         let blk: [&Q8KBlock; R] = std::array::from_fn(|r| &a[r][b]);
         let ad: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(blk[r].d));
         // Scale and min rows `s` of this block.

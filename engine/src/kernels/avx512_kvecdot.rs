@@ -72,8 +72,7 @@ pub(super) unsafe fn kernel<const R: usize>(
                 // ggml's `q8sclsub`: lane `l` takes out 32 times sub-blocks `2l` and `2l+1`'s
                 // activation sums times their scales.
                 // SAFETY: pair row `l < 8` of this Q6_K block's `sc2`.
-                let sp =
-                    unsafe { _mm512_loadu_si512(w.sc2.as_ptr().add((pb * 8 + l) * PANEL).cast()) };
+                let sp = unsafe { _mm512_loadu_si512(wb.sc2.add(l * PANEL).cast()) };
                 for r in 0..R {
                     // SAFETY: the kernel's features; `l < 8`.
                     let v = unsafe { bsum_pair(&blk[r].bsums, l) };
